@@ -1,0 +1,159 @@
+"""Break primitives: opaque ops that the trace keeps as single nodes.
+
+A primitive is data (`Primitive`); what it does lives in tables keyed by primitive, autodidax-style:
+
+    eager_rules[p]    the Python implementation (what torch.library runs)
+    fake_rules[p]     the shape-only implementation used while tracing
+    support_rules[p]  may it run inside a CUDA graph?  (non-tensor args) -> (Support, reason)
+    plan_rules[p]     optional host-side hook run before every execution of a signature
+
+Breaks follow vLLM's `*_with_output` convention: they return nothing and write into a caller-allocated
+`out` tensor, so the address the next piece reads is the same on every replay.
+"""
+from __future__ import annotations
+
+import enum
+import inspect
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+
+NAMESPACE = "fgraph"
+
+
+class Support(enum.IntEnum):
+  """How much of a CUDA graph a primitive tolerates (ordered: the weakest break of a signature wins)."""
+  NEVER = 0           # runs eagerly between pieces, always (host syncs, data-dependent sizes)
+  UNIFORM_DECODE = 1  # may sit inside a full graph only for decode-routine signatures
+  ALWAYS = 2          # may sit inside any full graph
+
+
+@attrs.frozen
+class Primitive:
+  name: str  # "attention" -> torch.ops.fgraph.attention.default
+
+  @property
+  def op(self) -> torch._ops.OpOverload:
+    return getattr(getattr(torch.ops, NAMESPACE), self.name).default
+
+  def __repr__(self):
+    return f"{self.name}_p"
+
+
+@attrs.frozen
+class PlanCall:
+  """What a plan hook sees, once per call and per distinct (primitive, constant args), before execution.
+
+  inputs: the break's tensor arguments that are per-call (batched) inputs of the jitted function, by
+  argument name, *as the caller passed them after padding* (so host tensors stay on the host: a plan hook
+  reading them causes no device sync). Arguments computed inside the function are absent.
+  """
+  primitive: Primitive
+  args: Mapping[str, Any]          # the break's non-tensor arguments (backend name, scale, ...)
+  inputs: Mapping[str, torch.Tensor]
+  bucket: int                      # padded token count of this call's signature
+  n: int                           # real token count
+  statics: Mapping[str, Any]       # the signature's static arguments (routine=..., ...)
+  capturing: bool                  # True while fgraph warms up or captures this signature
+
+
+eager_rules: dict[Primitive, Callable] = {}
+fake_rules: dict[Primitive, Callable] = {}
+support_rules: dict[Primitive, Callable[[Mapping[str, Any]], tuple[Support, str]]] = {}
+plan_rules: dict[Primitive, Callable[[PlanCall], None]] = {}
+registry: dict[str, Primitive] = {}
+
+
+def _as_support_rule(support) -> Callable[[Mapping[str, Any]], tuple[Support, str]]:
+  if isinstance(support, Support):
+    return lambda args: (support, f"declared {support.name}")
+  def rule(args):
+    res = support(args)
+    return res if isinstance(res, tuple) else (Support(res), f"declared {Support(res).name}")
+  return rule
+
+
+class BreakOp:
+  """The callable a `@primitive` definition becomes: `toy(out, x)` runs `torch.ops.fgraph.toy(out, x)`."""
+
+  def __init__(self, p: Primitive, custom_op):
+    self.p, self._custom_op = p, custom_op
+    self.__doc__ = eager_rules[p].__doc__
+
+  def __call__(self, *args, **kwargs):
+    return self.p.op(*args, **kwargs)
+
+  def register_fake(self, fn: Callable) -> Callable:
+    """Shape rule for a break that returns tensors (one that only writes `out` needs none)."""
+    fake_rules[self.p] = fn
+    self._custom_op.register_fake(fn)
+    return fn
+
+  def __repr__(self):
+    return repr(self.p)
+
+
+def primitive(name: str, *, mutates_args: tuple[str, ...] | list[str] = ("out",),
+              support: Support | Callable = Support.ALWAYS,
+              plan: Callable[[PlanCall], None] | None = None) -> Callable[[Callable], BreakOp]:
+  """Register a break primitive. The decorated function is its eager rule; its annotations are the schema.
+
+      @fgraph.primitive("scale", support=fgraph.Support.ALWAYS)
+      def scale(out: torch.Tensor, x: torch.Tensor, s: float) -> None:
+          out.copy_(x * s)
+
+  `support` is a level or a rule `(non-tensor args by name) -> Support | (Support, reason)`, so one op can
+  declare different support per backend (`backend: str` argument). `plan` runs on the host before every
+  execution of a signature containing the op (see `PlanCall`).
+  """
+  if name in registry:
+    raise ValueError(f"fgraph.primitive: a primitive named {name!r} is already registered; pick another name")
+
+  def register(fn: Callable) -> BreakOp:
+    p = Primitive(name)
+    custom = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates_args))(fn)
+    registry[name], eager_rules[p] = p, fn
+    support_rules[p] = _as_support_rule(support)
+    if plan is not None:
+      plan_rules[p] = plan
+    op = BreakOp(p, custom)
+    if inspect.signature(fn).return_annotation in (None, "None"):
+      fake_rules[p] = lambda *a, **k: None  # writes `out` only: shapes are the caller's
+      custom.register_fake(fake_rules[p])
+    return op
+
+  return register
+
+
+def primitive_of(node: torch.fx.Node) -> Primitive | None:
+  """The break primitive an FX node calls, or None for ordinary aten ops."""
+  t = node.target
+  if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != NAMESPACE:
+    return None
+  return registry.get(t._schema.name.split("::", 1)[1])
+
+
+def node_args(node: torch.fx.Node) -> dict[str, Any]:
+  """All arguments of a break node by schema name (tensors appear as fx Nodes)."""
+  schema = node.target._schema
+  out = {}
+  for i, a in enumerate(schema.arguments):
+    if i < len(node.args):
+      out[a.name] = node.args[i]
+    elif a.name in node.kwargs:
+      out[a.name] = node.kwargs[a.name]
+    elif a.has_default_value():
+      out[a.name] = a.default_value
+  return out
+
+
+def constant_args(node: torch.fx.Node) -> dict[str, Any]:
+  """The non-tensor arguments of a break node (what support and plan rules key on)."""
+  return {k: v for k, v in node_args(node).items()
+          if not isinstance(v, torch.fx.Node) and not (isinstance(v, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in v))}
+
+
+def support_of(node: torch.fx.Node) -> tuple[Support, str]:
+  p = primitive_of(node)
+  return support_rules[p](constant_args(node))

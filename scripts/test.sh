@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The README's test command: set up a venv (once) and run the CPU suite. GPU tests skip on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[test]'
+exec .venv/bin/python -m pytest -q -x "$@"
