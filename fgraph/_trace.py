@@ -1,0 +1,153 @@
+"""trace: a pure function of flat leaves -> an FX graph of aten ops and break primitives (make_fx, fake mode),
+and the checks that reject what a static graph cannot honour, at trace time, with the user's source line.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
+
+from ._errors import TraceError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FGRAPH_DIR = os.path.dirname(__file__)
+_LIB_DIRS = (_TORCH_DIR, os.path.join(_FGRAPH_DIR, ""))
+
+
+def user_line(skip_ops: bool = True) -> str:
+  """file:line of the innermost frame outside torch and fgraph (the user's code that caused an op)."""
+  f = sys._getframe(1)
+  while f is not None:
+    fn = f.f_code.co_filename
+    if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR) and "<frozen" not in fn:
+      return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+    f = f.f_back
+  return "<unknown>"
+
+
+_HOST_SYNCS = {
+  torch.Tensor.item: ".item()", torch.Tensor.tolist: ".tolist()", torch.Tensor.cpu: ".cpu()",
+  torch.Tensor.numpy: ".numpy()", torch.Tensor.__repr__: "printing a tensor", torch.Tensor.__format__:
+  "formatting a tensor", torch.Tensor.__bool__: "bool() of a tensor (Python control flow on a tensor value)",
+  torch.Tensor.__int__: "int() of a tensor", torch.Tensor.__float__: "float() of a tensor",
+  torch.Tensor.__index__: "using a tensor as a Python index",
+}
+
+
+class _RejectHostSyncs(TorchFunctionMode):
+  """Host syncs cannot be replayed by a graph: reject them where the user wrote them."""
+
+  def __init__(self, fname: str):
+    super().__init__()
+    self.fname = fname
+
+  def __torch_function__(self, func, types, args=(), kwargs=None):
+    what = _HOST_SYNCS.get(func)
+    if what is not None:
+      raise TraceError(f"fgraph.jit({self.fname}): {what} at {user_line()} needs the tensor's value on the host, "
+                       "which a captured graph cannot provide (it replays without running Python)",
+                       "keep the value on the device (torch.where instead of if, masks instead of indexing by "
+                       "values), or pass it as a static argument")
+    return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _record_source_lines():
+  """Stamp each FX node with the user's source line at its creation (make_fx keeps no stack here)."""
+  create = fx.Graph.create_node
+  def create_node(self, *a, **k):
+    node = create(self, *a, **k)
+    node.meta["line"] = user_line()
+    return node
+  fx.Graph.create_node = create_node
+  try:
+    yield
+  finally:
+    fx.Graph.create_node = create
+
+
+def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor]) -> fx.GraphModule:
+  """make_fx in fake mode: nothing runs, donated state is not touched, and shapes come from fake rules."""
+  try:
+    with _record_source_lines(), _RejectHostSyncs(fname):
+      gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=False)(*example)
+  except TraceError:
+    raise
+  except Exception as e:
+    name = type(e).__name__
+    if "DataDependent" in name or "GuardOnDataDependent" in name or "DynamicOutputShape" in name:
+      raise TraceError(f"fgraph.jit({fname}): the traced function depends on tensor values at {_tb_line(e)} "
+                       f"({name}): Python control flow or shapes that come from data cannot be captured",
+                       "use torch.where / masking instead of `if tensor`, keep shapes static") from None
+    raise
+  for node in gm.graph.nodes:
+    if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
+      raise TraceError(f"fgraph.jit({fname}): a host sync (reading a tensor value, e.g. .item()/.tolist()) "
+                       f"at {node.meta.get('line')}", "keep the value on the device or make it static")
+  return gm
+
+
+def _tb_line(e: BaseException) -> str:
+  tb, line = e.__traceback__, "<unknown>"
+  while tb is not None:
+    fn = tb.tb_frame.f_code.co_filename
+    if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR):
+      line = f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{tb.tb_lineno}"
+    tb = tb.tb_next
+  return line
+
+
+def _write_targets(node: fx.Node) -> list[fx.Node]:
+  """The argument nodes an op writes in place (from its schema's alias annotations)."""
+  t = node.target
+  if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+    return []
+  out = []
+  for i, a in enumerate(t._schema.arguments):
+    if a.alias_info is not None and a.alias_info.is_write:
+      v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+      for x in (v if isinstance(v, (list, tuple)) else [v]):
+        if isinstance(x, fx.Node):
+          out.append(x)
+  return out
+
+
+def base_of(node: Any) -> Any:
+  """Follow view ops back to the tensor they view (a placeholder, or the node that allocated it)."""
+  while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+    rets = node.target._schema.returns
+    if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write and node.args:
+      node = node.args[0]
+    else:
+      break
+  return node
+
+
+def check(fname: str, gm: fx.GraphModule, placeholder_paths: dict[fx.Node, str],
+          donated: Callable[[fx.Node], bool], device: str) -> None:
+  """Reject in-place writes to / aliasing outputs of non-donated inputs, and host tensors in a device graph."""
+  for node in gm.graph.nodes:
+    for tgt in _write_targets(node):
+      b = base_of(tgt)
+      if b in placeholder_paths and not donated(b):
+        raise TraceError(f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
+                         f"{placeholder_paths[b]}, which is not donated",
+                         f"add its argument to donate=[...] (fgraph then updates it in place across calls), "
+                         "or use the out-of-place op")
+    val = node.meta.get("val")
+    if device != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" and node.op != "placeholder":
+      raise TraceError(f"fgraph.jit({fname}): a CPU tensor ({node.format_node()}) at {node.meta.get('line')} in a "
+                       f"{device} signature", f"create it on the device (device=...), or pass it as an argument")
+    if node.op == "output":
+      for i, o in enumerate(node.args[0]):
+        b = base_of(o)
+        if b in placeholder_paths and not donated(b):
+          raise TraceError(f"fgraph.jit({fname}): output {i} aliases the input {placeholder_paths[b]}, which is not "
+                           "donated; a replay would hand back the caller's own buffer",
+                           "donate that argument, or return a copy (x.clone())")

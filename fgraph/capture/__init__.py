@@ -1,0 +1,117 @@
+"""capture: record a callable once and replay it. CUDA graphs on the GPU; on the CPU a stand-in with the same
+contract (static inputs, outputs overwritten in place by every replay), so CPU tests drive the same dispatch.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class CudaGraph:
+  """One torch.cuda.CUDAGraph in a pool shared by every graph of a jitted function."""
+
+  def __init__(self, pool):
+    self.graph, self.pool, self.out = torch.cuda.CUDAGraph(), pool, None
+
+  def capture(self, fn: Callable, *args) -> Any:
+    with torch.cuda.graph(self.graph, pool=self.pool):
+      self.out = fn(*args)
+    return self.out
+
+  def replay(self) -> Any:
+    self.graph.replay()
+    return self.out
+
+
+class HostGraph:
+  """The CPU stand-in: replay reruns `fn` on the captured arguments and writes into the captured outputs,
+  which reproduces a CUDA graph's observable behaviour (stable input and output addresses)."""
+
+  def __init__(self, pool=None):
+    self.fn, self.args, self.out = None, (), None
+
+  def capture(self, fn: Callable, *args) -> Any:
+    self.fn, self.args = fn, args
+    self.out = fn(*args)
+    return self.out
+
+  def replay(self) -> Any:
+    new = self.fn(*self.args)
+    for old, fresh in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(new)):
+      if isinstance(old, torch.Tensor) and old is not fresh:
+        old.copy_(fresh)
+    return self.out
+
+
+def graph_class(device: str):
+  return CudaGraph if device.startswith("cuda") else HostGraph
+
+
+def new_pool(device: str):
+  return torch.cuda.graph_pool_handle() if device.startswith("cuda") else None
+
+
+@contextlib.contextmanager
+def capture_session(device: str):
+  """Freeze the GC for the whole capture: torch.cuda.graph collects and empties the cache on every entry,
+  which made capturing one graph per piece slow in vLLM; one collection up front is enough."""
+  gc.collect()
+  gc.freeze()
+  collect, empty = gc.collect, torch.cuda.empty_cache
+  gc.collect, torch.cuda.empty_cache = (lambda *a, **k: 0), (lambda: None)
+  try:
+    yield
+  finally:
+    gc.collect, torch.cuda.empty_cache = collect, empty
+    gc.unfreeze()
+
+
+def pool_bytes(device: str) -> int:
+  return torch.cuda.memory_reserved(device) if device.startswith("cuda") else 0
+
+
+class InputBuffers:
+  """Static buffers for the per-call (batched) inputs: one device allocation viewed per leaf, and on CUDA a
+  pinned host mirror, so a call's host inputs reach the device in one copy instead of one per leaf."""
+
+  ALIGN = 64
+
+  def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], device: str):
+    offsets, total = [], 0
+    for shape, dtype in shapes:
+      total = -(-total // self.ALIGN) * self.ALIGN
+      offsets.append(total)
+      total += max(1, torch.Size(shape).numel()) * dtype.itemsize
+    self.device = device
+    self.dev_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
+    self.dev = self._views(self.dev_bytes, offsets, shapes)
+    self.cuda = device.startswith("cuda")
+    if self.cuda:
+      self.host_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=True)
+      self.host = self._views(self.host_bytes, offsets, shapes)
+      self.copied = None  # event after the last host->device copy: the host mirror is reusable after it
+    else:
+      self.host = self.dev
+
+  @staticmethod
+  def _views(buf, offsets, shapes):
+    return [buf[o:o + torch.Size(s).numel() * d.itemsize].view(d).view(s) for o, (s, d) in zip(offsets, shapes)]
+
+  def write(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy the padded leaves in; returns the host-side views (what plan hooks read)."""
+    if self.cuda and all(x.device.type == "cpu" for x in leaves):
+      if self.copied is not None:
+        self.copied.synchronize()  # the previous call's copy may still be reading the mirror
+      for h, x in zip(self.host, leaves):
+        h.copy_(x)
+      self.dev_bytes.copy_(self.host_bytes, non_blocking=True)
+      self.copied = torch.cuda.Event()
+      self.copied.record()
+      return self.host
+    for d, x in zip(self.dev, leaves):
+      d.copy_(x)
+    return leaves
