@@ -352,7 +352,8 @@ class Jitted:
     return self.pool
 
   def _new_entry(self, call: Call) -> Entry:
-    check_static_fields(dict(zip([path_str(p) for p in call.paths], call.leaves)), f"fgraph.jit({self.name})")
+    for k, v in pytree.tree_unflatten(call.leaves, call.sig.treespec).items():
+      check_static_fields(v, f"fgraph.jit({self.name}): {k}")
     if config.explain_cache_misses and self.entries:
       log.warning("fgraph.jit(%s): new signature %s%s", self.name, call.sig.describe(), self._closest(call.sig))
     entry = Entry(self, call)

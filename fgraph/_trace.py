@@ -31,13 +31,16 @@ def user_line(skip_ops: bool = True) -> str:
   return "<unknown>"
 
 
-_HOST_SYNCS = {
-  torch.Tensor.item: ".item()", torch.Tensor.tolist: ".tolist()", torch.Tensor.cpu: ".cpu()",
-  torch.Tensor.numpy: ".numpy()", torch.Tensor.__repr__: "printing a tensor", torch.Tensor.__format__:
-  "formatting a tensor", torch.Tensor.__bool__: "bool() of a tensor (Python control flow on a tensor value)",
-  torch.Tensor.__int__: "int() of a tensor", torch.Tensor.__float__: "float() of a tensor",
-  torch.Tensor.__index__: "using a tensor as a Python index",
+_HOST_SYNCS = {  # Tensor methods that need a value on the host, by name (C methods and Python ones alike)
+  "item": ".item() (or .tolist())", "tolist": ".tolist()", "cpu": ".cpu()", "numpy": ".numpy()", "__repr__": "printing a tensor",
+  "__format__": "formatting a tensor", "__bool__": "bool() of a tensor (Python control flow on a tensor value)",
+  "__int__": "int() of a tensor", "__float__": "float() of a tensor", "__index__": "using a tensor as a Python index",
 }
+
+
+def _host_sync(func) -> str | None:
+  owner, _, name = getattr(func, "__qualname__", "").rpartition(".")
+  return _HOST_SYNCS.get(name) if owner in ("Tensor", "TensorBase") else None
 
 
 class _RejectHostSyncs(TorchFunctionMode):
@@ -48,7 +51,7 @@ class _RejectHostSyncs(TorchFunctionMode):
     self.fname = fname
 
   def __torch_function__(self, func, types, args=(), kwargs=None):
-    what = _HOST_SYNCS.get(func)
+    what = _host_sync(func)
     if what is not None:
       raise TraceError(f"fgraph.jit({self.fname}): {what} at {user_line()} needs the tensor's value on the host, "
                        "which a captured graph cannot provide (it replays without running Python)",
@@ -87,6 +90,11 @@ def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor])
                        "use torch.where / masking instead of `if tensor`, keep shapes static") from None
     raise
   for node in gm.graph.nodes:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
+      raise TraceError(f"fgraph.jit({fname}): {node.format_node()} at {node.meta.get('line')} has a shape that "
+                       "depends on tensor values, which a captured graph cannot replay",
+                       "use torch.where / masking instead of data-dependent shapes (nonzero, boolean indexing)")
     if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
       raise TraceError(f"fgraph.jit({fname}): a host sync (reading a tensor value, e.g. .item()/.tolist()) "
                        f"at {node.meta.get('line')}", "keep the value on the device or make it static")

@@ -1,0 +1,79 @@
+"""The flash_attn (FlashAttention-2, >= 2.8) attention backend. CUDA only; page size a multiple of 256.
+
+Both routines are full-graph capturable (Support.ALWAYS), each with its own kernels (its own graph set):
+  decode  flash_attn_with_kvcache: one query per sequence, GQA folded into the query tile. The split count is
+          chosen here on the host from the signature alone (batch bucket, heads, block-table width), so a graph
+          replays the same grid whatever the lengths; lengths come from the device tensor `seq_lens`.
+  mixed   flash_attn_varlen_func over the paged cache (block_table), with upper bounds for the host-side grid
+          arguments: max_seqlen_q = the bucket's token count, max_seqlen_k = the model's max length. The
+          per-sequence query offsets and KV lengths come from device tensors.
+The KV write happened before the break (attention() does it), so no k/v are passed to the kernels here.
+flash_attn is imported on first use only.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+MAX_SPLITS = 128  # flash-attn's limit
+
+
+@functools.cache
+def _api():
+  from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+  return flash_attn_with_kvcache, flash_attn_varlen_func
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+  return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_heuristic(work: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+  """flash-attn's own split-KV heuristic: the smallest split count within 85% of the best wave efficiency."""
+  if work >= 0.8 * slots:
+    return 1
+  max_splits = min(max_splits, slots, n_blocks)
+  ceil = lambda a, b: -(-a // b)
+  eff = {}
+  for s in range(1, max_splits + 1):
+    if s > 1 and ceil(n_blocks, s) == ceil(n_blocks, s - 1):
+      continue  # same blocks per split as s - 1: not a distinct choice
+    waves = work * s / slots
+    eff[s] = waves / math.ceil(waves)
+  best = max(eff.values(), default=1.0)
+  return next((s for s, e in sorted(eff.items()) if e >= 0.85 * best), 1)
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
+                      num_sms: int) -> int:
+  """The split count for a decode signature: a function of static shapes only (never of lengths).
+
+  With GQA flash-attn folds the group into the query length (seqlen_q = group, heads = Hkv), tiles of 64
+  queries; KV blocks of 256 (D <= 64), 128 (D <= 128) or 64 keys; 2 CTAs per SM.
+  """
+  block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
+  m_blocks = -(-group // 64)
+  n_blocks = -(-max_seqlen_k // block_n)
+  return split_heuristic(batch * num_kv_heads * m_blocks, 2 * num_sms, n_blocks)
+
+
+def forward(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, routine, scale, max_seq_len):
+  """out, q: [N, Hq, D]; k_cache/v_cache: [P, page, Hkv, D] (page % 256 == 0); block_table: [S, max_pages]."""
+  with_kvcache, varlen = _api()
+  N, Hq, D = q.shape
+  page, Hkv = k_cache.shape[1], k_cache.shape[2]
+  L = block_table.shape[1] * page
+  if routine == "decode":
+    splits = decode_num_splits(N, Hkv, Hq // Hkv, D, L, _num_sms(q.device.index or 0))
+    o = with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seq_lens, block_table=block_table,
+                     softmax_scale=scale, causal=True, num_splits=splits)                      # [N, 1, Hq, D]
+    out.copy_(o.squeeze(1))
+  else:
+    # cu_seqlens_k: with a block table flash-attn reads each sequence's KV length as cu[s+1] - cu[s].
+    cu_k = torch.nn.functional.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))   # [S+1]
+    o = varlen(q, k_cache, v_cache, cu_seqlens_q=query_start_loc, cu_seqlens_k=cu_k, max_seqlen_q=N,
+               max_seqlen_k=min(max_seq_len, L), softmax_scale=scale, causal=True, block_table=block_table)
+    out.copy_(o)

@@ -1,0 +1,189 @@
+"""fgraph.jit on the CPU: signatures, buckets and padding, splitting, mode resolution, plan hooks, counters.
+Eager is the oracle: every result is compared with the same pure function run without fgraph."""
+import pytest
+import torch
+
+import fgraph
+from fgraph import Batched, Mode, Support
+from tests import toys
+from tests.toys import jitted, make, step
+
+
+def eager(params, batch, **kw):
+  with fgraph.disable_jit():
+    return step(params, {"count": torch.zeros((), dtype=torch.int64)}, batch, **kw)[0]
+
+
+def test_one_trace_per_signature():
+  f = jitted(mode="PIECEWISE", buckets=[4, 8, 16])
+  params, state, _ = make()
+  for n in (5, 6, 7, 8, 5):
+    f(params, state, {"x": torch.randn(n, 8)}, routine="decode")
+  f(params, state, {"x": torch.randn(3, 8)}, routine="decode")
+  f(params, state, {"x": torch.randn(3, 8)}, routine="mixed")
+  st = f.stats()
+  assert len(st["signatures"]) == 3  # (decode, 8), (decode, 4), (mixed, 4)
+  assert st["total"]["traces"] == 3 and st["total"]["calls"] == 7
+  assert st["signatures"]["(breaks=2, routine='decode', bucket=8)"] == \
+      {"traces": 1, "captures": 3, "replays": 5, "eager": 0, "calls": 5, "padded": 3 + 2 + 1 + 0 + 3}
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL"])
+def test_every_n_pads_slices_and_equals_eager(mode):
+  f = jitted(mode=mode)
+  params, state, _ = make()
+  g = torch.Generator().manual_seed(1)
+  for n in list(range(1, 65)) + [123]:
+    x = torch.randn(n, 8, generator=g)
+    out, _ = f(params, state, {"x": x}, routine="decode")
+    assert out.shape == (n, 8)
+    torch.testing.assert_close(out, eager(params, {"x": x}, routine="decode"))
+  buckets = {s for s in fgraph.default_buckets() if s <= 64} | {128}
+  assert len(f.stats()["signatures"]) == len(buckets)
+  assert f.stats()["total"]["traces"] == len(buckets)
+
+
+def test_same_bucket_is_bitwise_equal_to_eager_at_that_size():
+  f = jitted(mode="PIECEWISE", buckets=[8])
+  params, state, batch = make(n=8)
+  out, _ = f(params, state, batch, routine="decode")
+  assert torch.equal(out, eager(params, batch, routine="decode"))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_k_breaks_make_k_plus_one_graph_pieces(k):
+  f = jitted(mode="PIECEWISE", buckets=[8])
+  params, state, batch = make()
+  f(params, state, batch, routine="decode", breaks=k)
+  (e,) = f.entries.values()
+  assert [p.is_break for p in e.program.pieces] == [False, True] * k + [False]
+  assert f.stats()["total"]["captures"] == k + 1
+
+
+def test_consecutive_breaks_stay_together():
+  def two(params, x):
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    toys.toy_scale(a, x, 2.0)
+    toys.toy_scale(b, x, 3.0)
+    return a + b
+  f = fgraph.jit(two, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+  out = f({}, torch.ones(3, 2))
+  assert [p.is_break for p in next(iter(f.entries.values())).program.pieces] == [False, True, False]
+  assert torch.equal(out, torch.full((3, 2), 5.0))
+
+
+def test_breaks_run_eagerly_between_piecewise_replays():
+  f = jitted(mode="PIECEWISE", buckets=[8])
+  params, state, batch = make()
+  f.capture(params, state, batch, routine="decode")
+  before = toys.calls["scale"]
+  f(params, state, batch, routine="decode")
+  f(params, state, batch, routine="decode")
+  assert toys.calls["scale"] - before == 4  # 2 breaks x 2 calls, each run in Python between replays
+
+
+@pytest.mark.parametrize("requested, routine, support, expected", [
+  ("NONE", "decode", Support.ALWAYS, Mode.NONE),
+  ("PIECEWISE", "decode", Support.NEVER, Mode.PIECEWISE),
+  ("FULL", "decode", Support.ALWAYS, Mode.FULL),
+  ("FULL", "mixed", Support.ALWAYS, Mode.FULL),
+  ("FULL", "decode", Support.UNIFORM_DECODE, Mode.FULL),
+  ("FULL", "mixed", Support.UNIFORM_DECODE, Mode.PIECEWISE),
+  ("FULL", "decode", Support.NEVER, Mode.PIECEWISE),
+  ("FULL_DECODE_ONLY", "decode", Support.ALWAYS, Mode.FULL),
+  ("FULL_DECODE_ONLY", "mixed", Support.ALWAYS, Mode.NONE),
+  ("FULL_DECODE_ONLY", "decode", Support.NEVER, Mode.PIECEWISE),
+  ("FULL_AND_PIECEWISE", "decode", Support.UNIFORM_DECODE, Mode.FULL),
+  ("FULL_AND_PIECEWISE", "mixed", Support.ALWAYS, Mode.PIECEWISE),
+  ("FULL_AND_PIECEWISE", "decode", Support.NEVER, Mode.PIECEWISE),
+])
+def test_mode_resolution_table(requested, routine, support, expected):
+  op = {Support.ALWAYS: toys.toy_scale, Support.UNIFORM_DECODE: toys.toy_decode_only,
+        Support.NEVER: toys.toy_never}[support]
+  def fn(x, routine):
+    o = torch.empty_like(x)
+    op(o, x, 2.0) if op is toys.toy_scale else op(o, x)
+    return o * 2
+  f = fgraph.jit(fn, static=["routine"], batch={"x": Batched()}, mode=requested, buckets=[4])
+  out = f(torch.ones(3, 2), routine=routine)
+  (e,) = f.entries.values()
+  assert e.mode is expected
+  if expected is Mode.PIECEWISE and requested.startswith("FULL") and Mode(requested).for_routine(routine == "decode") is Mode.FULL:
+    assert "FULL requested -> PIECEWISE" in e.reason
+  with fgraph.disable_jit():
+    assert torch.equal(out, fn(torch.ones(3, 2), routine))
+
+
+def test_plan_hook_sees_padded_host_inputs_before_every_execution():
+  def fn(x, lens):
+    o = torch.empty_like(x)
+    toys.toy_planned(o, x, lens)
+    return o
+  f = fgraph.jit(fn, batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=[4])
+  toys.calls["plan"].clear()
+  f.capture(torch.ones(3, 2), torch.tensor([1, 2, 3]))
+  out = f(torch.ones(3, 2), torch.tensor([1, 2, 3]))
+  assert [(b, n, cap) for b, n, cap, _ in toys.calls["plan"]] == [(4, 0, True), (4, 3, False)]
+  assert toys.calls["plan"][-1][3]["lens"].tolist() == [1, 2, 3, 1]
+  assert out.tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+
+
+def test_oversize_runs_eagerly_and_is_counted():
+  f = jitted(mode="PIECEWISE", buckets=[4])
+  params, state, _ = make()
+  x = torch.randn(9, 8)
+  out, _ = f(params, state, {"x": x}, routine="decode")
+  torch.testing.assert_close(out, eager(params, {"x": x}, routine="decode"))
+  assert f.stats()["fallbacks"] == {"unseen": 0, "oversize": 1} and not f.entries
+
+
+def test_sealed_function_never_captures_lazily():
+  f = jitted(mode="PIECEWISE", buckets=[4, 8])
+  params, state, batch = make()
+  f.capture(params, state, batch, routine="decode")
+  assert len(f.entries) == 2
+  out, _ = f(params, state, batch, routine="mixed")  # unseen: eager
+  assert len(f.entries) == 2 and f.stats()["fallbacks"]["unseen"] == 1
+  torch.testing.assert_close(out, eager(params, batch, routine="mixed"))
+
+
+def test_capture_counts_graphs_per_mode():
+  params, state, batch = make()
+  for mode, graphs in [("NONE", 0), ("PIECEWISE", 3), ("FULL", 1)]:
+    f = jitted(mode=mode, buckets=[1, 2, 4, 8])
+    f.capture(params, state, batch, routine=["decode", "mixed"], progress=False)
+    assert f.stats()["total"]["captures"] == 8 * graphs and f.stats()["total"]["traces"] == 8
+
+
+def test_full_and_piecewise_uses_two_graph_sets():
+  f = jitted(mode="FULL_AND_PIECEWISE", buckets=[8])
+  params, state, batch = make()
+  f.capture(params, state, batch, routine=["decode", "mixed"], progress=False)
+  modes = {dict(e.sig.statics)["routine"]: (e.mode, len(e.graphs)) for e in f.entries.values()}
+  assert modes == {"decode": (Mode.FULL, 1), "mixed": (Mode.PIECEWISE, 3)}
+  for routine in ("decode", "mixed"):
+    out, _ = f(params, state, batch, routine=routine)
+    torch.testing.assert_close(out, eager(params, batch, routine=routine))
+
+
+def test_copy_outputs_survive_the_next_replay():
+  f = jitted(mode="PIECEWISE", buckets=[8], copy_outputs=True)
+  params, state, _ = make()
+  a, _ = f(params, state, {"x": torch.ones(8, 8)}, routine="decode")
+  a_val = a.clone()
+  f(params, state, {"x": torch.zeros(8, 8)}, routine="decode")
+  assert torch.equal(a, a_val)
+
+
+def test_explain_cache_misses_names_what_differs(caplog):
+  f = jitted(mode="NONE", buckets=[8])
+  params, state, batch = make()
+  f(params, state, batch, routine="decode")
+  fgraph.config.explain_cache_misses = True
+  try:
+    with caplog.at_level("WARNING", logger="fgraph"):
+      f(params, {"count": torch.zeros((), dtype=torch.int32)}, batch, routine="decode")
+  finally:
+    fgraph.config.explain_cache_misses = False
+  assert "closest captured signature (breaks=2, routine='decode', bucket=8) differs in state['count']: " \
+      "int32[]@cpu (captured int64[]@cpu)" in caplog.text
