@@ -1,0 +1,70 @@
+"""Footguns: behaviour that changes when a function is jitted and captured. Each test pins what happens.
+
+SILENT MISMATCHES (wrong results, no error):
+  outputs_overwritten_by_next_replay     MED   outputs live in graph memory; copy_outputs=True or .clone()
+  python_constants_frozen_at_trace       HARD  inherent to tracing: closures and globals are read once
+  warmup_and_capture_run_the_function    MED   donated state sees the all-padding dummy calls of capture
+  python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only
+ERRORS RAISED (at least the user knows):
+  item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
+  state_replaced_after_capture           EASY  SignatureError naming the key path (tests/test_errors.py)
+"""
+import torch
+
+import fgraph
+from fgraph import Batched
+
+
+def scale_fn():
+  factor = {"value": 2.0}
+  def f(x):
+    return x * factor["value"]
+  return f, factor
+
+
+def test_outputs_overwritten_by_next_replay():
+  f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+  a = f(torch.ones(4))
+  b = f(torch.full((4,), 3.0))
+  assert a.tolist() == [6.0] * 4  # should be [2.0] * 4! the second replay wrote into the same buffer
+  assert a.data_ptr() == b.data_ptr()
+
+
+def test_copy_outputs_or_clone_keeps_them():
+  f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4], copy_outputs=True)
+  a = f(torch.ones(4))
+  f(torch.full((4,), 3.0))
+  assert a.tolist() == [2.0] * 4
+
+
+def test_python_constants_frozen_at_trace():
+  fn, factor = scale_fn()
+  f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+  assert f(torch.ones(4)).tolist() == [2.0] * 4
+  factor["value"] = 10.0
+  assert f(torch.ones(4)).tolist() == [2.0] * 4  # should be [10.0] * 4! the trace read it once
+  with fgraph.disable_jit():
+    assert f(torch.ones(4)).tolist() == [10.0] * 4
+
+
+def test_warmup_and_capture_run_the_function_on_padding():
+  def bump(x, state):
+    state["calls"].add_(1)
+    return x + 1, state
+  f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+  state = {"calls": torch.zeros(())}
+  f(torch.ones(3), state)
+  assert state["calls"].item() == 3  # should be 1! warm-up and capture ran it on the all-padding dummy too
+  f(torch.ones(3), state)
+  assert state["calls"].item() == 4  # replays are exact
+
+
+def test_python_side_effects_run_once_at_trace():
+  log = []
+  def f(x):
+    log.append("called")
+    return x + 1
+  j = fgraph.jit(f, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+  for _ in range(3):
+    j(torch.ones(2))
+  assert log == ["called"]  # should be 3 entries! only the trace ran Python

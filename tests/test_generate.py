@@ -1,0 +1,150 @@
+"""The example engine and CLI on CPU: greedy tokens identical across capture modes, continuous batching
+(chunked prefills mixed with decodes, routine choice, page release), sampling with a seed, EOS, the CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from examples import engine, generate, llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[5, 17, 300, 2, 999, 41, 8, 8, 120, 77, 3, 64, 500, 1, 23, 45, 6, 7, 90], [11], [4, 4, 4, 4, 9],
+           [1000, 3, 2, 1, 0, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = llama.preset("tiny")
+  return cfg, llama.init_params(cfg, torch.float32, "cpu", seed=0)
+
+
+def run(tiny, mode, prompts=PROMPTS, new=10, temperature=0.0, **kw):
+  cfg, params = tiny
+  kw = dict(dict(backend="torch", max_seqs=4, max_seq_len=64, page_size=4, max_batch_tokens=8), **kw)
+  eng = engine.build(cfg, params, mode=mode, **kw)
+  for p in prompts:
+    eng.add(p, max_new_tokens=new, temperature=temperature)
+  return eng, eng.run(progress=False)
+
+
+def test_greedy_tokens_identical_across_modes(tiny):
+  _, want = run(tiny, "eager")
+  assert [len(t) for t in want.tokens] == [10] * 4
+  for mode in ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE"):
+    eng, got = run(tiny, mode)
+    assert got.tokens == want.tokens, mode
+    total = eng.step_fn.stats()["total"]
+    assert total["calls"] == got.steps and total["traces"] == len(eng.step_fn.entries)
+    if mode != "NONE":
+      assert total["replays"] > 0, mode  # later steps of a bucket replay the (host stand-in) graphs
+
+
+def test_continuous_batching_schedule(tiny):
+  """A step mixes decodes with a prompt chunk; pure-decode steps use routine="decode"; pages come back."""
+  cfg, params = tiny
+  eng = engine.build(cfg, params, backend="torch", mode="eager", max_seqs=4, max_seq_len=64, page_size=4,
+                     max_batch_tokens=8)
+  seen, run_batch = [], eng.run_batch
+  eng.run_batch = lambda batch, routine: seen.append((routine, batch.tokens.shape[0])) or run_batch(batch, routine)
+  for p in PROMPTS:
+    eng.add(p, max_new_tokens=6)
+  free0 = len(eng.blocks.free)
+  report = eng.run(progress=False)
+  assert all(n <= 8 for _, n in seen)
+  assert seen[0] == ("mixed", 8)  # the first 8 tokens of the 19-token prompt: a chunk
+  assert ("mixed", 8) in seen[1:3] and ("decode", 4) in seen and ("decode", 1) in seen
+  assert all((r == "decode") == (n <= 4) for r, n in seen if r == "decode")
+  assert len(eng.blocks.free) == free0 and not eng.running and not eng.waiting
+  assert report.steps == len(seen) and report.output_tokens == 24 and all(t is not None for t in report.tpot)
+  assert "TTFT" in report.summary() and report.throughput > 0
+
+
+def test_queue_longer_than_max_seqs(tiny):
+  """More requests than seats (max_seqs=2) and pages (just enough for 2): the rest wait, nothing is lost."""
+  _, want = run(tiny, "eager")
+  cfg, params = tiny
+  eng = engine.build(cfg, params, backend="torch", mode="eager", max_seqs=2, max_seq_len=32, page_size=4,
+                     max_batch_tokens=8, num_pages=1 + 2 * 8)
+  for p in PROMPTS:
+    eng.add(p, max_new_tokens=10)
+  assert eng.run(progress=False).tokens == want.tokens
+
+
+def test_eos_stops_and_sampling_is_seeded(tiny):
+  _, greedy = run(tiny, "eager", new=4)
+  eos = greedy.tokens[1][0]  # the first token request 1 generates
+  eng, rep = run(tiny, "eager", new=4, eos_ids=[eos])
+  assert rep.tokens[1] == [eos] and eng.requests[1].finish_reason == "eos"
+  assert eng.requests[0].finish_reason in ("eos", "length")
+  a = run(tiny, "eager", new=8, temperature=1.0, seed=3)[1].tokens
+  b = run(tiny, "eager", new=8, temperature=1.0, seed=3)[1].tokens
+  c = run(tiny, "eager", new=8, temperature=1.0, seed=4)[1].tokens
+  assert a == b and a != c and a != run(tiny, "eager", new=8)[1].tokens
+  assert all(0 <= t < 1024 for ts in a for t in ts)
+
+
+def test_sample_top_p():
+  logits = torch.tensor([[0.0, 5.0, 4.9, -3.0], [1.0, 0.0, 0.0, 0.0]])
+  g = torch.Generator().manual_seed(0)
+  for _ in range(20):  # top_p 0.5 keeps only the best token of row 0; row 1 is greedy
+    t = engine.sample(logits, torch.tensor([1.0, 0.0]), torch.tensor([0.5, 1.0]), g)
+    assert t.tolist() == [1, 0]
+
+
+def test_request_errors(tiny):
+  cfg, params = tiny
+  eng = engine.build(cfg, params, backend="torch", mode="eager", max_seqs=2, max_seq_len=16, page_size=4)
+  with pytest.raises(Exception, match="exceed max_seq_len"):
+    eng.add(list(range(10)), max_new_tokens=10)
+  with pytest.raises(Exception, match="outside"):
+    eng.add([5000], max_new_tokens=1)
+  with pytest.raises(Exception, match="empty prompt"):
+    eng.add([], max_new_tokens=1)
+
+
+def test_cli_json(capsys):
+  out = generate.main(["--json", "--greedy", "--max-new-tokens", "5", "--prompt-ids", "1,2,3", "--prompt-ids", "7",
+                       "--no-progress", "--mode", "PIECEWISE"])
+  printed = json.loads(capsys.readouterr().out)
+  assert printed["tokens"] == out["tokens"] and [len(t) for t in printed["tokens"]] == [5, 5]
+  eager = generate.main(["--json", "--greedy", "--max-new-tokens", "5", "--prompt-ids", "1,2,3", "--prompt-ids", "7",
+                         "--no-progress", "--mode", "eager"])
+  assert eager["tokens"] == out["tokens"]
+
+
+def test_cli_text_prompt_with_tokenizer(tmp_path, capsys):
+  """--model DIR with a tokenizer.json: --prompt TEXT is encoded, the output decoded."""
+  transformers = pytest.importorskip("transformers")
+  tokenizers = pytest.importorskip("tokenizers")
+  from tests.test_models import make_hf
+  make_hf("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True), str(tmp_path))
+  words = ["<unk>", "the", "capital", "of", "france", "is"] + [f"w{i}" for i in range(122)]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.decoder = tokenizers.decoders.WordPiece()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  out = generate.main(["--model", str(tmp_path), "--prompt", "the capital of france is", "--greedy", "--json",
+                       "--max-new-tokens", "4", "--no-progress", "--mode", "NONE"])
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+  ids = torch.tensor([[1, 2, 3, 4, 5]])
+  want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+  assert out["tokens"] == [want[0, 5:].tolist()]
+  assert out["text"] == [tok.decode(out["tokens"][0])] and json.loads(capsys.readouterr().out)["text"]
+
+
+def test_cli_explain(capsys):
+  generate.main(["--explain", "--max-new-tokens", "2", "--prompt-ids", "1,2", "--no-progress"])
+  text = capsys.readouterr().out
+  assert "attention" in text and "decode" in text and "mixed" in text
+
+
+def test_readme_command_runs_fresh():
+  """`python -m examples.generate --json` on a fresh process: the embedded tiny model, end to end."""
+  r = subprocess.run([sys.executable, "-m", "examples.generate", "--json", "--max-new-tokens", "3", "--no-progress"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  out = json.loads(r.stdout)
+  assert [len(t) for t in out["tokens"]] == [3] * 4 and out["model"] == "tiny"

@@ -1,0 +1,87 @@
+"""Expert parallelism on the CPU: 2 processes over gloo (spawned here, bounded in time). allgather and
+all2all on sharded weights must give what local gives on the full weights, alone and inside fgraph.jit."""
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+DEADLINE_S = 50  # the whole test, spawn included; the process group times out before this
+
+
+def _checks(rank, world):
+  import fgraph
+  from fgraph import Batched, Mode
+  from fgraph.ops import moe as M
+  from tests.test_moe import moe_params, moe_step, tokens, weights
+
+  def close(a, b, dtype):
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a, b, **tol)
+
+  for dtype in (torch.float64, torch.float32):
+    for shared in (0, 24):
+      w = weights(E=8, top_k=3, shared=shared, dtype=dtype, renormalize=shared == 0)
+      mine = w.shard(rank, world)
+      x = tokens(6, dtype=dtype, seed=10 + rank)                      # same N on every rank (allgather)
+      close(M.moe(x, mine, "allgather"), M.moe(x, w, "local"), dtype)
+      close(M.moe(x, mine, "all2all"), M.moe(x, w, "local"), dtype)
+      for n in ([5, 11], [7, 0], [0, 3]):                             # all2all: per-rank N may differ, or be 0
+        x = tokens(n[rank], dtype=dtype, seed=20 + rank)
+        close(M.moe(x, mine, "all2all"), M.moe(x, w, "local"), dtype)
+
+  # every token to rank 0's experts: rank 1 receives nothing and still answers its (empty) share
+  w = weights(E=8, top_k=3, shared=0, dtype=torch.float64)
+  el = 8 // world
+  router = torch.zeros_like(w.router)
+  router[:el] = w.router[:el].abs()
+  w = M.MoEWeights(router, w.w13, w.w2, top_k=3)
+  x = tokens(9, seed=30 + rank).abs()
+  close(M.moe(x, w.shard(rank, world), "all2all"), M.moe(x, w, "local"), torch.float64)
+  close(M.moe(x, w.shard(rank, world), "allgather"), M.moe(x, w, "local"), torch.float64)
+
+  # inside fgraph.jit: allgather stays in the FULL graph, all2all is split out (piecewise around it)
+  params = moe_params()
+  full = params["moe"]
+  x = tokens(5, dtype=torch.float32, seed=40 + rank)
+  with fgraph.disable_jit():
+    ref = moe_step(params, x, "decode", "local")
+  for backend, mode in (("allgather", Mode.FULL), ("all2all", Mode.PIECEWISE)):
+    p = dict(params, moe=full.shard(rank, world))
+    f = fgraph.jit(moe_step, static=["routine", "backend"], batch={"x": Batched()}, mode="FULL", buckets=[8])
+    f.capture(p, x, routine="decode", backend=backend, progress=False)
+    (entry,) = f.entries.values()
+    assert entry.mode is mode, (backend, entry.mode, entry.reason)
+    for _ in range(2):
+      torch.testing.assert_close(f(p, x, routine="decode", backend=backend), ref)
+
+
+def _worker(rank, world, store):
+  torch.set_num_threads(1)
+  dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                          timeout=timedelta(seconds=DEADLINE_S - 10))
+  try:
+    _checks(rank, world)
+    dist.barrier()
+  finally:
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_expert_parallel_backends_match_local_over_gloo(tmp_path):
+  ctx = mp.start_processes(_worker, args=(WORLD, str(tmp_path / "store")), nprocs=WORLD, join=False,
+                           start_method="spawn")
+  deadline = time.monotonic() + DEADLINE_S
+  try:
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+      if time.monotonic() > deadline:
+        pytest.fail(f"2-process gloo MoE test did not finish in {DEADLINE_S} s (a rank is stuck in a collective?)")
+  finally:
+    for p in ctx.processes:  # only the workers this test started
+      if p.is_alive():
+        p.kill()
+        p.join()
