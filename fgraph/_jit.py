@@ -88,7 +88,10 @@ class Entry:
       return out_leaves
 
     t0 = time.perf_counter()
-    gm = trace(fname, flat_fn, [call.leaves[i] for i in tensor_ix])
+    # batched inputs may come from the host but live on the device inside the program
+    example = [x if x.device.type == torch.device(self.device).type else torch.empty_like(x, device=self.device)
+               for x in (call.leaves[i] for i in tensor_ix)]
+    gm = trace(fname, flat_fn, example)
     self.stats.traces += 1
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
@@ -182,12 +185,11 @@ class Entry:
       torch.cuda.synchronize()
     Graph = C.graph_class(self.device)
     if self.mode is Mode.PIECEWISE:
-      for piece in self.program.pieces:
-        runner = PieceRunner(piece, Graph, pool)
-        setattr(self.program.module, piece.name, runner)
-        if not piece.is_break:
-          self.graphs.append(runner)
+      runners = [PieceRunner(piece, Graph, pool) for piece in self.program.pieces]
+      for r in runners:
+        setattr(self.program.module, r.piece.name, r)
       self.program.module(*args)  # the runners capture on this first call, replay on later ones
+      self.graphs = [r.graph for r in runners if not r.piece.is_break]
     elif self.mode is Mode.FULL:
       self.full = Graph(pool)
       self.full.capture(self.program.module, *args)
@@ -340,7 +342,10 @@ class Jitted:
       self._logged.add((kind, call.sig.statics))
       log.warning("fgraph.jit(%s): %s; running eagerly (logged once). Fix: %s", self.name, what, fix)
     self.fallbacks[kind] += 1
-    return self.fn(*args, **kwargs)
+    call = self._bind(args, kwargs, pad=False)
+    device = _device_of(self.name, call)
+    leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]
+    return self.fn(**pytree.tree_unflatten(leaves, call.sig.treespec), **call.statics)
 
   def _capture(self, entry: Entry, call: Call):
     graphed = entry.mode is not Mode.NONE

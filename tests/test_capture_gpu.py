@@ -29,7 +29,7 @@ def test_replay_is_bitwise_eager(mode, graphs_per_sig):
   params, state, batch = make_cuda()
   f.capture(params, state, batch, routine=["decode", "mixed"], progress=False)
   assert f.stats()["total"]["captures"] == 16 * graphs_per_sig
-  assert all(isinstance(g, CudaGraph) or g.graph.pool is f.pool for e in f.entries.values() for g in e.graphs)
+  assert all(isinstance(g, CudaGraph) and g.pool is f.pool for e in f.entries.values() for g in e.graphs)
   g = torch.Generator().manual_seed(1)
   for n in (1, 7, 8, 25, 64, 123):
     for routine in ("decode", "mixed"):

@@ -198,7 +198,7 @@ def forward(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *,
   w = _wrapper(routine, q, k_cache, block_table, scale)
   key, ts = (routine, B, page), (query_start_loc, seq_lens, block_table)
   st = _states.get(key)
-  capturing = torch.cuda.is_current_stream_capturing()
+  capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
   fresh = st is not None and (st.pending or _same(st.ident, ts))
   if fresh and st.pending:
     st.pending, st.ident = False, _ident(ts)
