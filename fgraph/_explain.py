@@ -47,7 +47,8 @@ def explain(fn, *args, **kwargs) -> Explanation:
   explain(step) covers every signature seen so far; explain(step, *args, **kwargs) the signature of that call
   (traced on the spot, without capturing, if it is new).
   """
-  from ._jit import Entry, Jitted
+  from ._entry import Entry
+  from ._jit import Jitted
   if not isinstance(fn, Jitted):
     raise TypeError(f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}; "
                     "wrap it first: fgraph.explain(fgraph.jit(f, ...), *args)")

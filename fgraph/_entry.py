@@ -1,0 +1,230 @@
+"""Entry: what fgraph keeps per signature (trace, program, mode, graphs, input buffers, counters), and how a
+call runs through it: copy inputs in, plan, replay (or run the program), hand outputs back."""
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from . import _primitives as P
+from . import capture as C
+from ._errors import SignatureError
+from ._signature import Signature, path_str
+from ._split import Mode, Program, breaks_filter, resolve_mode, split
+from ._trace import check, trace
+
+
+class Call(NamedTuple):
+  """One call, flattened and padded: everything dispatch needs."""
+  sig: Signature
+  statics: dict[str, Any]
+  paths: list            # key path per leaf
+  leaves: list           # padded leaves
+  specs: list            # Batched | None per leaf
+  n: int | None          # real tokens
+
+
+class Stats:
+  __slots__ = ("traces", "captures", "replays", "eager", "calls", "padded")
+
+  def __init__(self):
+    self.traces = self.captures = self.replays = self.eager = self.calls = self.padded = 0
+
+  def as_dict(self):
+    return {k: getattr(self, k) for k in self.__slots__}
+
+
+class Entry:
+  """Everything fgraph keeps for one signature: its trace, its program, its mode and its graphs."""
+
+  def __init__(self, jitted: "Jitted", call: Call):
+    self.sig, self.stats = call.sig, Stats()
+    fname = jitted.name
+    self.device = _device_of(fname, call)
+    tensor_ix = [i for i, x in enumerate(call.leaves) if isinstance(x, torch.Tensor)]
+    self.batched_ix = [i for i in tensor_ix if call.specs[i] is not None]
+    self.address_ix = [i for i in tensor_ix if call.specs[i] is None]
+    self.tensor_ix, self.paths = tensor_ix, [path_str(p) for p in call.paths]
+    self.out_spec = None
+    consts = list(call.leaves)
+
+    def flat_fn(*tensors):
+      leaves = list(consts)
+      for i, t in zip(tensor_ix, tensors):
+        leaves[i] = t
+      dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
+      out = jitted.fn(**dyn, **call.statics)
+      out_leaves, self.out_spec = pytree.tree_flatten(out)
+      return out_leaves
+
+    t0 = time.perf_counter()
+    # batched inputs may come from the host but live on the device inside the program
+    example = [x if x.device.type == torch.device(self.device).type else torch.empty_like(x, device=self.device)
+               for x in (call.leaves[i] for i in tensor_ix)]
+    gm = trace(fname, flat_fn, example)
+    self.stats.traces += 1
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
+    donated_roots = set(jitted.donate)
+    check(fname, gm, ph_paths, lambda ph: ph_paths[ph].split("[")[0].split(".")[0] in donated_roots, self.device)
+    is_break = breaks_filter(jitted.breaks)
+    self.decode = call.statics.get(jitted.routine) == "decode"
+    self.mode, self.reason = resolve_mode(fname, jitted.mode, self.decode, gm, is_break)
+    self.program: Program = split(gm, is_break, {ph.name: ph_paths[ph] for ph in placeholders})
+    self.trace_seconds = time.perf_counter() - t0
+    # outputs: which are the caller's own tensors handed back (donated passthrough) and which get sliced to N
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    ph_pos = {ph: k for k, ph in enumerate(placeholders)}
+    self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(out_node.args[0]) if o in ph_pos}
+    self.out_batched = [j for j, o in enumerate(out_node.args[0]) if j not in self.out_passthrough and
+                        isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor) and
+                        o.meta["val"].dim() > 0 and o.meta["val"].shape[0] == call.sig.bucket]
+    self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
+    self.graphs: list = []
+    self.full = None
+    self.capture_seconds, self.pool_bytes = 0.0, 0
+    self.buffers = None
+
+  # -- running ----------------------------------------------------------------------------------------------
+  def _inputs(self, call: Call):
+    """The program's positional inputs: static buffers for batched leaves, the caller's tensors otherwise."""
+    host = self.buffers.write([call.leaves[i] for i in self.batched_ix])
+    args = [None] * len(call.leaves)
+    for i, b in zip(self.batched_ix, self.buffers.dev):
+      args[i] = b
+    for i in self.address_ix:
+      args[i] = call.leaves[i]
+    return [args[i] for i in self.tensor_ix], dict(zip(self.batched_ix, host))
+
+  def _plan(self, call: Call, host: dict[int, torch.Tensor], capturing: bool):
+    for p, args, inputs in self.plans:
+      P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, call.sig.bucket,
+                                 call.n if call.n is not None else 0, call.statics, capturing))
+
+  def run(self, call: Call, copy_outputs: bool):
+    st = self.stats
+    st.calls += 1
+    if call.n is not None:
+      st.padded += call.sig.bucket - call.n
+    args, host = self._inputs(call)
+    if self.full is None and not self.graphs:
+      st.eager += 1
+    else:
+      self._check_addresses(call)
+      st.replays += 1
+    self._plan(call, host, capturing=False)
+    if self.full is not None:
+      outs = self.full.replay()
+    else:
+      outs = self.program.module(*args)
+    return self._outputs(call, outs, copy_outputs)
+
+  def _outputs(self, call: Call, outs, copy_outputs: bool):
+    outs = list(outs)
+    for j, i in self.out_passthrough.items():
+      outs[j] = call.leaves[i]
+    if call.n is not None and call.n != call.sig.bucket:
+      for j in self.out_batched:
+        outs[j] = outs[j][:call.n]
+    if copy_outputs:
+      outs = [o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o
+              for j, o in enumerate(outs)]
+    return pytree.tree_unflatten(outs, self.out_spec)
+
+  def _check_addresses(self, call: Call):
+    ptrs = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
+    if ptrs != self.addresses:
+      k = next(k for k, (a, b) in enumerate(zip(ptrs, self.addresses)) if a != b)
+      raise SignatureError(f"fgraph.jit: {self.paths[self.address_ix[k]]} is not the tensor the graph of signature "
+                           f"{self.sig.describe()} was captured with (graphs read state by address)",
+                           "update state in place and pass the same tensors back (donate=[...]), "
+                           "or call .reset() to drop the graphs after replacing them")
+
+  # -- capturing -------------------------------------------------------------------------------------------
+  def capture(self, call: Call, pool, warmups: int):
+    """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL)."""
+    t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
+    self.buffers = C.InputBuffers([(call.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
+                                  self.device)
+    args, host = self._inputs(call)
+    self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
+    self._plan(call, host, capturing=True)
+    for _ in range(warmups):
+      self.program.module(*args)
+    if self.device.startswith("cuda"):
+      torch.cuda.synchronize()
+    Graph = C.graph_class(self.device)
+    if self.mode is Mode.PIECEWISE:
+      runners = [PieceRunner(piece, Graph, pool) for piece in self.program.pieces]
+      for r in runners:
+        setattr(self.program.module, r.piece.name, r)
+      self.program.module(*args)  # the runners capture on this first call, replay on later ones
+      self.graphs = [r.graph for r in runners if not r.piece.is_break]
+    elif self.mode is Mode.FULL:
+      self.full = Graph(pool)
+      self.full.capture(self.program.module, *args)
+      self.graphs.append(self.full)
+    self.stats.captures += len(self.graphs)
+    if self.device.startswith("cuda"):
+      torch.cuda.synchronize()
+    self.capture_seconds = time.perf_counter() - t0
+    self.pool_bytes = C.pool_bytes(self.device) - mem0
+
+
+class PieceRunner(torch.nn.Module):
+  """Stands in for one piece of the program: captures a graph piece on its first call and replays it after;
+  a break piece runs eagerly every time and copies any tensors it returns into stable buffers."""
+
+  def __init__(self, piece, Graph, pool):
+    super().__init__()
+    self.piece, self.module, self.graph, self.out = piece, piece.module, None, None
+    self._Graph, self._pool = Graph, pool
+
+  def forward(self, *args):
+    if self.piece.is_break:
+      out = self.module(*args)
+      if self.out is None:
+        self.out = out
+      else:
+        for old, new in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(out)):
+          if isinstance(old, torch.Tensor) and old is not new:
+            old.copy_(new)
+      return self.out
+    if self.graph is None:
+      self.graph = self._Graph(self._pool)
+      return self.graph.capture(self.module, *args)
+    return self.graph.replay()
+
+
+def _plan_sites(gm, ph_pos, tensor_ix, specs):
+  """Plan hooks to run per call: one per distinct (primitive, constant args, batched inputs it reads)."""
+  sites = {}
+  for node in gm.graph.nodes:
+    p = P.primitive_of(node)
+    if p is None or p not in P.plan_rules:
+      continue
+    inputs = {k: tensor_ix[ph_pos[v]] for k, v in P.node_args(node).items()
+              if isinstance(v, fx.Node) and v in ph_pos and specs[tensor_ix[ph_pos[v]]] is not None}
+    args = P.constant_args(node)
+    key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())))
+    sites.setdefault(key, (p, args, inputs))
+  return list(sites.values())
+
+
+def _device_of(fname: str, call: Call) -> str:
+  """The signature's device: where its non-batched tensors live (batched inputs may come from the host)."""
+  devs = {}
+  for p, x, s in zip(call.paths, call.leaves, call.specs):
+    if isinstance(x, torch.Tensor) and s is None:
+      devs.setdefault(str(x.device) if x.device.type != "cuda" else f"cuda:{x.device.index or 0}", p)
+  if len(devs) > 1:
+    (d1, p1), (d2, p2) = sorted(devs.items())[:2]
+    raise SignatureError(f"fgraph.jit({fname}): {path_str(p1)} is on {d1} but {path_str(p2)} is on {d2}",
+                         "put params and state on one device (only Batched inputs may come from the host)")
+  if devs:
+    return next(iter(devs))
+  batched = [x for x, s in zip(call.leaves, call.specs) if isinstance(x, torch.Tensor)]
+  return str(batched[0].device) if batched else "cpu"
