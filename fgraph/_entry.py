@@ -22,9 +22,10 @@ class Call(NamedTuple):
   sig: Signature
   statics: dict[str, Any]
   paths: list            # key path per leaf
-  leaves: list           # padded leaves
+  leaves: list           # leaves as passed (batched ones unpadded: the entry pads them into its buffers)
   specs: list            # Batched | None per leaf
   n: int | None          # real tokens
+  bound: dict            # argument name -> value, as passed
 
 
 class Stats:
@@ -40,7 +41,7 @@ class Stats:
 class Entry:
   """Everything fgraph keeps for one signature: its trace, its program, its mode and its graphs."""
 
-  def __init__(self, jitted: "Jitted", call: Call):
+  def __init__(self, jitted, call: Call):
     self.sig, self.stats = call.sig, Stats()
     fname = jitted.name
     self.device = _device_of(fname, call)
@@ -48,7 +49,8 @@ class Entry:
     self.batched_ix = [i for i in tensor_ix if call.specs[i] is not None]
     self.address_ix = [i for i in tensor_ix if call.specs[i] is None]
     self.tensor_ix, self.paths = tensor_ix, [path_str(p) for p in call.paths]
-    self.out_spec = None
+    self.out_spec, self.out_args = None, {}
+    self.specs = [call.specs[i] for i in self.batched_ix]
     consts = list(call.leaves)
 
     def flat_fn(*tensors):
@@ -58,12 +60,15 @@ class Entry:
       dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
       out = jitted.fn(**dyn, **call.statics)
       out_leaves, self.out_spec = pytree.tree_flatten(out)
+      if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back
+        self.out_args = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}
       return out_leaves
 
     t0 = time.perf_counter()
     # batched inputs may come from the host but live on the device inside the program
-    example = [x if x.device.type == torch.device(self.device).type else torch.empty_like(x, device=self.device)
-               for x in (call.leaves[i] for i in tensor_ix)]
+    example = [call.leaves[i] if call.specs[i] is None else
+               torch.empty(call.sig.leaves[i].shape, dtype=call.leaves[i].dtype, device=self.device)
+               for i in tensor_ix]
     gm = trace(fname, flat_fn, example)
     self.stats.traces += 1
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -84,58 +89,61 @@ class Entry:
                         o.meta["val"].dim() > 0 and o.meta["val"].shape[0] == call.sig.bucket]
     self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
     self.graphs: list = []
+    self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
     self.full = None
     self.capture_seconds, self.pool_bytes = 0.0, 0
     self.buffers = None
 
   # -- running ----------------------------------------------------------------------------------------------
-  def _inputs(self, call: Call):
-    """The program's positional inputs: static buffers for batched leaves, the caller's tensors otherwise."""
-    host = self.buffers.write([call.leaves[i] for i in self.batched_ix])
-    args = [None] * len(call.leaves)
+  def _inputs(self, leaves):
+    """The program's positional inputs: static buffers for batched leaves (padded into them), the caller's
+    tensors otherwise; and the padded host-side views that plan hooks read."""
+    host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs)
+    args = list(leaves)
     for i, b in zip(self.batched_ix, self.buffers.dev):
       args[i] = b
-    for i in self.address_ix:
-      args[i] = call.leaves[i]
     return [args[i] for i in self.tensor_ix], dict(zip(self.batched_ix, host))
 
-  def _plan(self, call: Call, host: dict[int, torch.Tensor], capturing: bool):
+  def _plan(self, host: dict[int, torch.Tensor], n: int | None, statics, capturing: bool):
     for p, args, inputs in self.plans:
-      P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, call.sig.bucket,
-                                 call.n if call.n is not None else 0, call.statics, capturing))
+      P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, self.sig.bucket,
+                                 n or 0, statics, capturing))
 
-  def run(self, call: Call, copy_outputs: bool):
+  def run(self, leaves: list, n: int | None, statics: dict, bound: dict, copy_outputs: bool, check: bool):
+    """One call: inputs in, plan, replay (or run the program), outputs out. `check`: verify the tensors
+    captured by address (skipped when dispatch knows these are the very containers already verified)."""
     st = self.stats
     st.calls += 1
-    if call.n is not None:
-      st.padded += call.sig.bucket - call.n
-    args, host = self._inputs(call)
+    if n is not None:
+      st.padded += self.sig.bucket - n
+    args, host = self._inputs(leaves)
     if self.full is None and not self.graphs:
       st.eager += 1
     else:
-      self._check_addresses(call)
+      if check:
+        self._check_addresses(leaves)
       st.replays += 1
-    self._plan(call, host, capturing=False)
-    if self.full is not None:
-      outs = self.full.replay()
-    else:
-      outs = self.program.module(*args)
-    return self._outputs(call, outs, copy_outputs)
+    self._plan(host, n, statics, capturing=False)
+    outs = self.full.replay() if self.full is not None else self.program.module(*args)
+    return self._outputs(leaves, n, bound, outs, copy_outputs)
 
-  def _outputs(self, call: Call, outs, copy_outputs: bool):
+  def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
     outs = list(outs)
     for j, i in self.out_passthrough.items():
-      outs[j] = call.leaves[i]
-    if call.n is not None and call.n != call.sig.bucket:
+      outs[j] = leaves[i]
+    if n is not None and n != self.sig.bucket:
       for j in self.out_batched:
-        outs[j] = outs[j][:call.n]
+        outs[j] = outs[j][:n]
     if copy_outputs:
       outs = [o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o
               for j, o in enumerate(outs)]
-    return pytree.tree_unflatten(outs, self.out_spec)
+    res = pytree.tree_unflatten(outs, self.out_spec)
+    if self.out_args:
+      res = tuple(bound[self.out_args[k]] if k in self.out_args else r for k, r in enumerate(res))
+    return res
 
-  def _check_addresses(self, call: Call):
-    ptrs = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
+  def _check_addresses(self, leaves):
+    ptrs = tuple(leaves[i].data_ptr() for i in self.address_ix)
     if ptrs != self.addresses:
       k = next(k for k, (a, b) in enumerate(zip(ptrs, self.addresses)) if a != b)
       raise SignatureError(f"fgraph.jit: {self.paths[self.address_ix[k]]} is not the tensor the graph of signature "
@@ -147,11 +155,11 @@ class Entry:
   def capture(self, call: Call, pool, warmups: int):
     """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL)."""
     t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
-    self.buffers = C.InputBuffers([(call.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
+    self.buffers = C.InputBuffers([(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
                                   self.device)
-    args, host = self._inputs(call)
+    args, host = self._inputs(call.leaves)
     self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
-    self._plan(call, host, capturing=True)
+    self._plan(host, call.n, call.statics, capturing=True)
     for _ in range(warmups):
       self.program.module(*args)
     if self.device.startswith("cuda"):

@@ -7,10 +7,9 @@ import inspect
 import itertools
 import logging
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import _primitives as P
@@ -18,7 +17,7 @@ from . import capture as C
 from ._entry import Call, Entry, Stats, _device_of
 from ._errors import SignatureError
 from ._pytree import check_static_fields, flatten_with_paths
-from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count, path_str
+from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
 from ._split import Mode
 
 log = logging.getLogger("fgraph")
@@ -72,11 +71,17 @@ class Jitted:
     self.breaks, self.strict, self.copy_outputs = breaks, strict, copy_outputs
     self.routine, self.warmups = routine, warmups
     self.entries: dict[Signature, Entry] = {}
+    self._names = list(params)
+    self._defaults = {k: p.default for k, p in params.items()}
+    self._static_sorted = tuple(sorted(self.static))
+    self._dynamic = [k for k in params if k not in self.static]
+    self._flat, self._specs, self._fast = {}, {}, {}  # the fast path's caches (see _fast_call)
     self.sealed, self.pool, self.fallbacks, self._logged = False, None, {"unseen": 0, "oversize": 0}, set()
     functools.update_wrapper(self, fn)
 
   # -- the call path ---------------------------------------------------------------------------------------
-  def _bind(self, args, kwargs, pad=True) -> Call:
+  def _bind(self, args, kwargs) -> Call:
+    """The slow, thorough path: bind, check statics, flatten with key paths, find N and the bucket."""
     try:
       bound = self.signature.bind(*args, **kwargs)
     except TypeError as e:
@@ -96,40 +101,119 @@ class Jitted:
     paths, leaves = [p for p, _ in flat], [x for _, x in flat]
     specs = batch_specs(self.name, self.batch, dynamic, treespec, len(leaves))
     n = pad_count(self.name, paths, leaves, specs)
-    bucket = None
-    if n is not None:
-      bucket = bucket_for(self.buckets, max(n, 1))
-      if bucket is not None and pad:
-        leaves = [s.padded(x, bucket + s.extra) if s is not None else x for x, s in zip(leaves, specs)]
+    bucket = bucket_for(self.buckets, max(n, 1)) if n is not None else None
     sig = Signature(tuple(sorted(statics.items(), key=lambda kv: kv[0])), bucket, treespec,
-                    tuple(leaf_of(x) for x in leaves))
-    return Call(sig, statics, paths, leaves, specs, n)
+                    tuple(leaf_of(x, s, bucket) for x, s in zip(leaves, specs)))
+    return Call(sig, statics, paths, leaves, specs, n, dict(bound.arguments))
+
+  def _fast_call(self, args, kwargs):
+    """The replay path. Containers passed again (the same params / state objects) are not re-flattened: their
+    flat layout is cached by identity; only batched arguments are flattened and padded. Returns None to
+    send the call down the slow path (first sight of anything, errors, fallbacks)."""
+    names = self._names
+    if len(args) > len(names):
+      return None
+    bound = dict(zip(names, args))
+    for k, v in kwargs.items():
+      if k in bound or k not in self._defaults:
+        return None
+      bound[k] = v
+    if len(bound) < len(names):
+      for k in names:
+        if k not in bound:
+          d = self._defaults[k]
+          if d is inspect.Parameter.empty:
+            return None
+          bound[k] = d
+    try:
+      statics = tuple(bound[k] for k in self._static_sorted)
+      hash(statics)
+    except TypeError:
+      return None
+    parts, leaves, n, layouts = [], [], None, []
+    for name in self._dynamic:
+      v = bound[name]
+      if name in self.batch:
+        lv, spec = pytree.tree_flatten(v)
+        specs = self._specs.get((name, spec))
+        if specs is None:
+          return None
+        for x, s in zip(lv, specs):
+          if s is not None:
+            r = x.shape[s.axis] - s.extra
+            n = r if n is None or r > n else n
+        layouts.append((len(parts), lv, specs, spec))
+        parts.append(None)  # filled in below, once the bucket is known
+        leaves.extend(lv)
+      else:
+        c = self._flat.get(name)
+        if c is None or c[0] is not v:
+          return None
+        parts.append(c[2])
+        leaves.extend(c[1])
+    bucket = bucket_for(self.buckets, n if n > 1 else 1) if n is not None else None
+    if n is not None and bucket is None:
+      return None
+    for at, lv, specs, spec in layouts:  # batched arguments enter the key at their padded shapes
+      parts[at] = _batched_key(spec, lv, specs, bucket)
+    entry = self._fast.get((statics, bucket, tuple(parts)))
+    if entry is None:
+      return None
+    check = entry.verified is None or any(a is not b for a, b in zip(parts, entry.verified))
+    out = entry.run(leaves, n, dict(zip(self._static_sorted, statics)), bound, self.copy_outputs, check)
+    entry.verified = parts
+    return out
+
+  def _remember(self, call: Call, entry: Entry):
+    """Teach the fast path this call's layout: per argument, its flat leaves (by container identity) or,
+    for batched arguments, the Batched spec of each leaf."""
+    parts, bucket = [], call.sig.bucket
+    for name in self._dynamic:
+      v = call.bound[name]
+      lv, spec = pytree.tree_flatten(v)
+      if name in self.batch:
+        specs = batch_specs(self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1],
+                            len(lv))
+        self._specs[(name, spec)] = specs
+        parts.append(_batched_key(spec, lv, specs, bucket))
+      else:
+        key = _Key((spec, tuple(leaf_of(x) for x in lv)))
+        c = self._flat.get(name)
+        if c is None or c[0] is not v or c[2] != key:
+          self._flat[name] = c = (v, lv, key)
+        parts.append(c[2])
+    statics = tuple(call.bound[k] for k in self._static_sorted)
+    self._fast[(statics, bucket, tuple(parts))] = entry
 
   def __call__(self, *args, **kwargs):
     if _disabled:
       return self.fn(*args, **kwargs)
+    out = self._fast_call(args, kwargs)
+    if out is not None:
+      return out
     call = self._bind(args, kwargs)
     if call.n is not None and call.sig.bucket is None:
-      return self._fallback("oversize", call, args, kwargs,
-                            f"{call.n} tokens exceed the largest bucket {self.buckets[-1]}",
+      return self._fallback("oversize", call, f"{call.n} tokens exceed the largest bucket {self.buckets[-1]}",
                             "raise buckets=[..., N] or split the batch")
     entry = self.entries.get(call.sig)
     if entry is None:
       if self.sealed:
-        return self._fallback("unseen", call, args, kwargs, f"signature {call.sig.describe()} was not captured"
+        return self._fallback("unseen", call, f"signature {call.sig.describe()} was not captured"
                               + self._closest(call.sig), f"add it to {self.name}.capture(...)")
       entry = self._new_entry(call)
-      self._capture(entry, self._dummy(args, kwargs, call.sig.bucket) if call.n is not None else call)
-    return entry.run(call, self.copy_outputs)
+      self._capture(entry, self._dummy(call, call.sig.bucket) if call.n is not None else call)
+    out = entry.run(call.leaves, call.n, call.statics, call.bound, self.copy_outputs, check=True)
+    self._remember(call, entry)
+    entry.verified = None
+    return out
 
-  def _fallback(self, kind, call, args, kwargs, what, fix):
+  def _fallback(self, kind, call, what, fix):
     if self.strict:
       raise SignatureError(f"fgraph.jit({self.name}, strict=True): {what}", fix)
     if (kind, call.sig.statics) not in self._logged:
       self._logged.add((kind, call.sig.statics))
       log.warning("fgraph.jit(%s): %s; running eagerly (logged once). Fix: %s", self.name, what, fix)
     self.fallbacks[kind] += 1
-    call = self._bind(args, kwargs, pad=False)
     device = _device_of(self.name, call)
     leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]
     return self.fn(**pytree.tree_unflatten(leaves, call.sig.treespec), **call.statics)
@@ -192,7 +276,7 @@ class Jitted:
         bar = tqdm(todo, desc=f"fgraph capture {self.name} {statics or ''}".rstrip(), disable=None if progress else True,
                    leave=False)
         for b in bar:
-          call = self._dummy(args, {**rest, **statics}, b)
+          call = self._dummy(self._bind(args, {**rest, **statics}), b)
           if call.sig in self.entries:
             continue
           entry = self._new_entry(call)
@@ -210,12 +294,11 @@ class Jitted:
             f"{secs:.1f} s, {gib:.2f} GiB", flush=True)
     return self
 
-  def _dummy(self, args, kwargs, bucket) -> Call:
-    """An all-padding call for `bucket`: each batched leaf cut to its `extra` rows, then padded."""
-    call = self._bind(args, kwargs, pad=False)
-    leaves = [x if s is None else s.padded(x.narrow(s.axis, 0, s.extra), bucket + s.extra)
-              for x, s in zip(call.leaves, call.specs)]
-    sig = call.sig._replace(bucket=bucket, leaves=tuple(leaf_of(x) for x in leaves))
+  def _dummy(self, call: Call, bucket: int) -> Call:
+    """An all-padding call for `bucket`: each batched leaf cut to its `extra` rows (the entry pads it)."""
+    specs = call.specs
+    leaves = [x if s is None else x.narrow(s.axis, 0, s.extra) for x, s in zip(call.leaves, specs)]
+    sig = call.sig._replace(bucket=bucket, leaves=tuple(leaf_of(x, s, bucket) for x, s in zip(leaves, specs)))
     return call._replace(sig=sig, leaves=leaves, n=0)
 
   # -- introspection ---------------------------------------------------------------------------------------
@@ -228,7 +311,27 @@ class Jitted:
   def reset(self):
     """Drop every trace and graph (after replacing params or state with new tensors)."""
     self.entries.clear()
+    self._flat.clear(), self._specs.clear(), self._fast.clear()
     self.sealed, self.pool = False, None
+
+
+def _batched_key(spec, leaves, specs, bucket):
+  return spec, tuple((x.dtype, x.device, s.padded_shape(x, bucket)) if s is not None and isinstance(x, torch.Tensor)
+                     else leaf_of(x) for x, s in zip(leaves, specs))
+
+
+class _Key:
+  """A hashable layout key that hashes once: a params tree of hundreds of leaves is looked up per call."""
+  __slots__ = ("key", "hash")
+
+  def __init__(self, key):
+    self.key, self.hash = key, hash(key)
+
+  def __hash__(self):
+    return self.hash
+
+  def __eq__(self, other):
+    return self is other or (isinstance(other, _Key) and self.hash == other.hash and self.key == other.key)
 
 
 def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], Jitted]:

@@ -7,7 +7,7 @@ where batched leaves are counted at their padded size, so every N in a bucket sh
 from __future__ import annotations
 
 import bisect
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -36,6 +36,22 @@ class Batched:
     shape = list(x.shape)
     shape[self.axis] = size - have
     return torch.cat([x, torch.full(shape, self.pad, dtype=x.dtype, device=x.device)], self.axis)
+
+  def pad_into(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+    """Write x padded into dst (its padded shape), without allocating for scalar pads."""
+    have, size = x.shape[self.axis], dst.shape[self.axis]
+    if have == size:
+      dst.copy_(x)
+    elif callable(self.pad):
+      dst.copy_(self.pad(x, size))
+    else:
+      dst.narrow(self.axis, 0, have).copy_(x)
+      dst.narrow(self.axis, have, size - have).fill_(self.pad)
+
+  def padded_shape(self, x: torch.Tensor, bucket: int) -> tuple[int, ...]:
+    shape = list(x.shape)
+    shape[self.axis] = bucket + self.extra
+    return tuple(shape)
 
   def real(self, x: torch.Tensor) -> int:
     return x.shape[self.axis] - self.extra
@@ -66,9 +82,11 @@ class Leaf(NamedTuple):
     return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}@{self.device}"
 
 
-def leaf_of(x: Any) -> Leaf:
+def leaf_of(x: Any, spec: Batched | None = None, bucket: int | None = None) -> Leaf:
+  """A leaf's abstract value; a batched leaf counts at its padded shape (its device is where it came from)."""
   if isinstance(x, torch.Tensor):
-    return Leaf(tuple(x.shape), x.dtype, str(x.device))
+    padded = spec is not None and bucket is not None
+    return Leaf(spec.padded_shape(x, bucket) if padded else tuple(x.shape), x.dtype, str(x.device))
   return Leaf(None, None, None, x)
 
 

@@ -5,10 +5,12 @@ SILENT MISMATCHES (wrong results, no error):
   python_constants_frozen_at_trace       HARD  inherent to tracing: closures and globals are read once
   warmup_and_capture_run_the_function    MED   donated state sees the all-padding dummy calls of capture
   python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only
+  containers_read_once_by_identity       MED   a params/state container passed again is not re-flattened
 ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   state_replaced_after_capture           EASY  SignatureError naming the key path (tests/test_errors.py)
 """
+import pytest
 import torch
 
 import fgraph
@@ -68,3 +70,16 @@ def test_python_side_effects_run_once_at_trace():
   for _ in range(3):
     j(torch.ones(2))
   assert log == ["called"]  # should be 3 entries! only the trace ran Python
+
+
+def test_containers_read_once_by_identity():
+  """The replay path caches a container's flat layout by identity (flattening hundreds of leaves per call costs
+  more than a small model's step). Update tensors in place, or pass a new container, which is re-checked."""
+  f = fgraph.jit(lambda x, p: x * p["s"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+  p = {"s": torch.full((1,), 2.0)}
+  f(torch.ones(4), p)
+  f(torch.ones(4), p)
+  p["s"] = torch.full((1,), 5.0)  # replaced inside the same dict
+  assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! the dict was not re-read
+  with pytest.raises(fgraph.SignatureError, match=r"p\['s'\] is not the tensor the graph .* was captured with"):
+    f(torch.ones(4), dict(p))  # a new container is flattened and checked: the replaced tensor is caught

@@ -101,17 +101,17 @@ class InputBuffers:
   def _views(buf, offsets, shapes):
     return [buf[o:o + torch.Size(s).numel() * d.itemsize].view(d).view(s) for o, (s, d) in zip(offsets, shapes)]
 
-  def write(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy the padded leaves in; returns the host-side views (what plan hooks read)."""
-    if self.cuda and all(x.device.type == "cpu" for x in leaves):
-      if self.copied is not None:
-        self.copied.synchronize()  # the previous call's copy may still be reading the mirror
-      for h, x in zip(self.host, leaves):
-        h.copy_(x)
+  def write(self, leaves: list[torch.Tensor], specs) -> list[torch.Tensor]:
+    """Pad the leaves straight into the buffers; returns the padded views on the caller's side of the copy
+    (the host mirror for host inputs: what plan hooks read without a device sync)."""
+    to_host = self.cuda and all(x.device.type == "cpu" for x in leaves)
+    if to_host and self.copied is not None:
+      self.copied.synchronize()  # the previous call's copy may still be reading the mirror
+    targets = self.host if to_host else self.dev
+    for t, x, s in zip(targets, leaves, specs):
+      s.pad_into(x, t)
+    if to_host:
       self.dev_bytes.copy_(self.host_bytes, non_blocking=True)
       self.copied = torch.cuda.Event()
       self.copied.record()
-      return self.host
-    for d, x in zip(self.dev, leaves):
-      d.copy_(x)
-    return leaves
+    return targets
