@@ -152,9 +152,15 @@ class Entry:
                            "or call .reset() to drop the graphs after replacing them")
 
   # -- capturing -------------------------------------------------------------------------------------------
-  def capture(self, call: Call, pool, warmups: int):
-    """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL)."""
+  def capture(self, call: Call, pool, warmups: int, compile: bool = False):
+    """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
+    With `compile`, Inductor compiles each graph piece first (fusing norms, RoPE, activations, residuals);
+    breaks stay as they are."""
     t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
+    if compile:
+      for piece in self.program.pieces:
+        if not piece.is_break:
+          setattr(self.program.module, piece.name, Compiled(piece.module))
     self.buffers = C.InputBuffers([(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
                                   self.device)
     args, host = self._inputs(call.leaves)
@@ -166,7 +172,8 @@ class Entry:
       torch.cuda.synchronize()
     Graph = C.graph_class(self.device)
     if self.mode is Mode.PIECEWISE:
-      runners = [PieceRunner(piece, Graph, pool) for piece in self.program.pieces]
+      runners = [PieceRunner(piece, getattr(self.program.module, piece.name), Graph, pool)
+                 for piece in self.program.pieces]
       for r in runners:
         setattr(self.program.module, r.piece.name, r)
       self.program.module(*args)  # the runners capture on this first call, replay on later ones
@@ -182,13 +189,27 @@ class Entry:
     self.pool_bytes = C.pool_bytes(self.device) - mem0
 
 
+class Compiled(torch.nn.Module):
+  """A graph piece compiled by Inductor on its first call (for the shapes of that call: one signature)."""
+
+  def __init__(self, module: fx.GraphModule):
+    super().__init__()
+    self.module, self.fn = module, None
+
+  def forward(self, *args):
+    if self.fn is None:
+      from torch._inductor.compile_fx import compile_fx
+      self.fn = compile_fx(self.module, list(args))
+    return self.fn(*args)
+
+
 class PieceRunner(torch.nn.Module):
   """Stands in for one piece of the program: captures a graph piece on its first call and replays it after;
   a break piece runs eagerly every time and copies any tensors it returns into stable buffers."""
 
-  def __init__(self, piece, Graph, pool):
+  def __init__(self, piece, module, Graph, pool):
     super().__init__()
-    self.piece, self.module, self.graph, self.out = piece, piece.module, None, None
+    self.piece, self.module, self.graph, self.out = piece, module, None, None
     self._Graph, self._pool = Graph, pool
 
   def forward(self, *args):

@@ -47,7 +47,8 @@ class Jitted:
   """A function traced and captured per signature. Call it like the original; see `jit`."""
 
   def __init__(self, fn, *, static=(), donate=(), batch=None, buckets=None, mode="FULL_AND_PIECEWISE",
-               breaks=None, strict=False, copy_outputs=False, routine="routine", warmups=1):
+               breaks=None, strict=False, copy_outputs=False, routine="routine", warmups=1,
+               compile=False):
     self.fn, self.name = fn, getattr(fn, "__name__", repr(fn))
     self.signature = inspect.signature(fn)
     params = self.signature.parameters
@@ -69,7 +70,7 @@ class Jitted:
         raise SignatureError(f"fgraph.jit({self.name}): breaks= names unknown primitives {unknown}",
                              f"registered primitives are {sorted(P.registry)}")
     self.breaks, self.strict, self.copy_outputs = breaks, strict, copy_outputs
-    self.routine, self.warmups = routine, warmups
+    self.routine, self.warmups, self.compile = routine, warmups, compile
     self.entries: dict[Signature, Entry] = {}
     self._names = list(params)
     self._defaults = {k: p.default for k, p in params.items()}
@@ -220,7 +221,8 @@ class Jitted:
 
   def _capture(self, entry: Entry, call: Call):
     graphed = entry.mode is not Mode.NONE
-    entry.capture(call, self._pool(entry.device) if graphed else None, self.warmups if graphed else 0)
+    entry.capture(call, self._pool(entry.device) if graphed else None, self.warmups if graphed else 0,
+                  self.compile and graphed)
 
   def _pool(self, device):
     if self.pool is None:
@@ -347,6 +349,8 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
   strict: raise instead of running eagerly for unseen signatures or oversize batches.
   copy_outputs: return copies; by default outputs live in graph memory until the next replay of the same
     signature overwrites them.
+  compile: compile the graph pieces with Inductor before capturing them (fuses elementwise work between
+    matmuls; costs compile time per signature, so capture fewer buckets with it).
   """
   if fn is None:
     return lambda f: Jitted(f, **options)

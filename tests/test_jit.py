@@ -187,3 +187,13 @@ def test_explain_cache_misses_names_what_differs(caplog):
     fgraph.config.explain_cache_misses = False
   assert "closest captured signature (breaks=2, routine='decode', bucket=8) differs in state['count']: " \
       "int32[]@cpu (captured int64[]@cpu)" in caplog.text
+
+
+def test_inductor_compiled_pieces_equal_eager():
+  f = jitted(mode="PIECEWISE", buckets=[8], compile=True)
+  params, state, batch = make()
+  out, _ = f(params, state, batch, routine="decode")
+  torch.testing.assert_close(out, eager(params, batch, routine="decode"))
+  (e,) = f.entries.values()
+  assert all(type(getattr(e.program.module, p.name).module).__name__ == "Compiled" for p in e.program.pieces
+             if not p.is_break)

@@ -69,12 +69,35 @@ def host_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table
 # ------------------------------------------------------------------------------------- wrappers and buffers
 class _DecodeBuffers:
   """The persistent device metadata that decode wrappers (and their graphs) read; `owner` = plan generation
-  whose metadata they hold."""
+  whose metadata they hold. Page ids reach the device through pinned staging buffers (two, alternating), with
+  a non-blocking copy: flashinfer's own plan() copies them from pageable memory with a blocking copy, which
+  synchronizes the stream every step."""
 
   def __init__(self, batch: int, num_indices: int, device):
     z = lambda n: torch.zeros(n, dtype=torch.int32, device=device)
     self.indptr, self.last, self.indices = z(batch + 1), z(batch), z(num_indices)
     self.batch, self.owner = batch, None
+    self.cuda = torch.device(device).type == "cuda"
+    if self.cuda:
+      self.stage = [torch.empty(num_indices, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+      self.copied, self.turn = [None, None], 0
+
+  def upload_indices(self, indices: torch.Tensor) -> torch.Tensor:
+    """Page ids (host) -> self.indices[:n] (device), stream-ordered, no host sync. Returns that slice; handed
+    to plan() as `indices`, it makes plan's own copy a no-op (same memory)."""
+    n = indices.numel()
+    dst = self.indices[:n]
+    if not self.cuda:
+      dst.copy_(indices)
+      return dst
+    i, self.turn = self.turn, self.turn ^ 1
+    if self.copied[i] is not None:
+      self.copied[i].synchronize()  # the copy made from this stage two plans ago must be done reading it
+    self.stage[i][:n].copy_(indices)
+    dst.copy_(self.stage[i][:n], non_blocking=True)
+    self.copied[i] = torch.cuda.Event()
+    self.copied[i].record()
+    return dst
 
 
 @attrs.define(eq=False)
@@ -91,7 +114,11 @@ class _Wrapper:
   def plan(self, host: HostPlan, gen: int) -> None:
     hq, hkv, d, page, qdt, kvdt, scale = self.cfg
     if self.routine == "decode":
-      self.fi.plan(host.indptr, host.indices, host.last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt,
+      if host.indices.numel() > self.bufs.indices.numel():
+        raise FgraphError(f"attention(backend='flashinfer'): {host.indices.numel()} pages in use, the decode "
+                          f"buffers hold {self.bufs.indices.numel()}", "keep block tables within max_pages")
+      indices = self.bufs.upload_indices(host.indices)
+      self.fi.plan(host.indptr, indices, host.last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt,
                    sm_scale=scale)
       self.bufs.owner = gen
     else:
