@@ -60,8 +60,11 @@ class Entry:
       dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
       out = jitted.fn(**dyn, **call.statics)
       out_leaves, self.out_spec = pytree.tree_flatten(out)
-      if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back
+      if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back, which
+        # also spares unflattening it on every call
         self.out_args = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}
+        if self.out_args:
+          self.out_recipe, self.out_spec = _fold_arguments(out, self.out_args)
       return out_leaves
 
     t0 = time.perf_counter()
@@ -137,10 +140,9 @@ class Entry:
     if copy_outputs:
       outs = [o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o
               for j, o in enumerate(outs)]
-    res = pytree.tree_unflatten(outs, self.out_spec)
-    if self.out_args:
-      res = tuple(bound[self.out_args[k]] if k in self.out_args else r for k, r in enumerate(res))
-    return res
+    if not self.out_args:
+      return pytree.tree_unflatten(outs, self.out_spec)
+    return pytree.tree_unflatten([outs[x] if type(x) is int else bound[x] for x in self.out_recipe], self.out_spec)
 
   def _check_addresses(self, leaves):
     ptrs = tuple(leaves[i].data_ptr() for i in self.address_ix)
@@ -187,6 +189,17 @@ class Entry:
       torch.cuda.synchronize()
     self.capture_seconds = time.perf_counter() - t0
     self.pool_bytes = C.pool_bytes(self.device) - mem0
+
+
+def _fold_arguments(out: tuple, out_args: dict[int, str]):
+  """Outputs that are the caller's own arguments become one leaf each: (recipe, spec), where the recipe lists,
+  per leaf of the folded tree, the index of the graph output to use, or the argument name to hand back."""
+  recipe, base = [], 0
+  for k, o in enumerate(out):
+    n = len(pytree.tree_leaves(o))
+    recipe.extend([out_args[k]] if k in out_args else range(base, base + n))
+    base += n
+  return recipe, pytree.tree_flatten(tuple(None if k in out_args else o for k, o in enumerate(out)))[1]
 
 
 class Compiled(torch.nn.Module):

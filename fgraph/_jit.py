@@ -160,9 +160,11 @@ class Jitted:
     entry = self._fast.get((statics, bucket, tuple(parts)))
     if entry is None:
       return None
-    check = entry.verified is None or any(a is not b for a, b in zip(parts, entry.verified))
+    held = [p for p in parts if type(p) is _Key]  # the identity-cached containers (not the batched args)
+    check = entry.verified is None or len(held) != len(entry.verified) or \
+        any(a is not b for a, b in zip(held, entry.verified))
     out = entry.run(leaves, n, dict(zip(self._static_sorted, statics)), bound, self.copy_outputs, check)
-    entry.verified = parts
+    entry.verified = held
     return out
 
   def _remember(self, call: Call, entry: Entry):

@@ -87,6 +87,8 @@ class InputBuffers:
       offsets.append(total)
       total += max(1, torch.Size(shape).numel()) * dtype.itemsize
     self.device = device
+    # rows last written per leaf, on each side: the pad rows after them are still in place
+    self.real_host, self.real_dev = [-1] * len(shapes), [-1] * len(shapes)
     self.dev_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
     self.dev = self._views(self.dev_bytes, offsets, shapes)
     self.cuda = device.startswith("cuda")
@@ -108,9 +110,16 @@ class InputBuffers:
     if to_host and self.copied is not None:
       self.copied.synchronize()  # the previous call's copy may still be reading the mirror
     targets = self.host if to_host else self.dev
-    for t, x, s in zip(targets, leaves, specs):
-      s.pad_into(x, t)
+    real = self.real_host if to_host else self.real_dev
+    for k, (t, x, s) in enumerate(zip(targets, leaves, specs)):
+      have = x.shape[s.axis]
+      if have == real[k] and not callable(s.pad):  # the padding already there is still right
+        t.narrow(s.axis, 0, have).copy_(x)
+      else:
+        s.pad_into(x, t)
+        real[k] = have
     if to_host:
+      self.real_dev[:] = real  # the whole mirror goes over, padding included
       self.dev_bytes.copy_(self.host_bytes, non_blocking=True)
       self.copied = torch.cuda.Event()
       self.copied.record()

@@ -191,9 +191,11 @@ def experts(x, ids, w, w13, w2, layout: Optional[str] = None):
 
 # ----------------------------------------------------------------------------------------------- backends
 def _world():
+  """(rank, world, communicate): with no process group the EP backends run alone (world 1, no collectives);
+  with one, they always communicate, even at world size 1, so one GPU exercises the NCCL path."""
   if dist.is_available() and dist.is_initialized():
-    return dist.get_rank(), dist.get_world_size()
-  return 0, 1
+    return dist.get_rank(), dist.get_world_size(), True
+  return 0, 1, False
 
 
 def _pack(ids, w, el_offset, el, dtype):
@@ -209,12 +211,12 @@ def _unpack(packed, k, dtype):
 
 def _allgather(x, w, ids, w13, w2):
   """Each rank computes its experts' share for all ranks' tokens; reduce-scatter sums the shares back."""
-  rank, world = _world()
+  rank, world, comm = _world()
   N, k = ids.shape
   el = w13.shape[0]
   pdt = torch.promote_types(x.dtype, torch.float32)                   # ids < 2^24 are exact in fp32
   packed = torch.cat([ids.to(pdt), w.to(pdt)], 1)                     # [N, 2k]
-  if world > 1:
+  if comm:
     xg, pg = x.new_empty(world * N, x.shape[1]), packed.new_empty(world * N, 2 * k)
     dist.all_gather_single(xg, x.contiguous())
     dist.all_gather_single(pg, packed)
@@ -223,7 +225,7 @@ def _allgather(x, w, ids, w13, w2):
   gids, gw = _unpack(pg, k, pdt)
   lids, lw = _unpack(_pack(gids, gw, rank * el, el, pdt), k, x.dtype)
   y = experts(xg, lids, lw, w13, w2)                                  # [world*N, dim] partial sums
-  if world == 1:
+  if not comm:
     return y
   mine = x.new_empty(N, x.shape[1])
   dist.reduce_scatter_single(mine, y.contiguous())
@@ -232,7 +234,7 @@ def _allgather(x, w, ids, w13, w2):
 
 def _all2all(x, w, ids, w13, w2):
   """DeepEP-HT shaped dispatch/combine: counts through the host, data-dependent all_to_all sizes."""
-  rank, world = _world()
+  rank, world, comm = _world()
   N, k = ids.shape
   el, dim = w13.shape[0], x.shape[1]
   pdt = torch.promote_types(x.dtype, torch.float32)
@@ -241,14 +243,14 @@ def _all2all(x, w, ids, w13, w2):
   dst, tok = hit.nonzero(as_tuple=True)                               # sorted by rank, then token
   send = hit.sum(1)                                                   # [W]
   recv = torch.empty_like(send)
-  if world > 1:
+  if comm:
     dist.all_to_all_single(recv, send)
   else:
     recv.copy_(send)
   send_n, recv_n = send.tolist(), recv.tolist()                       # the host exchange
   x_send = x.index_select(0, tok)                                     # [S, dim]
   r_send = _pack(ids[tok], w[tok], dst[:, None] * el, el, pdt)        # [S, 2k]
-  if world > 1:
+  if comm:
     x_recv, r_recv = x.new_empty(sum(recv_n), dim), r_send.new_empty(sum(recv_n), 2 * k)
     dist.all_to_all_single(x_recv, x_send, recv_n, send_n)
     dist.all_to_all_single(r_recv, r_send, recv_n, send_n)
@@ -256,7 +258,7 @@ def _all2all(x, w, ids, w13, w2):
     x_recv, r_recv = x_send, r_send
   lids, lw = _unpack(r_recv, k, x.dtype)
   y = experts(x_recv, lids, lw, w13, w2)                              # [R, dim], weighted by the receiver
-  if world > 1:
+  if comm:
     y_back = x.new_empty(len(tok), dim)
     dist.all_to_all_single(y_back, y.contiguous(), send_n, recv_n)
   else:
