@@ -6,6 +6,7 @@ import functools
 import inspect
 import itertools
 import logging
+import sys
 import time
 from typing import Callable
 
@@ -295,7 +296,7 @@ class Jitted:
     gib = sum(e.pool_bytes for e in self.entries.values()) / 2**30
     if progress:
       print(f"fgraph: captured {graphs} graphs for {len(self.entries) - n0} signatures of {self.name} in "
-            f"{secs:.1f} s, {gib:.2f} GiB", flush=True)
+            f"{secs:.1f} s, {gib:.2f} GiB", file=sys.stderr, flush=True)
     return self
 
   def _dummy(self, call: Call, bucket: int) -> Call:

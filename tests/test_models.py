@@ -144,6 +144,29 @@ def test_loader_errors(tmp_path):
     checkpoint.load(str(tmp_path / "nowhere"))
 
 
+# config.json of the real checkpoints (transformers 4 style: top-level rope_theta, rope_scaling) -> the presets.
+REAL_CONFIGS = {
+  "qwen2.5-0.5b": dict(architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864,
+                       num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24, vocab_size=151936,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=32768,
+                       sliding_window=32768, use_sliding_window=False, max_window_layers=21, tie_word_embeddings=True,
+                       hidden_act="silu", torch_dtype="bfloat16"),
+  "llama3-8b": dict(architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                    num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
+                    rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072, mlp_bias=False,
+                    attention_bias=False, tie_word_embeddings=False, hidden_act="silu", torch_dtype="bfloat16",
+                    rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_CONFIGS))
+def test_real_configs_map_to_presets(tmp_path, name):
+  json.dump(REAL_CONFIGS[name], open(tmp_path / "config.json", "w"))
+  assert checkpoint.read_config(str(tmp_path)) == llama.preset(name)
+  assert checkpoint._dtype(None, str(tmp_path)) == torch.bfloat16
+
+
 def test_sharded_checkpoint_with_index(tmp_path):
   """Many shards + model.safetensors.index.json load to the same tensors as one file."""
   make_hf("llama", dict(num_key_value_heads=2), str(tmp_path / "one"))

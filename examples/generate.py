@@ -1,0 +1,118 @@
+"""Generate with continuous batching: `python -m examples.generate [--model DIR | --preset NAME] ...`.
+
+With neither --model nor --preset it runs an embedded tiny random model (preset "tiny"), so it works on a
+fresh CPU machine in seconds; on a GPU it uses CUDA, bf16 and captured graphs. Examples:
+
+  python -m examples.generate --json
+  python -m examples.generate --preset qwen2.5-0.5b --num-prompts 64 --max-new-tokens 128 --backend flashinfer
+  python -m examples.generate --model ~/Qwen2.5-0.5B-Instruct --prompt "The capital of France is" --greedy
+  python -m examples.generate --prompt-ids 1,2,3 --prompt-ids 4,5 --mode PIECEWISE --explain
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import torch
+
+import fgraph
+
+from . import checkpoint, engine, llama
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m examples.generate", description=__doc__.split("\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  src = p.add_mutually_exclusive_group()
+  src.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors)")
+  src.add_argument("--preset", choices=sorted(llama.presets), help="random weights of a known shape")
+  p.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", help="a prompt as token ids (repeatable)")
+  p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt as text (needs tokenizer.json)")
+  p.add_argument("--num-prompts", type=int, default=4, help="random prompts when none is given")
+  p.add_argument("--prompt-len", type=int, default=16, help="length of the random prompts")
+  p.add_argument("--max-new-tokens", type=int, default=32)
+  p.add_argument("--greedy", action="store_true", help="argmax decoding (default: temperature / top-p sampling)")
+  p.add_argument("--temperature", type=float, default=0.8)
+  p.add_argument("--top-p", type=float, default=0.95)
+  p.add_argument("--seed", type=int, default=0, help="seeds the random weights, random prompts and sampling")
+  p.add_argument("--backend", default="auto", help="attention backend: auto, torch, flash_attn, flashinfer")
+  p.add_argument("--mode", default="FULL_AND_PIECEWISE", type=str.upper,
+                 choices=[m.value for m in fgraph.Mode] + ["EAGER"], help="capture mode, or EAGER (no fgraph.jit)")
+  p.add_argument("--device", help="default: cuda when available, else cpu")
+  p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+  p.add_argument("--max-seqs", type=int, default=128, help="most requests running at once")
+  p.add_argument("--max-batch-tokens", type=int, default=256, help="most tokens in one step (the largest bucket)")
+  p.add_argument("--explain", action="store_true", help="print fgraph.explain of the decode and mixed steps")
+  p.add_argument("--json", action="store_true", help='print one JSON object: {"tokens": [[...], ...], ...}')
+  p.add_argument("--no-progress", action="store_true")
+  return p.parse_args(argv)
+
+
+def load_model(args, device: str, dtype: torch.dtype):
+  """(config, params, eos ids, tokenizer or None) from --model, --preset or the embedded tiny default."""
+  if args.model:
+    cfg, params = checkpoint.load(args.model, dtype, device)
+    return cfg, params, checkpoint.eos_token_ids(args.model), checkpoint.load_tokenizer(args.model)
+  cfg = llama.preset(args.preset or "tiny")
+  return cfg, llama.init_params(cfg, dtype, device, seed=args.seed), (), None
+
+
+def prompts_of(args, cfg, tokenizer) -> list[list[int]]:
+  try:
+    ids = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
+  except ValueError:
+    raise fgraph.FgraphError(f"--prompt-ids {args.prompt_ids}: not comma-separated integers", "--prompt-ids 1,2,3")
+  if args.prompt:
+    if tokenizer is None:
+      raise fgraph.FgraphError("--prompt needs a tokenizer.json in the --model directory",
+                               "pass --prompt-ids instead, or a --model directory with tokenizer.json")
+    ids += [tokenizer.encode(t).ids for t in args.prompt]
+  if not ids:  # benchmark / demo: random prompts
+    g = torch.Generator().manual_seed(args.seed)
+    ids = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
+  return ids
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+  dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+  cfg, params, eos, tokenizer = load_model(args, device, dtype)
+  prompts = prompts_of(args, cfg, tokenizer)
+  max_seqs = min(args.max_seqs, len(prompts))
+  # A short run needs no bucket larger than all of its prompts together: fewer signatures to capture.
+  max_batch_tokens = max(min(args.max_batch_tokens, sum(map(len, prompts))), max_seqs)
+  log = sys.stderr if args.json else sys.stdout  # with --json, stdout carries the JSON object only
+  with contextlib.redirect_stdout(log):  # capture's summary line included
+    eng = engine.build(cfg, params, backend=args.backend, mode="eager" if args.mode == "EAGER" else args.mode,
+                       max_seqs=max_seqs, max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
+                       max_batch_tokens=max_batch_tokens, eos_ids=eos, seed=args.seed)
+    if args.explain:
+      if args.mode == "EAGER":
+        print("--explain: nothing to explain in EAGER mode (no fgraph.jit)")
+      else:
+        for routine in ("decode", "mixed"):
+          print(eng.explain(routine))
+  for p in prompts:
+    eng.add(p, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature, top_p=args.top_p)
+  report = eng.run(progress=not args.no_progress)
+  out = {"tokens": report.tokens, "ttft_s": report.ttft, "tpot_s": report.tpot,
+         "throughput_tok_s": report.throughput, "elapsed_s": report.elapsed, "steps": report.steps,
+         "device": device, "dtype": str(dtype).removeprefix("torch."), "mode": args.mode,
+         "model": args.model or args.preset or "tiny"}
+  if tokenizer is not None:
+    out["text"] = [tokenizer.decode(t) for t in report.tokens]
+  if args.json:
+    print(json.dumps(out))
+  else:
+    for i, (p, t) in enumerate(zip(prompts, report.tokens)):
+      shown = repr(out["text"][i]) if tokenizer is not None else t
+      print(f"[{i}] {len(p)} prompt tokens -> {shown}")
+    print(report.summary())
+  return out
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,85 @@
+"""Blocks shared by every example model: RMSNorm, RoPE (incl. Llama-3 scaling), gated MLP, embedding, head.
+
+Plain functions over tensors (no nn.Module, no hidden state), written to match Hugging Face transformers'
+Llama/Qwen2 numerics op for op, so float32 logits agree to ~1e-6. Shapes: N tokens, H heads, D head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+  # x: [N, dim]. Normalise in float32, cast back before the weight (HF does the same, so bf16 rounds alike).
+  xf = x.float()
+  xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+  return w * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+  # x: [N, in], w: [out, in] (torch/HF layout), b: [out] or None -> [N, out]
+  return F.linear(x, w, b)
+
+
+def gated_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+  # x: [N, dim], w13: [2*inter, dim] (gate rows then up rows, fused at load time), w2: [dim, inter]
+  gate, up = linear(x, w13).chunk(2, dim=-1)  # [N, inter] each
+  return linear(F.silu(gate) * up, w2)
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+  # tokens: [N] int64, table: [V, dim] -> [N, dim]
+  return F.embedding(tokens, table)
+
+
+def lm_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+  # x: [N, dim], w: [V, dim] (the embedding table when tied) -> float32 logits [N, V] for sampling
+  return linear(x, w).float()
+
+
+@attrs.frozen
+class RopeScaling:
+  """`rope_scaling` of a HF config. Frozen, so it can live in a static model config."""
+  type: str = "llama3"  # "linear" or "llama3"
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+  """Inverse frequencies [D/2] float32, computed on the CPU exactly as HF does (then moved by the caller)."""
+  inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+  if scaling is None:
+    return inv_freq
+  if scaling.type == "linear":
+    return inv_freq / scaling.factor
+  if scaling.type != "llama3":
+    raise ValueError(f"rope scaling type {scaling.type!r} is not supported (supported: linear, llama3)")
+  # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+  s, old = scaling, scaling.original_max_position_embeddings
+  low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+  smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+  return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+  # inv_freq: [D/2] float32, positions: [N] int64 -> cos, sin: [N, D] in `dtype`.
+  # Computed per step from positions (no table, so no max length); angles in float32 as in HF.
+  freqs = positions[:, None].float() * inv_freq[None, :]  # [N, D/2]
+  emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+  return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+  # x: [N, H, D]; cos/sin: [N, D]. HF's "rotate half" layout (checkpoints are stored permuted for it).
+  x1, x2 = x.chunk(2, dim=-1)
+  rotated = torch.cat((-x2, x1), dim=-1)
+  return x * cos[:, None, :] + rotated * sin[:, None, :]
