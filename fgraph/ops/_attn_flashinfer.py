@@ -51,53 +51,75 @@ class HostPlan:
   last: torch.Tensor
 
 
+def _np(t: torch.Tensor):
+  return t.numpy() if t.device.type == "cpu" and t.dtype == torch.int32 else t.cpu().to(torch.int32).numpy()
+
+
 def host_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
               page_size: int) -> HostPlan:
-  """Vectorized (no loop per sequence; numpy, ~10x cheaper than torch CPU ops at these sizes)."""
+  """Vectorized (no loop per sequence; numpy, ~10x cheaper than torch CPU ops at these sizes). Device inputs
+  are copied to the host first (a sync: only for calls outside fgraph.jit)."""
   import numpy as np  # a flashinfer dependency
-  qsl, sl, bt = (t.cpu().to(torch.int32).numpy() for t in (query_start_loc, seq_lens, block_table))
+  qsl, sl, bt = _np(query_start_loc), _np(seq_lens), _np(block_table)
   npg = (sl + (page_size - 1)) // page_size                                   # [B] pages in use
   indptr = np.zeros(sl.shape[0] + 1, dtype=np.int32)
   np.cumsum(npg, out=indptr[1:])
   used = bt[:, :max(int(npg.max(initial=0)), 1)]
   indices = used[np.arange(used.shape[1], dtype=np.int32)[None, :] < npg[:, None]]  # row-major = per sequence
   last = sl - (npg - 1) * page_size
-  return HostPlan(torch.from_numpy(qsl.copy()), torch.from_numpy(indptr),
-                  torch.from_numpy(np.ascontiguousarray(indices)), torch.from_numpy(last.astype(np.int32)))
+  # (copies: the caller's host tensors are fgraph's input mirror, rewritten by the next call)
+  return HostPlan(torch.from_numpy(qsl.copy()), torch.from_numpy(indptr), torch.from_numpy(indices),
+                  torch.from_numpy(last))
 
 
 # ------------------------------------------------------------------------------------- wrappers and buffers
 class _DecodeBuffers:
-  """The persistent device metadata that decode wrappers (and their graphs) read; `owner` = plan generation
-  whose metadata they hold. Page ids reach the device through pinned staging buffers (two, alternating), with
-  a non-blocking copy: flashinfer's own plan() copies them from pageable memory with a blocking copy, which
-  synchronizes the stream every step."""
+  """The persistent device metadata that decode wrappers (and their graphs) read: one int32 array
+  [indptr (batch+1) | last (batch) | indices], wrappers of smaller buckets use the heads of its parts. `owner`:
+  the plan generation whose metadata it holds. A plan fills it with one non-blocking copy from a pinned mirror
+  (two, alternating); flashinfer's own plan() copies page ids from pageable memory with a blocking copy,
+  which synchronizes the stream every step."""
 
   def __init__(self, batch: int, num_indices: int, device):
-    z = lambda n: torch.zeros(n, dtype=torch.int32, device=device)
-    self.indptr, self.last, self.indices = z(batch + 1), z(batch), z(num_indices)
+    n = 2 * batch + 1 + num_indices
+    self.flat = torch.zeros(n, dtype=torch.int32, device=device)
+    self.indptr, self.last, self.indices = self.flat[:batch + 1], self.flat[batch + 1:2 * batch + 1], \
+        self.flat[2 * batch + 1:]
     self.batch, self.owner = batch, None
     self.cuda = torch.device(device).type == "cuda"
     if self.cuda:
-      self.stage = [torch.empty(num_indices, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+      self.stage = [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
       self.copied, self.turn = [None, None], 0
 
-  def upload_indices(self, indices: torch.Tensor) -> torch.Tensor:
-    """Page ids (host) -> self.indices[:n] (device), stream-ordered, no host sync. Returns that slice; handed
-    to plan() as `indices`, it makes plan's own copy a no-op (same memory)."""
-    n = indices.numel()
-    dst = self.indices[:n]
+  def upload(self, host: HostPlan) -> torch.Tensor:
+    """indptr, last-page lengths and page ids -> the device, stream-ordered, no host sync. Returns the used
+    page-id slice: handed to plan() as `indices`, it makes plan's own copy of them a no-op (same memory)."""
+    B, nnz, o = host.last.numel(), host.indices.numel(), self.batch
+    if nnz > self.indices.numel():
+      raise FgraphError(f"attention(backend='flashinfer'): {nnz} pages in use, the decode buffers hold "
+                        f"{self.indices.numel()}", "keep block tables within max_pages")
     if not self.cuda:
-      dst.copy_(indices)
-      return dst
+      self.indptr[:B + 1].copy_(host.indptr)
+      self.last[:B].copy_(host.last)
+      self.indices[:nnz].copy_(host.indices)
+      return self.indices[:nnz]
     i, self.turn = self.turn, self.turn ^ 1
     if self.copied[i] is not None:
-      self.copied[i].synchronize()  # the copy made from this stage two plans ago must be done reading it
-    self.stage[i][:n].copy_(indices)
-    dst.copy_(self.stage[i][:n], non_blocking=True)
+      self.copied[i].synchronize()  # the copy made from this mirror two plans ago must be done reading it
+    st, end = self.stage[i], 2 * o + 1 + nnz
+    st[:B + 1].copy_(host.indptr)
+    st[o + 1:o + 1 + B].copy_(host.last)
+    st[2 * o + 1:end].copy_(host.indices)
+    self.flat[:end].copy_(st[:end], non_blocking=True)
     self.copied[i] = torch.cuda.Event()
     self.copied[i].record()
-    return dst
+    return self.indices[:nnz]
+
+
+def _fast_decode_plan():
+  """flashinfer.decode.fast_decode_plan (what vLLM and sglang replan CUDA-graph decode wrappers with): plan()
+  minus the buffer copies (`upload` made them) and minus plan's O(batch) Python work. None if absent."""
+  return getattr(getattr(_fi(), "decode", None), "fast_decode_plan", None)
 
 
 @attrs.define(eq=False)
@@ -114,12 +136,14 @@ class _Wrapper:
   def plan(self, host: HostPlan, gen: int) -> None:
     hq, hkv, d, page, qdt, kvdt, scale = self.cfg
     if self.routine == "decode":
-      if host.indices.numel() > self.bufs.indices.numel():
-        raise FgraphError(f"attention(backend='flashinfer'): {host.indices.numel()} pages in use, the decode "
-                          f"buffers hold {self.bufs.indices.numel()}", "keep block tables within max_pages")
-      indices = self.bufs.upload_indices(host.indices)
-      self.fi.plan(host.indptr, indices, host.last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt,
-                   sm_scale=scale)
+      indices = self.bufs.upload(host)
+      fast = _fast_decode_plan() if self.gen is not None else None  # the first plan sets the wrapper up
+      if fast is None:
+        self.fi.plan(host.indptr, indices, host.last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt,
+                     sm_scale=scale)
+      else:
+        fast(self.fi, host.indptr, indices, host.last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt,
+             sm_scale=scale)
       self.bufs.owner = gen
     else:
       self.fi.plan(host.qo_indptr, host.indptr, host.indices, host.last, hq, hkv, d, page, causal=True,
@@ -172,8 +196,9 @@ def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: 
       bufs = _buffers(B, block_table.shape[1], q.device)
       # The CUDA-core decode kernels cover GQA groups 1, 2, 4, 8 only; tensor cores win from 4 on anyway.
       inner = fi.BatchDecodeWithPagedKVCacheWrapper(
-          ws, "NHD", use_cuda_graph=True, use_tensor_cores=hq // hkv > 2, paged_kv_indptr_buffer=bufs.indptr[:B + 1],
-          paged_kv_indices_buffer=bufs.indices, paged_kv_last_page_len_buffer=bufs.last[:B])
+          ws, "NHD", use_cuda_graph=True, use_tensor_cores=hq // hkv > 2,
+          paged_kv_indptr_buffer=bufs.indptr[:B + 1], paged_kv_indices_buffer=bufs.indices,
+          paged_kv_last_page_len_buffer=bufs.last[:B])
       w = _Wrapper(routine, cfg, inner, bufs)
     else:
       w = _Wrapper(routine, cfg, fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2"))
@@ -181,14 +206,20 @@ def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: 
   return w
 
 
-def _group(routine: str, bucket: int, page_size: int):
+def _group(routine: str, bucket: int, page_size: int, scale: float):
   """The wrappers one plan serves: decode wrappers of this bucket, or every prefill wrapper (not bucketed)."""
   return [w for (r, b, _, cfg), w in _wrappers.items()
-          if r == routine and (b == bucket or routine == "mixed") and cfg[3] == page_size]
+          if r == routine and (b == bucket or routine == "mixed") and cfg[3] == page_size and cfg[6] == scale]
+
+
+def reset() -> None:
+  """Forget every wrapper, plan and buffer (frees their memory). Drop graphs captured over them first."""
+  for d in (_wrappers, _states, _decode_bufs, _workspaces):
+    d.clear()
 
 
 # --------------------------------------------------------------------------------------------- plan, run
-def on_plan(routine: str, bucket: int, page_size: int, inputs) -> None:
+def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs) -> None:
   """fgraph's plan hook for this backend: host metadata -> plan every wrapper this signature uses."""
   missing = [k for k in ("query_start_loc", "seq_lens", "block_table") if k not in inputs]
   if missing:
@@ -199,7 +230,7 @@ def on_plan(routine: str, bucket: int, page_size: int, inputs) -> None:
   host = host_plan(inputs["query_start_loc"], inputs["seq_lens"], inputs["block_table"], page_size)
   gen = next(_gen)
   _states[(routine, bucket, page_size)] = _State(gen, host, pending=True, ident=None)
-  for w in _group(routine, bucket, page_size):
+  for w in _group(routine, bucket, page_size, scale):
     w.plan(host, gen)
 
 

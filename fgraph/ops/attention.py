@@ -225,7 +225,8 @@ def _plan(call: PlanCall) -> None:
   if call.args.get("backend") != "flashinfer":
     return
   bucket = call.bucket if call.bucket is not None else int(call.inputs["query_start_loc"][-1])
-  _module("flashinfer").on_plan(call.args["routine"], bucket, call.args["page_size"], call.inputs)
+  _module("flashinfer").on_plan(call.args["routine"], bucket, call.args["page_size"], call.args["scale"],
+                                call.inputs)
 
 
 @primitive("attention", support=_support, plan=_plan)
@@ -238,14 +239,14 @@ def attention_p(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                            scale=scale, max_seq_len=max_seq_len)
 
 
-def plan_attention(meta: AttentionMetadata, *, backend: str, routine: str, page_size: int,
+def plan_attention(meta: AttentionMetadata, *, backend: str, routine: str, page_size: int, scale: float,
                    capturing: bool = False) -> None:
   """Run the plan hook by hand, as fgraph.jit does before each execution (for driving CUDA graphs yourself).
-  meta: this call's padded host metadata."""
+  meta: this call's padded host metadata; scale: the one attention() gets (default head_dim ** -0.5)."""
   bucket = meta.seq_lens.shape[0]
   inputs = {"query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_table": meta.block_table}
-  _plan(PlanCall(attention_p.p, {"backend": backend, "routine": routine, "page_size": page_size}, inputs,
-                 bucket, bucket, {"routine": routine}, capturing))
+  args = {"backend": backend, "routine": routine, "scale": float(scale), "page_size": page_size}
+  _plan(PlanCall(attention_p.p, args, inputs, bucket, bucket, {"routine": routine}, capturing))
 
 
 # ------------------------------------------------------------------------------------------ the op
