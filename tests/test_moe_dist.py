@@ -1,6 +1,5 @@
 """Expert parallelism on the CPU: 2 processes over gloo (spawned here, bounded in time). allgather and
 all2all on sharded weights must give what local gives on the full weights, alone and inside fgraph.jit."""
-import os
 import time
 from datetime import timedelta
 
@@ -85,3 +84,19 @@ def test_expert_parallel_backends_match_local_over_gloo(tmp_path):
       if p.is_alive():
         p.kill()
         p.join()
+
+
+def test_world_of_one_communicates_and_matches_local(tmp_path):
+  """With a process group of one the EP backends still run their collectives (the GPU test's NCCL shape)."""
+  if dist.is_initialized():
+    pytest.skip("a process group is already initialised in this process")
+  dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store1'}", rank=0, world_size=1,
+                          timeout=timedelta(seconds=30))
+  try:
+    from fgraph.ops import moe as M
+    from tests.test_moe import tokens, weights
+    w, x = weights(), tokens(7)
+    for backend in ("allgather", "all2all"):
+      torch.testing.assert_close(M.moe(x, w, backend), M.moe(x, w, "local"), rtol=0, atol=1e-12)
+  finally:
+    dist.destroy_process_group()

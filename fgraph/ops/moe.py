@@ -26,8 +26,8 @@ experts and free of host syncs, so the local backend can sit inside a CUDA graph
   gather   gather the k expert matrices per token and einsum: copies weights, fine at decode sizes only.
   loop     HF-style Python loop over hit experts (nonzero -> host sync): reference for the benchmark only.
 Measured (`python -m fgraph.ops.moe [cuda]`), CPU fp32, 1 thread, E=32 dim=1024 inter=512 k=4, ms/call:
-  N=1: grouped 3.3, dense 19.5, gather 10.8, loop 3.0 | N=8: 15.4, 44.6, 189, 17.6
-  N=64: 35.0, 140, 1590, 30.1                         | N=512: 110, 802, (gather skipped), 99
+  N=1: grouped 1.9, dense 15.1, gather 5.8, loop 1.9  | N=8: 12.3, 37.5, 143, 12.9
+  N=64: 28.4, 112, 1107, 29.7                         | N=512: 88.8, 735, (gather skipped), 92.7
 grouped matches the loop's work (CPU _grouped_mm is itself per-group) without the loop's host syncs and
 per-expert launches, which is what dominates a GPU decode step; dense/gather are the fallbacks.
 """
@@ -363,7 +363,8 @@ def _bench(num_experts=32, dim=1024, inter=512, top_k=4, tokens=(1, 8, 64, 512),
         experts(x, ids, rw, w.w13, w.w2, layout=name)
       sync()
       row[name] = (time.perf_counter() - t0) / reps * 1e3
-    print(f"  N={n:5d} " + "  ".join(f"{k}={v:8.2f}" for k, v in row.items()) + f"  auto={choose_layout(x, ids, w.w13)}")
+    cells = "  ".join(f"{k}={v:8.2f}" for k, v in row.items())
+    print(f"  N={n:5d} {cells}  auto={choose_layout(x, ids, w.w13)}")
 
 
 if __name__ == "__main__":
