@@ -53,12 +53,13 @@ def copy_bandwidth() -> float:
   return 2 * (2 << 30) / (ms / 1e3)  # bytes read + written per second
 
 
-def decode_batch(cfg, B, ctx, page_size):
-  """B sequences at position ctx/2, pages laid out contiguously after the scratch page 0."""
+def decode_batch(cfg, B, ctx, page_size, max_ctx):
+  """B sequences at position ctx/2, pages laid out contiguously after the scratch page 0; block tables sized
+  for max_ctx so every cell shares one signature family."""
   L = ctx // 2 + 1
   pages_per_seq = -(-ctx // page_size)
   tables = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(B)]
-  meta = A.build_metadata([1] * B, [L] * B, tables, page_size, pages_per_seq)
+  meta = A.build_metadata([1] * B, [L] * B, tables, page_size, -(-max_ctx // page_size))
   tokens = torch.randint(0, cfg.vocab_size, (B,))
   return llama.Batch(tokens, torch.full((B,), L - 1, dtype=torch.int64), meta), 1 + B * pages_per_seq
 
@@ -70,18 +71,31 @@ def weight_bytes(params) -> int:
   return sum(t.numel() * t.element_size() for t in leaves)
 
 
-def bench_cell(cfg, params, B, ctx, backends, bw, modes, peers=True):
+def fgraph_steps(cfg, backends, modes, max_ctx):
+  """One jitted step per (backend, mode), shared by every cell: buckets >= 2 share one symbolic trace."""
+  out = {}
+  for backend in backends:
+    step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
+    for mode in modes:  # "FULL+C": the same mode with Inductor-compiled pieces
+      spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+      out[backend, mode] = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec},
+                                      mode=mode.split("+")[0], compile=mode.endswith("+C"),
+                                      buckets=[1, 8, 64, 256])
+  return out
+
+
+def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes, peers):
   res = {"batch": B, "ctx": ctx}
   kv_read = cfg.n_layers * 2 * B * (ctx // 2 + 1) * cfg.n_kv_heads * cfg.head_dim * 2
   res["floor_ms"] = (weight_bytes(params) + kv_read) / bw * 1e3
   for backend in backends:
     ps = A.page_size_for(backend)
-    batch, num_pages = decode_batch(cfg, B, ctx, ps)
-    cache = llama.init_cache(cfg, num_pages, ps, torch.bfloat16, DEV)
-    step = llama.make_step(cfg, backend=backend, max_seq_len=ctx)
-    dev_batch = llama.Batch(batch.tokens.to(DEV), batch.positions.to(DEV), batch.meta.to(DEV))
+    batch, _ = decode_batch(cfg, B, ctx, ps, max_ctx)
+    cache = caches[backend]
     with torch.no_grad():
-      if peers and backend == "flash_attn":
+      if peers and backend == backends[0]:
+        step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
+        dev_batch = llama.Batch(batch.tokens.to(DEV), batch.positions.to(DEV), batch.meta.to(DEV))
         res["eager_ms"] = timeit(lambda: step(params, cache, dev_batch, "decode"))
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
@@ -93,28 +107,25 @@ def bench_cell(cfg, params, B, ctx, backends, bw, modes, peers=True):
           step(params, cache, dev_batch, "decode")
         res["graph_ms"] = timeit(g.replay)
         del g
-        try:
-          t0 = time.perf_counter()
-          comp = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-          for _ in range(3):
-            comp(params, cache, dev_batch, "decode")
-          res["compile_s"] = time.perf_counter() - t0
-          res["compile_ms"] = timeit(lambda: comp(params, cache, dev_batch, "decode"))
-        except Exception as e:  # report, don't hide: a peer that fails is a result too
-          res["compile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        torch._dynamo.reset()
-      for mode in modes:  # "FULL+C": the same mode with Inductor-compiled pieces
-        spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-        f = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode.split("+")[0],
-                       buckets=[B], compile=mode.endswith("+C"))
-        f.capture(params, cache, batch, routine="decode", progress=False)
+        if peers == "compile":
+          try:
+            t0 = time.perf_counter()
+            comp = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+            for _ in range(3):
+              comp(params, cache, dev_batch, "decode")
+            res["compile_s"] = time.perf_counter() - t0
+            res["compile_ms"] = timeit(lambda: comp(params, cache, dev_batch, "decode"))
+          except Exception as e:  # a peer that fails is a result too
+            res["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+          torch._dynamo.reset()
+      for mode in modes:
+        f = jitted[backend, mode]
+        t0 = time.perf_counter()
+        f(params, cache, batch, routine="decode")  # traces (first bucket of the family) and captures
+        res[f"{backend}/{mode}_setup_s"] = time.perf_counter() - t0
         res[f"{backend}/{mode}_ms"] = timeit(lambda: f(params, cache, batch, routine="decode"))
         if mode.startswith("FULL"):
           res[f"{backend}/{mode}/host_us"] = host_time(f, params, cache, batch)
-        del f
-      del cache
-    gc.collect()
-    torch.cuda.empty_cache()
   return res
 
 
@@ -132,7 +143,7 @@ def host_time(f, params, cache, batch, n=200) -> float:
 def capture_cost(cfg, params, backend):
   """Capture of 2 routines x the default buckets, FULL_AND_PIECEWISE: seconds and pool GiB."""
   ps = A.page_size_for(backend)
-  batch, _ = decode_batch(cfg, 1, 1024, ps)
+  batch, _ = decode_batch(cfg, 1, 1024, ps, 1024)
   cache = llama.init_cache(cfg, 2 + 512 * (-(-1024 // ps)), ps, torch.bfloat16, DEV)
   step = llama.make_step(cfg, backend=backend, max_seq_len=4096)
   spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
@@ -158,6 +169,9 @@ def main():
   ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
   ap.add_argument("--modes", nargs="+", default=["NONE", "PIECEWISE", "FULL"])
   ap.add_argument("--no-peers", action="store_true")
+  ap.add_argument("--compile-ctx", nargs="+", type=int, default=[1024], help="cells that run torch.compile")
+  ap.add_argument("--compile-batches", nargs="+", type=int, default=[1, 64])
+  ap.add_argument("--max-kv-gb", type=float, default=30.0)
   ap.add_argument("--capture", action="store_true", help="also measure capture time and pool memory")
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   a = ap.parse_args()
@@ -167,6 +181,7 @@ def main():
           "command": "python3 -m benchmarks.decode_bench " + " ".join(os.sys.argv[1:])}
   print(json.dumps(info), flush=True)
   rows, caps = [], []
+  max_ctx = max(a.ctx)
   for name in a.models:
     cfg = llama.preset(name)
     params = llama.init_params(cfg, torch.bfloat16, DEV)
@@ -174,16 +189,22 @@ def main():
       for backend in a.backends:
         caps.append({"model": name, **capture_cost(cfg, params, backend)})
         print(json.dumps(caps[-1]), flush=True)
+    fits = [(ctx, B) for ctx in a.ctx for B in a.batches
+            if cfg.n_layers * 2 * B * ctx * cfg.n_kv_heads * cfg.head_dim * 2 <= a.max_kv_gb * 1e9]
     for ctx in a.ctx:
       for B in a.batches:
-        kv = cfg.n_layers * 2 * B * ctx * cfg.n_kv_heads * cfg.head_dim * 2
-        if kv > 60e9:
-          print(json.dumps({"model": name, "batch": B, "ctx": ctx, "skipped": f"KV cache {kv / 1e9:.0f} GB"}))
-          continue
-        r = {"model": name, **bench_cell(cfg, params, B, ctx, a.backends, bw, a.modes, not a.no_peers)}
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-    del params
+        if (ctx, B) not in fits:
+          print(json.dumps({"model": name, "batch": B, "ctx": ctx, "skipped": f"KV cache over {a.max_kv_gb} GB"}))
+    caches = {b: llama.init_cache(cfg, 1 + max(B * -(-ctx // A.page_size_for(b)) for ctx, B in fits),
+                                  A.page_size_for(b), torch.bfloat16, DEV) for b in a.backends}
+    jitted = fgraph_steps(cfg, a.backends, a.modes, max_ctx)
+    for ctx, B in fits:
+      peers = False if a.no_peers else ("compile" if (ctx in a.compile_ctx and B in a.compile_batches) else True)
+      r = {"model": name, **bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, a.backends, bw, a.modes,
+                                       peers)}
+      rows.append(r)
+      print(json.dumps(r), flush=True)
+    del params, caches, jitted
     gc.collect()
     torch.cuda.empty_cache()
   os.makedirs(a.out, exist_ok=True)

@@ -38,19 +38,16 @@ class Stats:
     return {k: getattr(self, k) for k in self.__slots__}
 
 
-class Entry:
-  """Everything fgraph keeps for one signature: its trace, its program, its mode and its graphs."""
+class Traced:
+  """One trace and its split program, shared by every signature (bucket) its symbolic batch dims fit."""
 
-  def __init__(self, jitted, call: Call):
-    self.sig, self.stats = call.sig, Stats()
+  def __init__(self, jitted, call: Call, device: str):
     fname = jitted.name
-    self.device = _device_of(fname, call)
     tensor_ix = [i for i, x in enumerate(call.leaves) if isinstance(x, torch.Tensor)]
+    self.tensor_ix, self.paths = tensor_ix, [path_str(p) for p in call.paths]
     self.batched_ix = [i for i in tensor_ix if call.specs[i] is not None]
     self.address_ix = [i for i in tensor_ix if call.specs[i] is None]
-    self.tensor_ix, self.paths = tensor_ix, [path_str(p) for p in call.paths]
     self.out_spec, self.out_args = None, {}
-    self.specs = [call.specs[i] for i in self.batched_ix]
     consts = list(call.leaves)
 
     def flat_fn(*tensors):
@@ -68,29 +65,58 @@ class Entry:
       return out_leaves
 
     t0 = time.perf_counter()
-    # batched inputs may come from the host but live on the device inside the program
+    # batched inputs may come from the host but live on the device inside the program; bucket 1 is traced
+    # on its own (a size-1 dim broadcasts, so symbols assume >= 2)
     example = [call.leaves[i] if call.specs[i] is None else
-               torch.empty(call.sig.leaves[i].shape, dtype=call.leaves[i].dtype, device=self.device)
+               torch.empty(call.sig.leaves[i].shape, dtype=call.leaves[i].dtype, device=device)
                for i in tensor_ix]
-    gm = trace(fname, flat_fn, example)
-    self.stats.traces += 1
+    symbolic = call.sig.bucket is not None and call.sig.bucket > 1
+    axes = [(call.specs[i].axis, call.specs[i].extra) if symbolic and call.specs[i] is not None else None
+            for i in tensor_ix]
+    gm, self.shapes = trace(fname, flat_fn, example, axes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
     donated_roots = set(jitted.donate)
-    check(fname, gm, ph_paths, lambda ph: ph_paths[ph].split("[")[0].split(".")[0] in donated_roots, self.device)
+    check(fname, gm, ph_paths, lambda ph: ph_paths[ph].split("[")[0].split(".")[0] in donated_roots, device)
     is_break = breaks_filter(jitted.breaks)
-    self.decode = call.statics.get(jitted.routine) == "decode"
-    self.mode, self.reason = resolve_mode(fname, jitted.mode, self.decode, gm, is_break)
+    decode = call.statics.get(jitted.routine) == "decode"
+    self.mode, self.reason = resolve_mode(fname, jitted.mode, decode, gm, is_break)
     self.program: Program = split(gm, is_break, {ph.name: ph_paths[ph] for ph in placeholders})
-    self.trace_seconds = time.perf_counter() - t0
-    # outputs: which are the caller's own tensors handed back (donated passthrough) and which get sliced to N
+    self.seconds = time.perf_counter() - t0
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     ph_pos = {ph: k for k, ph in enumerate(placeholders)}
+    self.outs = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out_node.args[0]]
     self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(out_node.args[0]) if o in ph_pos}
-    self.out_batched = [j for j, o in enumerate(out_node.args[0]) if j not in self.out_passthrough and
-                        isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor) and
-                        o.meta["val"].dim() > 0 and o.meta["val"].shape[0] == call.sig.bucket]
     self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
+    self.bucket = call.sig.bucket
+
+  def fits(self, bucket: int | None) -> bool:
+    return bucket == self.bucket if self.shapes is None else bucket > 1 and self.shapes.fits(bucket)
+
+  def batched_outputs(self, bucket: int | None) -> list[int]:
+    """Outputs whose first dim is the bucket (sliced back to N per call); the caller's own tensors never are."""
+    if bucket is None:
+      return []
+    size = (lambda d: d) if self.shapes is None else (lambda d: self.shapes.size(d, bucket))
+    return [j for j, v in enumerate(self.outs) if j not in self.out_passthrough and isinstance(v, torch.Tensor)
+            and v.dim() > 0 and size(v.shape[0]) == bucket]
+
+
+class Entry:
+  """One signature: a trace (shared across buckets), its own copy of the program's top level (so its piece
+  runners are its own), its graphs, its input buffers and its counters."""
+
+  def __init__(self, traced: Traced, call: Call, device: str, new_trace: bool):
+    self.traced, self.sig, self.stats, self.device = traced, call.sig, Stats(), device
+    self.stats.traces = int(new_trace)
+    self.program, self.mode, self.reason = traced.program, traced.mode, traced.reason
+    self.module = fx.GraphModule(traced.program.module, traced.program.module.graph)
+    for k in ("tensor_ix", "paths", "batched_ix", "address_ix", "out_spec", "out_args", "out_passthrough",
+              "plans"):
+      setattr(self, k, getattr(traced, k))
+    self.out_recipe = getattr(traced, "out_recipe", None)
+    self.out_batched = traced.batched_outputs(call.sig.bucket)
+    self.specs = [call.specs[i] for i in self.batched_ix]
     self.graphs: list = []
     self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
     self.full = None
@@ -127,7 +153,7 @@ class Entry:
         self._check_addresses(leaves)
       st.replays += 1
     self._plan(host, n, statics, capturing=False)
-    outs = self.full.replay() if self.full is not None else self.program.module(*args)
+    outs = self.full.replay() if self.full is not None else self.module(*args)
     return self._outputs(leaves, n, bound, outs, copy_outputs)
 
   def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
@@ -162,27 +188,27 @@ class Entry:
     if compile:
       for piece in self.program.pieces:
         if not piece.is_break:
-          setattr(self.program.module, piece.name, Compiled(piece.module))
+          setattr(self.module, piece.name, Compiled(piece.module))
     self.buffers = C.InputBuffers([(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
                                   self.device)
     args, host = self._inputs(call.leaves)
     self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
     self._plan(host, call.n, call.statics, capturing=True)
     for _ in range(warmups):
-      self.program.module(*args)
+      self.module(*args)
     if self.device.startswith("cuda"):
       torch.cuda.synchronize()
     Graph = C.graph_class(self.device)
     if self.mode is Mode.PIECEWISE:
-      runners = [PieceRunner(piece, getattr(self.program.module, piece.name), Graph, pool)
+      runners = [PieceRunner(piece, getattr(self.module, piece.name), Graph, pool)
                  for piece in self.program.pieces]
       for r in runners:
-        setattr(self.program.module, r.piece.name, r)
-      self.program.module(*args)  # the runners capture on this first call, replay on later ones
+        setattr(self.module, r.piece.name, r)
+      self.module(*args)  # the runners capture on this first call, replay on later ones
       self.graphs = [r.graph for r in runners if not r.piece.is_break]
     elif self.mode is Mode.FULL:
       self.full = Graph(pool)
-      self.full.capture(self.program.module, *args)
+      self.full.capture(self.module, *args)
       self.graphs.append(self.full)
     self.stats.captures += len(self.graphs)
     if self.device.startswith("cuda"):

@@ -47,7 +47,7 @@ def explain(fn, *args, **kwargs) -> Explanation:
   explain(step) covers every signature seen so far; explain(step, *args, **kwargs) the signature of that call
   (traced on the spot, without capturing, if it is new).
   """
-  from ._entry import Entry
+  from ._entry import Entry, Traced, _device_of
   from ._jit import Jitted
   if not isinstance(fn, Jitted):
     raise TypeError(f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}; "
@@ -57,5 +57,8 @@ def explain(fn, *args, **kwargs) -> Explanation:
     return Explanation("\n".join(_entry_text(fn.name, e, None) for e in entries) or
                        f"{fn.name}: no signatures yet", entries)
   call = fn._bind(args, kwargs)
-  e = fn.entries.get(call.sig) or Entry(fn, call)
+  e = fn.entries.get(call.sig)
+  if e is None:  # trace only: explaining never captures
+    device = _device_of(fn.name, call)
+    e = Entry(Traced(fn, call, device), call, device, True)
   return Explanation(_entry_text(fn.name, e, call.n), [e])

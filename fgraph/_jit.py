@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from . import _primitives as P
 from . import capture as C
-from ._entry import Call, Entry, Stats, _device_of
+from ._entry import Call, Entry, Stats, Traced, _device_of
 from ._errors import SignatureError
 from ._pytree import check_static_fields, flatten_with_paths
 from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
@@ -78,6 +78,7 @@ class Jitted:
     self._static_sorted = tuple(sorted(self.static))
     self._dynamic = [k for k in params if k not in self.static]
     self._flat, self._specs, self._fast = {}, {}, {}  # the fast path's caches (see _fast_call)
+    self._traces: dict[tuple, list] = {}  # (statics, structure, bucket == 1, non-batch shapes) -> traces
     self.sealed, self.pool, self.fallbacks, self._logged = False, None, {"unseen": 0, "oversize": 0}, set()
     functools.update_wrapper(self, fn)
 
@@ -233,11 +234,25 @@ class Jitted:
     return self.pool
 
   def _new_entry(self, call: Call) -> Entry:
+    """An entry for a new signature, on an existing trace when one fits its bucket (one trace per routine
+    and structure serves every bucket >= 2), else on a new trace."""
     for k, v in pytree.tree_unflatten(call.leaves, call.sig.treespec).items():
       check_static_fields(v, f"fgraph.jit({self.name}): {k}")
     if config.explain_cache_misses and self.entries:
       log.warning("fgraph.jit(%s): new signature %s%s", self.name, call.sig.describe(), self._closest(call.sig))
-    entry = Entry(self, call)
+    device = _device_of(self.name, call)
+    family = (call.sig.statics, call.sig.treespec, call.sig.bucket == 1,
+              tuple(leaf._replace(shape=None) if s is not None else leaf for leaf, s in zip(call.sig.leaves, call.specs)))
+    traced = next((t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket)), None)
+    new = traced is None
+    if new:
+      traced = Traced(self, call, device)
+      self._traces.setdefault(family, []).append(traced)
+      want = self.mode.for_routine(call.statics.get(self.routine) == "decode")
+      if traced.mode is not want and ("downgrade", call.sig.statics) not in self._logged:
+        self._logged.add(("downgrade", call.sig.statics))
+        log.warning("fgraph.jit(%s): %s: %s", self.name, call.sig.describe(), traced.reason)
+    entry = Entry(traced, call, device, new)
     self.entries[call.sig] = entry
     return entry
 
@@ -316,7 +331,7 @@ class Jitted:
   def reset(self):
     """Drop every trace and graph (after replacing params or state with new tensors)."""
     self.entries.clear()
-    self._flat.clear(), self._specs.clear(), self._fast.clear()
+    self._flat.clear(), self._specs.clear(), self._fast.clear(), self._traces.clear()
     self.sealed, self.pool = False, None
 
 

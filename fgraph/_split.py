@@ -77,25 +77,33 @@ def split(gm: fx.GraphModule, is_break, input_names: dict[str, str]) -> Program:
   if not part:  # a function of no ops still gets one (empty) piece
     return Program(gm, ())
   split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
-  exported = collections.defaultdict(list)  # partition -> its values used by later pieces or the output
+  exported = collections.defaultdict(list)  # partition -> its tensors used by later pieces or the output
+  shape_math = {n.name for n in gm.graph.nodes if _is_shape_math(n)}  # symbolic sizes passed between pieces
   for n, k in part.items():
-    if any(u.op == "output" or part.get(u) != k for u in n.users):
+    if n.name not in shape_math and any(u.op == "output" or part.get(u) != k for u in n.users):
       exported[k].append(n)
   pieces = []
   for node in split_gm.graph.nodes:
     if node.op != "call_module":
       continue
     sub = getattr(split_gm, node.target)
-    calls = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    calls = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
+             and not _is_shape_math(n)]
     is_brk = int(node.target.rsplit("_", 1)[1]) in break_parts
     support = None
     if is_brk:
       support = min((P.support_of(n) for n in calls if P.primitive_of(n)), key=lambda s: s[0])
-    ins = tuple(input_names.get(n.name, f"%{n.name}") for n in sub.graph.nodes if n.op == "placeholder")
+    ins = tuple(input_names.get(n.name, f"%{n.name}") for n in sub.graph.nodes
+                if n.op == "placeholder" and n.name not in shape_math)
     outs = tuple(f"%{n.name}" for n in exported.get(int(node.target.rsplit("_", 1)[1]), ()))
     pieces.append(Piece(len(pieces), node.target, is_brk, sub, tuple(op_name(n) for n in calls), ins, outs,
                         support))
   return Program(split_gm, tuple(pieces))
+
+
+def _is_shape_math(node: fx.Node) -> bool:
+  """Size bookkeeping of a symbolic trace (sym_size, arithmetic on sizes), not work on the device."""
+  return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op != "placeholder"
 
 
 def breaks_filter(breaks: list[str] | None):

@@ -10,7 +10,10 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, \
+    free_unbacked_symbols
 from torch.overrides import TorchFunctionMode
 
 from ._errors import TraceError
@@ -75,11 +78,51 @@ def _record_source_lines():
     fx.Graph.create_node = create
 
 
-def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor]) -> fx.GraphModule:
-  """make_fx in fake mode: nothing runs, donated state is not touched, and shapes come from fake rules."""
+class Shapes:
+  """The symbolic batch dims of a trace: which leaf's axis became which symbol, and the guards the trace
+  assumed, so a program traced once can be checked against every other bucket before reuse."""
+
+  def __init__(self, shape_env: ShapeEnv, syms: list[tuple[Any, int]]):
+    self.shape_env, self.syms = shape_env, syms  # [(symbol, extra)] per batched leaf
+
+  def values(self, bucket: int) -> dict:
+    return {sym: bucket + extra for sym, extra in self.syms}
+
+  def fits(self, bucket: int) -> bool:
+    """Every guard recorded while tracing holds when each batched dim is bucket + extra."""
+    subst = self.values(bucket)
+    for sym, v in subst.items():
+      r = self.shape_env.var_to_range.get(sym)
+      if r is not None and not (r.lower <= v <= r.upper):
+        return False
+    return all(bool(g.expr.xreplace(subst)) is True for g in self.shape_env.guards)
+
+  def size(self, d, bucket: int) -> int:
+    """A traced size (an int, or a SymInt over the batch symbols) at `bucket`."""
+    return d if isinstance(d, int) else int(d.node.expr.xreplace(self.values(bucket)))
+
+
+def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor],
+          batch_axes: list[tuple[int, int] | None]) -> tuple[fx.GraphModule, Shapes | None]:
+  """make_fx over fake tensors: nothing runs and donated state is not touched. The batch axes are traced as
+  symbols (every other dim static), so the program serves every bucket whose size satisfies its guards."""
+  shapes = None
   try:
     with _record_source_lines(), _RejectHostSyncs(fname):
-      gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=False)(*example)
+      if any(a is not None for a in batch_axes):
+        env = ShapeEnv()
+        mode = FakeTensorMode(shape_env=env)
+        fakes, syms = [], []
+        for t, ax in zip(example, batch_axes):  # ax: (axis, extra rows beyond the bucket) or None
+          dims = [DimDynamic.DYNAMIC if ax and i == ax[0] else DimDynamic.STATIC for i in range(t.dim())]
+          fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+          if ax is not None:
+            syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
+        with mode:
+          gm = make_fx(flat_fn, tracing_mode="symbolic")(*fakes)
+        shapes = Shapes(env, syms)
+      else:
+        gm = make_fx(flat_fn, tracing_mode="fake")(*example)
   except TraceError:
     raise
   except Exception as e:
@@ -91,14 +134,14 @@ def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor])
     raise
   for node in gm.graph.nodes:
     val = node.meta.get("val")
-    if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
+    if isinstance(val, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(val):
       raise TraceError(f"fgraph.jit({fname}): {node.format_node()} at {node.meta.get('line')} has a shape that "
                        "depends on tensor values, which a captured graph cannot replay",
                        "use torch.where / masking instead of data-dependent shapes (nonzero, boolean indexing)")
     if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
       raise TraceError(f"fgraph.jit({fname}): a host sync (reading a tensor value, e.g. .item()/.tolist()) "
                        f"at {node.meta.get('line')}", "keep the value on the device or make it static")
-  return gm
+  return gm, shapes
 
 
 def _tb_line(e: BaseException) -> str:

@@ -42,7 +42,8 @@ def test_greedy_tokens_identical_across_modes(tiny, eager):
     eng, got = run(tiny, mode, buckets=(2, 8))  # two buckets: padding exercised, few signatures to trace
     assert got.tokens == eager, mode
     total = eng.step_fn.stats()["total"]
-    assert total["calls"] == got.steps and total["traces"] == len(eng.step_fn.entries)
+    routines = {dict(e.sig.statics)["routine"] for e in eng.step_fn.entries.values()}
+    assert total["calls"] == got.steps and total["traces"] == len(routines)  # buckets 2 and 8 share a trace
     if mode != "NONE":
       assert total["replays"] > 0, mode  # later steps of a bucket replay the (host stand-in) graphs
 
