@@ -189,7 +189,6 @@ def test_split_rule_table(backend, mode, routine, breaks, want_mode, want_pieces
   torch.testing.assert_close(out, ref)
 
 
-@pytest.mark.xfail(reason="core: log the FULL -> PIECEWISE downgrade of a signature (issue 5, item 2)")
 def test_full_request_resolved_piecewise_is_logged(caplog):
   f = fgraph.jit(moe_step, static=["routine", "backend"], batch={"x": Batched()}, mode="FULL", buckets=[8])
   with caplog.at_level("INFO", logger="fgraph"):
