@@ -138,9 +138,10 @@ class Jitted:
       v = bound[name]
       if name in self.batch:
         lv, spec = pytree.tree_flatten(v)
-        specs = self._specs.get((name, spec))
-        if specs is None:
+        known = self._specs.get((name, spec))
+        if known is None:
           return None
+        specs, spec = known  # spec -> a small int: the key below need not hash the tree structure again
         for x, s in zip(lv, specs):
           if s is not None:
             r = x.shape[s.axis] - s.extra
@@ -179,8 +180,8 @@ class Jitted:
       if name in self.batch:
         specs = batch_specs(self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1],
                             len(lv))
-        self._specs[(name, spec)] = specs
-        parts.append(_batched_key(spec, lv, specs, bucket))
+        specs, sid = self._specs.setdefault((name, spec), (specs, len(self._specs)))
+        parts.append(_batched_key(sid, lv, specs, bucket))
       else:
         key = _Key((spec, tuple(leaf_of(x) for x in lv)))
         c = self._flat.get(name)
