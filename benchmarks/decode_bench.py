@@ -71,12 +71,16 @@ def weight_bytes(params) -> int:
   return sum(t.numel() * t.element_size() for t in leaves)
 
 
-def fgraph_steps(cfg, backends, modes, max_ctx):
+def modes_of(backend, modes, compiled):
+  return list(modes) + [f"{m}+C" for m in compiled if backend in compiled.get(m, ())]
+
+
+def fgraph_steps(cfg, backends, modes, compiled, max_ctx):
   """One jitted step per (backend, mode), shared by every cell: buckets >= 2 share one symbolic trace."""
   out = {}
   for backend in backends:
     step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
-    for mode in modes:  # "FULL+C": the same mode with Inductor-compiled pieces
+    for mode in modes_of(backend, modes, compiled):  # "FULL+C": the same mode, Inductor-compiled pieces
       spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
       out[backend, mode] = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec},
                                       mode=mode.split("+")[0], compile=mode.endswith("+C"),
@@ -84,7 +88,7 @@ def fgraph_steps(cfg, backends, modes, max_ctx):
   return out
 
 
-def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes, peers):
+def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes, compiled, peers):
   res = {"batch": B, "ctx": ctx}
   kv_read = cfg.n_layers * 2 * B * (ctx // 2 + 1) * cfg.n_kv_heads * cfg.head_dim * 2
   res["floor_ms"] = (weight_bytes(params) + kv_read) / bw * 1e3
@@ -118,7 +122,7 @@ def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes
           except Exception as e:  # a peer that fails is a result too
             res["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
           torch._dynamo.reset()
-      for mode in modes:
+      for mode in modes_of(backend, modes, compiled):
         f = jitted[backend, mode]
         t0 = time.perf_counter()
         f(params, cache, batch, routine="decode")  # traces (first bucket of the family) and captures
@@ -172,6 +176,9 @@ def main():
   ap.add_argument("--compile-ctx", nargs="+", type=int, default=[1024], help="cells that run torch.compile")
   ap.add_argument("--compile-batches", nargs="+", type=int, default=[1, 64])
   ap.add_argument("--max-kv-gb", type=float, default=30.0)
+  ap.add_argument("--compile-modes", nargs="*", default=["FULL"], help="modes also run with Inductor pieces")
+  ap.add_argument("--compile-backends", nargs="*", default=["flash_attn"])
+  ap.add_argument("--cells", nargs="*", default=None, help="ctx:batch pairs to run (default: all that fit)")
   ap.add_argument("--capture", action="store_true", help="also measure capture time and pool memory")
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   a = ap.parse_args()
@@ -181,7 +188,7 @@ def main():
           "command": "python3 -m benchmarks.decode_bench " + " ".join(os.sys.argv[1:])}
   print(json.dumps(info), flush=True)
   rows, caps = [], []
-  max_ctx = max(a.ctx)
+  max_ctx = max([a_ctx for a_ctx in a.ctx] + [int(c.split(":")[0]) for c in a.cells or []])
   for name in a.models:
     cfg = llama.preset(name)
     params = llama.init_params(cfg, torch.bfloat16, DEV)
@@ -189,19 +196,21 @@ def main():
       for backend in a.backends:
         caps.append({"model": name, **capture_cost(cfg, params, backend)})
         print(json.dumps(caps[-1]), flush=True)
-    fits = [(ctx, B) for ctx in a.ctx for B in a.batches
+    cells = [tuple(map(int, c.split(":"))) for c in a.cells] if a.cells else \
+        [(ctx, B) for ctx in a.ctx for B in a.batches]
+    fits = [(ctx, B) for ctx, B in cells
             if cfg.n_layers * 2 * B * ctx * cfg.n_kv_heads * cfg.head_dim * 2 <= a.max_kv_gb * 1e9]
-    for ctx in a.ctx:
-      for B in a.batches:
-        if (ctx, B) not in fits:
-          print(json.dumps({"model": name, "batch": B, "ctx": ctx, "skipped": f"KV cache over {a.max_kv_gb} GB"}))
+    for ctx, B in cells:
+      if (ctx, B) not in fits:
+        print(json.dumps({"model": name, "batch": B, "ctx": ctx, "skipped": f"KV cache over {a.max_kv_gb} GB"}))
     caches = {b: llama.init_cache(cfg, 1 + max(B * -(-ctx // A.page_size_for(b)) for ctx, B in fits),
                                   A.page_size_for(b), torch.bfloat16, DEV) for b in a.backends}
-    jitted = fgraph_steps(cfg, a.backends, a.modes, max_ctx)
+    compiled = {m: a.compile_backends for m in a.compile_modes}
+    jitted = fgraph_steps(cfg, a.backends, a.modes, compiled, max_ctx)
     for ctx, B in fits:
       peers = False if a.no_peers else ("compile" if (ctx in a.compile_ctx and B in a.compile_batches) else True)
       r = {"model": name, **bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, a.backends, bw, a.modes,
-                                       peers)}
+                                       compiled, peers)}
       rows.append(r)
       print(json.dumps(r), flush=True)
     del params, caches, jitted
@@ -210,8 +219,9 @@ def main():
   os.makedirs(a.out, exist_ok=True)
   with open(os.path.join(a.out, "decode.json"), "w") as fh:
     json.dump({"info": info, "rows": rows, "capture": caps}, fh, indent=1)
-  print_table(rows, a.backends, a.modes, info)
-  plot(rows, a.backends, a.modes, os.path.join(a.out, "decode.png"))
+  allmodes = list(a.modes) + [f"{m}+C" for m in a.compile_modes]
+  print_table(rows, a.backends, allmodes, info)
+  plot(rows, a.backends, allmodes, os.path.join(a.out, "decode.png"))
 
 
 def print_table(rows, backends, modes, info):
