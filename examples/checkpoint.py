@@ -23,7 +23,9 @@ class CheckpointError(fgraph.FgraphError):
   """A model directory that cannot be loaded as one of the supported architectures."""
 
 
-def _llama_config(c: dict, where: str, qkv_bias: bool = False) -> LlamaConfig:
+def llama_config(c: dict, where: str, qkv_bias: bool = False) -> LlamaConfig:
+  """The attention/dense part of a config.json dict (`where` names it in errors). examples/qwen2_moe.py builds
+  its MoEConfig on top of this."""
   def need(key):
     if key not in c:
       raise CheckpointError(f"{where}: key {key!r} is missing", "use the config.json saved with the checkpoint")
@@ -62,32 +64,40 @@ def _llama_config(c: dict, where: str, qkv_bias: bool = False) -> LlamaConfig:
 
 # config.json "architectures"[0] -> (config.json dict, where) -> our config. Every entry loads into Params.
 ARCHITECTURES = {
-  "LlamaForCausalLM": _llama_config,
-  "Qwen2ForCausalLM": lambda c, where: _llama_config(c, where, qkv_bias=True),
+  "LlamaForCausalLM": llama_config,
+  "Qwen2ForCausalLM": lambda c, where: llama_config(c, where, qkv_bias=True),
 }
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
+  """A JSON file of the model directory; a missing one is a CheckpointError."""
   if not os.path.isfile(path):
     raise CheckpointError(f"{path} does not exist", "pass a Hugging Face model directory (config.json + *.safetensors)")
   with open(path) as f:
     return json.load(f)
 
 
+def architecture(model_dir: str) -> str | None:
+  """config.json's "architectures"[0] (what examples.generate picks the loader by), or None."""
+  return (read_json(os.path.join(model_dir, "config.json")).get("architectures") or [None])[0]
+
+
 def read_config(model_dir: str) -> LlamaConfig:
   """config.json -> LlamaConfig, through the architecture table."""
   path = os.path.join(model_dir, "config.json")
-  c = _read_json(path)
+  c = read_json(path)
   arch = (c.get("architectures") or [None])[0]
   if arch not in ARCHITECTURES:
     raise CheckpointError(f"{path}: architecture {arch!r} is not supported",
-                          f"supported architectures: {', '.join(sorted(ARCHITECTURES))}")
+                          f"supported architectures: {', '.join(sorted(ARCHITECTURES))} (MoE ones: "
+                          "examples.qwen2_moe.load; examples.generate picks the loader by architecture)")
   return ARCHITECTURES[arch](c, path)
 
 
-def _dtype(dtype, model_dir: str) -> torch.dtype:
+def dtype_of(dtype, model_dir: str) -> torch.dtype:
+  """A torch dtype from a dtype, its name, or None (the checkpoint's own dtype)."""
   if dtype is None:  # the checkpoint's own dtype ("torch_dtype" before transformers 5)
-    c = _read_json(os.path.join(model_dir, "config.json"))
+    c = read_json(os.path.join(model_dir, "config.json"))
     dtype = c.get("dtype") or c.get("torch_dtype") or "bfloat16"
   if isinstance(dtype, str):
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -96,14 +106,15 @@ def _dtype(dtype, model_dir: str) -> torch.dtype:
   return dtype
 
 
-class _Tensors:
-  """Name -> tensor over one or many safetensors files (with or without model.safetensors.index.json)."""
+class Tensors:
+  """Name -> tensor over one or many safetensors files (with or without model.safetensors.index.json).
+  `get(name, shape, dtype)` checks the shape against the config's and casts on the device."""
 
   def __init__(self, model_dir: str, device):
     from safetensors import safe_open
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-      files = {name: os.path.join(model_dir, f) for name, f in _read_json(index)["weight_map"].items()}
+      files = {name: os.path.join(model_dir, f) for name, f in read_json(index)["weight_map"].items()}
       for name, f in files.items():
         if not os.path.isfile(f):
           raise CheckpointError(f"{index} puts {name!r} in {os.path.basename(f)}, which does not exist",
@@ -135,35 +146,56 @@ class _Tensors:
     return t.to(dtype)
 
 
-def load(model_dir: str, dtype=None, device="cpu") -> tuple[LlamaConfig, Params]:
-  """A HF model directory -> (config, params) in `dtype` (default: the checkpoint's) on `device`."""
-  cfg, dtype = read_config(model_dir), _dtype(dtype, model_dir)
-  ts = _Tensors(model_dir, device)
-  D, dim, inter = cfg.head_dim, cfg.dim, cfg.intermediate
-  q, kv = cfg.n_heads * D, cfg.n_kv_heads * D
+def attention_weights(ts: Tensors, cfg: LlamaConfig, i: int, dtype: torch.dtype) -> dict:
+  """Layer i's attention and both norms, q/k/v fused: the Layer fields every model here shares (dense or MoE)."""
+  p, D, dim = f"model.layers.{i}.", cfg.head_dim, cfg.dim
+  a, q, kv = p + "self_attn.", cfg.n_heads * D, cfg.n_kv_heads * D
+
+  def get(name, *shape):
+    return ts.get(name, shape, dtype)
+
+  wqkv = torch.cat([get(a + "q_proj.weight", q, dim), get(a + "k_proj.weight", kv, dim),
+                    get(a + "v_proj.weight", kv, dim)])
+  bqkv = torch.cat([get(a + "q_proj.bias", q), get(a + "k_proj.bias", kv), get(a + "v_proj.bias", kv)]) \
+      if cfg.qkv_bias else None
+  return dict(attn_norm=get(p + "input_layernorm.weight", dim), wqkv=wqkv, bqkv=bqkv,
+              wo=get(a + "o_proj.weight", dim, q), mlp_norm=get(p + "post_attention_layernorm.weight", dim))
+
+
+def gated_mlp_weights(ts: Tensors, prefix: str, inter: int, dim: int, dtype: torch.dtype) -> dict:
+  """`prefix`{gate,up,down}_proj -> w13 [2*inter, dim] (gate rows, then up rows) and w2 [dim, inter]."""
+  w13 = torch.cat([ts.get(prefix + "gate_proj.weight", (inter, dim), dtype),
+                   ts.get(prefix + "up_proj.weight", (inter, dim), dtype)])
+  return dict(w13=w13, w2=ts.get(prefix + "down_proj.weight", (dim, inter), dtype))
+
+
+def assemble(ts: Tensors, cfg: LlamaConfig, dtype: torch.dtype, device, layer, shard=None) -> Params:
+  """Params from `layer(i)` for every layer, plus the embedding, final norm, head and RoPE frequencies.
+
+  shard: None, or `(what, value) -> value` called as each part is read, with what = "layer" (a Layer),
+    "embed" or "lm_head" ([V, dim]): a tensor-parallel rank keeps only its slice of each (examples/tp.py),
+    so it never holds more than its shard plus one layer.
+  """
+  shard = shard or (lambda what, value: value)
+  vd = (cfg.vocab_size, cfg.dim)
+  return Params(embed=shard("embed", ts.get("model.embed_tokens.weight", vd, dtype)),
+                layers=[shard("layer", layer(i)) for i in range(cfg.n_layers)],
+                norm=ts.get("model.norm.weight", (cfg.dim,), dtype),
+                lm_head=None if cfg.tie_embeddings else shard("lm_head", ts.get("lm_head.weight", vd, dtype)),
+                inv_freq=rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device))
+
+
+def load(model_dir: str, dtype=None, device="cpu", shard=None) -> tuple[LlamaConfig, Params]:
+  """A HF model directory -> (config, params) in `dtype` (default: the checkpoint's) on `device`.
+  shard: see `assemble` (examples/tp.py's tensor-parallel loading)."""
+  cfg, dtype = read_config(model_dir), dtype_of(dtype, model_dir)
+  ts = Tensors(model_dir, device)
 
   def layer(i):
-    p = f"model.layers.{i}."
-    a, m = p + "self_attn.", p + "mlp."
-    wqkv = torch.cat([ts.get(a + "q_proj.weight", (q, dim), dtype), ts.get(a + "k_proj.weight", (kv, dim), dtype),
-                      ts.get(a + "v_proj.weight", (kv, dim), dtype)])
-    bqkv = None
-    if cfg.qkv_bias:
-      bqkv = torch.cat([ts.get(a + "q_proj.bias", (q,), dtype), ts.get(a + "k_proj.bias", (kv,), dtype),
-                        ts.get(a + "v_proj.bias", (kv,), dtype)])
-    w13 = torch.cat([ts.get(m + "gate_proj.weight", (inter, dim), dtype),
-                     ts.get(m + "up_proj.weight", (inter, dim), dtype)])
-    return Layer(attn_norm=ts.get(p + "input_layernorm.weight", (dim,), dtype), wqkv=wqkv, bqkv=bqkv,
-                 wo=ts.get(a + "o_proj.weight", (dim, q), dtype),
-                 mlp_norm=ts.get(p + "post_attention_layernorm.weight", (dim,), dtype),
-                 w13=w13, w2=ts.get(m + "down_proj.weight", (dim, inter), dtype))
+    return Layer(**attention_weights(ts, cfg, i, dtype),
+                 **gated_mlp_weights(ts, f"model.layers.{i}.mlp.", cfg.intermediate, cfg.dim, dtype))
 
-  vd = (cfg.vocab_size, dim)
-  params = Params(embed=ts.get("model.embed_tokens.weight", vd, dtype), layers=[layer(i) for i in range(cfg.n_layers)],
-                  norm=ts.get("model.norm.weight", (dim,), dtype),
-                  lm_head=None if cfg.tie_embeddings else ts.get("lm_head.weight", vd, dtype),
-                  inv_freq=rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling).to(device))
-  return cfg, params
+  return cfg, assemble(ts, cfg, dtype, device, layer, shard)
 
 
 def eos_token_ids(model_dir: str) -> tuple[int, ...]:
@@ -171,7 +203,7 @@ def eos_token_ids(model_dir: str) -> tuple[int, ...]:
   for name in ("generation_config.json", "config.json"):
     path = os.path.join(model_dir, name)
     if os.path.isfile(path):
-      eos = _read_json(path).get("eos_token_id")
+      eos = read_json(path).get("eos_token_id")
       if eos is not None:
         return tuple(eos) if isinstance(eos, list) else (int(eos),)
   return ()

@@ -221,6 +221,14 @@ class Engine:
     logits, self.cache = self.step_fn(self.params, self.cache, batch, routine=routine)
     return logits
 
+  def choose(self, logits: torch.Tensor, ready: list[Request]) -> list[int]:
+    """The next token of each ready request from its logits [S', V] (greedy, or sampled with its settings)."""
+    if all(r.temperature == 0 for r in ready):
+      return logits.argmax(-1).tolist()
+    temp = torch.tensor([r.temperature for r in ready], dtype=torch.float32, device=logits.device)
+    top_p = torch.tensor([r.top_p for r in ready], dtype=torch.float32, device=logits.device)
+    return sample(logits, temp, top_p, self.generator).tolist()
+
   def step(self) -> list[Request]:
     """Schedule, run the model once, sample, retire finished requests. Returns those that finished."""
     plan = self.schedule()
@@ -238,12 +246,7 @@ class Engine:
     finished = []
     if ready:
       logits = logits[torch.tensor(rows, device=logits.device)]  # [S', V]: the last row of each ready request
-      if all(r.temperature == 0 for r in ready):
-        new = logits.argmax(-1).tolist()
-      else:
-        temp = torch.tensor([r.temperature for r in ready], dtype=torch.float32, device=logits.device)
-        top_p = torch.tensor([r.top_p for r in ready], dtype=torch.float32, device=logits.device)
-        new = sample(logits, temp, top_p, self.generator).tolist()
+      new = self.choose(logits, ready)
       now = time.perf_counter()
       for r, t in zip(ready, new):
         r.output.append(t)
@@ -276,13 +279,17 @@ class Engine:
 
 
 def build(cfg: llama.LlamaConfig, params: llama.Params, *, backend: str = "auto", max_seqs: int = 64,
-          max_seq_len: int = 2048, page_size: int | None = None, num_pages: int | None = None, **kw) -> Engine:
-  """An Engine for a Llama/Qwen2 model: resolves the attention backend, sizes and allocates the KV cache."""
+          max_seq_len: int = 2048, page_size: int | None = None, num_pages: int | None = None,
+          make_step=llama.make_step, cls=None, **kw) -> Engine:
+  """An Engine for a decoder of this package: resolves the attention backend, sizes and allocates the KV cache
+  (of `cfg`'s KV heads: a tensor-parallel rank passes its own config) and makes the step with
+  `make_step(cfg, backend, max_seq_len)` (llama's; qwen2_moe and tp pass theirs, and tp its Engine class)."""
   device = params.embed.device
   backend = A.resolve_backend(backend, device)
   page_size = page_size or A.page_size_for(backend)
   max_seq_len = min(max_seq_len, cfg.max_seq_len)
   num_pages = num_pages or max_seqs * math.ceil(max_seq_len / page_size) + 1  # + the scratch page
   cache = llama.init_cache(cfg, num_pages, page_size, params.embed.dtype, device)
-  step = llama.make_step(cfg, backend, max_seq_len)
-  return Engine(step, params, cache, max_seq_len=max_seq_len, max_seqs=max_seqs, vocab_size=cfg.vocab_size, **kw)
+  step = make_step(cfg, backend, max_seq_len)
+  return (cls or Engine)(step, params, cache, max_seq_len=max_seq_len, max_seqs=max_seqs,
+                         vocab_size=cfg.vocab_size, **kw)

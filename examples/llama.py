@@ -113,12 +113,20 @@ def init_cache(cfg: LlamaConfig, num_pages: int, page_size: int, dtype, device) 
 
 
 def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, routine: str = "mixed",
-            backend: str = "torch", max_seq_len: int | None = None):
-  """One step over N new tokens of S sequences -> (logits [N, V] float32, cache with their k/v written)."""
+            backend: str = "torch", max_seq_len: int | None = None, mlp=None, tp=None):
+  """One step over N new tokens of S sequences -> (logits [N, V] float32, cache with their k/v written).
+
+  mlp: None for the dense gated MLP of `layer.w13`/`layer.w2`, or `(i, layer, h [N, dim]) -> [N, dim]` for
+    layer i (examples/qwen2_moe.py's MoE block); the attention block is the same for every model.
+  tp: None, or this rank's `examples.tp.TP`. Then cfg and params are the rank's shard (its q/kv heads, MLP
+    columns and vocab rows) and tp adds the collectives: vocab-parallel embedding, an all-reduce of the
+    attention and MLP outputs (partial sums over this rank's heads / columns), an all-gather of the logits.
+  """
   tokens, positions = batch.tokens, batch.positions  # [N], [N]
   assert tokens.ndim == 1 and positions.shape == tokens.shape, (tokens.shape, positions.shape)
   N, Hq, Hkv, D = tokens.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  x = embed(tokens, params.embed)  # [N, dim]
+  reduce = tp.all_reduce if tp is not None else (lambda y: y)
+  x = embed(tokens, params.embed) if tp is None else tp.embed(tokens, params.embed)  # [N, dim]
   cos, sin = rope_cos_sin(params.inv_freq, positions, x.dtype)  # [N, D] each
   for i, layer in enumerate(params.layers):
     qkv = linear(rms_norm(x, layer.attn_norm, cfg.norm_eps), layer.wqkv, layer.bqkv)  # [N, (Hq+2Hkv)*D]
@@ -127,14 +135,16 @@ def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, ro
     k = apply_rope(k.view(N, Hkv, D), cos, sin)  # [N, Hkv, D]
     o = A.attention(q, k, v.view(N, Hkv, D), cache.k[i], cache.v[i], batch.meta, scale=D ** -0.5,
                     backend=backend, routine=routine, max_seq_len=max_seq_len or cfg.max_seq_len)  # [N, Hq, D]
-    x = x + linear(o.reshape(N, Hq * D), layer.wo)
-    x = x + gated_mlp(rms_norm(x, layer.mlp_norm, cfg.norm_eps), layer.w13, layer.w2)
+    x = x + reduce(linear(o.reshape(N, Hq * D), layer.wo))
+    h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # [N, dim]
+    x = x + reduce(gated_mlp(h, layer.w13, layer.w2) if mlp is None else mlp(i, layer, h))
   x = rms_norm(x, params.norm, cfg.norm_eps)
-  return lm_head(x, params.embed if params.lm_head is None else params.lm_head), cache
+  w = params.embed if params.lm_head is None else params.lm_head  # [V, dim] (this rank's rows under tp)
+  return (lm_head(x, w) if tp is None else tp.lm_head(x, w, cfg.vocab_size)), cache
 
 
-def make_step(cfg: LlamaConfig, backend: str = "torch", max_seq_len: int | None = None):
-  """`step(params, cache, batch, routine)`: the contract's pure step, with config and backend closed over."""
+def make_step(cfg: LlamaConfig, backend: str = "torch", max_seq_len: int | None = None, tp=None):
+  """`step(params, cache, batch, routine)`: the contract's pure step, with config, backend and tp closed over."""
   def step(params: Params, cache: A.KVCache, batch: Batch, routine: str = "mixed"):
-    return forward(cfg, params, cache, batch, routine, backend, max_seq_len)
+    return forward(cfg, params, cache, batch, routine, backend, max_seq_len, tp=tp)
   return step

@@ -1,21 +1,18 @@
-"""Qwen2-MoE (and Mixtral) as one pure decoder step: the Llama/Qwen2 attention block + a MoE break per layer.
+"""Qwen2-MoE (and Mixtral) as one pure decoder step: examples/llama.py's decoder with a MoE break per layer.
 
 A MoE layer's MLP is one call of the break `torch.ops.fgraph.moe` (router, experts, shared expert: see
-fgraph/ops/moe.py); its `backend` is a static model option (`MoEConfig.moe_backend`), so the trace sees it
-and fgraph's split rule decides per backend: local/allgather stay inside full graphs, all2all (host-synced
-token counts) is cut out and the step is captured piecewise around it. Layers listed in `mlp_only_layers`
-(Qwen2-MoE) keep a dense gated MLP. HF transformers' modeling_qwen2_moe.py / modeling_mixtral.py are the
-numerical references (tests/test_moe_model.py).
+fgraph/ops/moe.py), passed to `llama.forward` as its `mlp` hook; its `backend` is a static model option
+(`MoEConfig.moe_backend`), so the trace sees it and fgraph's split rule decides per backend: local/allgather
+stay inside full graphs, all2all (host-synced token counts) is cut out and the step is captured piecewise
+around it. Layers listed in `mlp_only_layers` (Qwen2-MoE) keep a dense gated MLP. HF transformers'
+modeling_qwen2_moe.py / modeling_mixtral.py are the numerical references (tests/test_moe_model.py).
+`python -m examples.generate` runs these models: it picks this loader by the checkpoint's architecture.
 
-  python -m examples.qwen2_moe                                  # embedded tiny random MoE, CPU or GPU
-  python -m examples.qwen2_moe --model ~/Qwen1.5-MoE-A2.7B --prompt "Hello" --greedy --moe-backend local
-  python -m examples.qwen2_moe --moe-backend all2all --mode FULL --explain   # FULL resolves to piecewise
-Every other flag is `python -m examples.generate`'s.
+  python -m examples.generate --preset tiny-moe    # embedded tiny random MoE (= python -m examples.qwen2_moe)
+  python -m examples.generate --model ~/Qwen1.5-MoE-A2.7B --prompt "Hello" --greedy --moe-backend local
+  python -m examples.generate --preset tiny-moe --moe-backend all2all --mode FULL --explain  # -> piecewise
 """
 from __future__ import annotations
-
-import argparse
-import math
 
 import attrs
 import torch
@@ -25,7 +22,7 @@ from fgraph.ops import attention as A
 from fgraph.ops.moe import MoEWeights, moe
 
 from . import checkpoint, engine, llama
-from .layers import apply_rope, embed, gated_mlp, linear, lm_head, rms_norm, rope_cos_sin, rope_inv_freq
+from .layers import gated_mlp, rope_inv_freq
 
 
 @attrs.frozen
@@ -110,23 +107,10 @@ def init_params(cfg: MoEConfig, dtype=torch.bfloat16, device="cpu", seed: int = 
 
 def forward(cfg: MoEConfig, params: llama.Params, cache: A.KVCache, batch: llama.Batch, routine: str = "mixed",
             backend: str = "torch", max_seq_len: int | None = None):
-  """One step over N new tokens -> (logits [N, V] float32, cache). Attention exactly as examples/llama.py."""
-  tokens, positions = batch.tokens, batch.positions  # [N], [N]
-  N, Hq, Hkv, D = tokens.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-  x = embed(tokens, params.embed)  # [N, dim]
-  cos, sin = rope_cos_sin(params.inv_freq, positions, x.dtype)  # [N, D] each
-  for i, layer in enumerate(params.layers):
-    qkv = linear(rms_norm(x, layer.attn_norm, cfg.norm_eps), layer.wqkv, layer.bqkv)  # [N, (Hq+2Hkv)*D]
-    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-    q = apply_rope(q.view(N, Hq, D), cos, sin)  # [N, Hq, D]
-    k = apply_rope(k.view(N, Hkv, D), cos, sin)  # [N, Hkv, D]
-    o = A.attention(q, k, v.view(N, Hkv, D), cache.k[i], cache.v[i], batch.meta, scale=D ** -0.5,
-                    backend=backend, routine=routine, max_seq_len=max_seq_len or cfg.max_seq_len)  # [N, Hq, D]
-    x = x + linear(o.reshape(N, Hq * D), layer.wo)
-    h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # [N, dim]
-    x = x + (moe(h, layer.moe, cfg.moe_backend) if layer.moe is not None else gated_mlp(h, layer.w13, layer.w2))
-  x = rms_norm(x, params.norm, cfg.norm_eps)
-  return lm_head(x, params.embed if params.lm_head is None else params.lm_head), cache
+  """One step over N new tokens -> (logits [N, V] float32, cache): llama's step with the MoE block as its MLP."""
+  def mlp(i: int, layer: MoELayer, h: torch.Tensor) -> torch.Tensor:  # h: [N, dim] -> [N, dim]
+    return moe(h, layer.moe, cfg.moe_backend) if layer.moe is not None else gated_mlp(h, layer.w13, layer.w2)
+  return llama.forward(cfg, params, cache, batch, routine, backend, max_seq_len, mlp=mlp)
 
 
 def make_step(cfg: MoEConfig, backend: str = "torch", max_seq_len: int | None = None):
@@ -136,24 +120,14 @@ def make_step(cfg: MoEConfig, backend: str = "torch", max_seq_len: int | None = 
   return step
 
 
-def build(cfg: MoEConfig, params: llama.Params, *, backend: str = "auto", max_seqs: int = 64,
-          max_seq_len: int = 2048, page_size: int | None = None, num_pages: int | None = None,
-          **kw) -> engine.Engine:
+def build(cfg: MoEConfig, params: llama.Params, **kw) -> engine.Engine:
   """examples.engine.build for this model (same cache sizing; the step is this module's)."""
-  device = params.embed.device
-  backend = A.resolve_backend(backend, device)
-  page_size = page_size or A.page_size_for(backend)
-  max_seq_len = min(max_seq_len, cfg.max_seq_len)
-  num_pages = num_pages or max_seqs * math.ceil(max_seq_len / page_size) + 1  # + the scratch page
-  cache = llama.init_cache(cfg, num_pages, page_size, params.embed.dtype, device)
-  step = make_step(cfg, backend, max_seq_len)
-  return engine.Engine(step, params, cache, max_seq_len=max_seq_len, max_seqs=max_seqs,
-                       vocab_size=cfg.vocab_size, **kw)
+  return engine.build(cfg, params, make_step=make_step, **kw)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 # architecture -> (MoE block prefix, names of expert i's gate/up/down, router, config keys, fixed options)
-_ARCH = {
+ARCHITECTURES = {
   "Qwen2MoeForCausalLM": dict(block="mlp", expert=("gate_proj", "up_proj", "down_proj"), router="gate",
                               experts="num_experts", qkv_bias=True),
   "MixtralForCausalLM": dict(block="block_sparse_moe", expert=("w1", "w3", "w2"), router="gate",
@@ -164,14 +138,14 @@ _ARCH = {
 def read_config(model_dir: str, moe_backend: str = "local") -> MoEConfig:
   """config.json of a Qwen2-MoE or Mixtral directory -> MoEConfig (attention keys through checkpoint's)."""
   path = f"{model_dir}/config.json"
-  c = checkpoint._read_json(path)
+  c = checkpoint.read_json(path)
   arch = (c.get("architectures") or [None])[0]
-  if arch not in _ARCH:
+  if arch not in ARCHITECTURES:
     raise checkpoint.CheckpointError(f"{path}: architecture {arch!r} is not a supported MoE",
-                                     f"supported: {', '.join(sorted(_ARCH))} (dense ones: examples.checkpoint)")
-  a = _ARCH[arch]
+                                     f"supported: {', '.join(sorted(ARCHITECTURES))} (dense ones: examples.checkpoint)")
+  a = ARCHITECTURES[arch]
   qwen = arch.startswith("Qwen2Moe")
-  base = checkpoint._llama_config(dict(c, intermediate_size=c.get("intermediate_size") or 1), path,
+  base = checkpoint.llama_config(dict(c, intermediate_size=c.get("intermediate_size") or 1), path,
                                   qkv_bias=a["qkv_bias"] and c.get("qkv_bias", True))
   step = c.get("decoder_sparse_step", 1) if qwen else 1
   dense = tuple(i for i in range(base.n_layers)
@@ -189,11 +163,10 @@ def load(model_dir: str, dtype=None, device="cpu", moe_backend: str = "local") -
   """A HF Qwen2-MoE / Mixtral directory -> (config, params). EP backends read only this rank's experts.
   Experts may be stored per expert (hub format) or fused (`experts.gate_up_proj` / `experts.down_proj`)."""
   cfg = read_config(model_dir, moe_backend)
-  arch = checkpoint._read_json(f"{model_dir}/config.json")["architectures"][0]
-  a, dtype = _ARCH[arch], checkpoint._dtype(dtype, model_dir)
-  ts = checkpoint._Tensors(model_dir, device)
-  D, dim, E, I, Is = cfg.head_dim, cfg.dim, cfg.num_experts, cfg.moe_intermediate, cfg.shared_intermediate
-  q, kv = cfg.n_heads * D, cfg.n_kv_heads * D
+  arch = checkpoint.read_json(f"{model_dir}/config.json")["architectures"][0]
+  a, dtype = ARCHITECTURES[arch], checkpoint.dtype_of(dtype, model_dir)
+  ts = checkpoint.Tensors(model_dir, device)
+  dim, E, I, Is = cfg.dim, cfg.num_experts, cfg.moe_intermediate, cfg.shared_intermediate
   rank, world = _ep(cfg)
   if E % world:
     raise checkpoint.CheckpointError(f"{model_dir}: {E} experts do not split over {world} ranks",
@@ -204,18 +177,11 @@ def load(model_dir: str, dtype=None, device="cpu", moe_backend: str = "local") -
     return ts.get(name, shape, dtype)
 
   def layer(i):
-    p = f"model.layers.{i}."
-    at, m = p + "self_attn.", p + a["block"] + "."
-    wqkv = torch.cat([get(at + "q_proj.weight", q, dim), get(at + "k_proj.weight", kv, dim),
-                      get(at + "v_proj.weight", kv, dim)])
-    bqkv = torch.cat([get(at + "q_proj.bias", q), get(at + "k_proj.bias", kv), get(at + "v_proj.bias", kv)]) \
-        if cfg.qkv_bias else None
-    attn = dict(attn_norm=get(p + "input_layernorm.weight", dim), wqkv=wqkv, bqkv=bqkv,
-                wo=get(at + "o_proj.weight", dim, q), mlp_norm=get(p + "post_attention_layernorm.weight", dim))
+    attn = checkpoint.attention_weights(ts, cfg, i, dtype)
     if not cfg.is_moe(i):
-      w13 = torch.cat([get(p + "mlp.gate_proj.weight", cfg.intermediate, dim),
-                       get(p + "mlp.up_proj.weight", cfg.intermediate, dim)])
-      return MoELayer(**attn, moe=None, w13=w13, w2=get(p + "mlp.down_proj.weight", dim, cfg.intermediate))
+      return MoELayer(**attn, moe=None,
+                      **checkpoint.gated_mlp_weights(ts, f"model.layers.{i}.mlp.", cfg.intermediate, dim, dtype))
+    m = f"model.layers.{i}.{a['block']}."
     g, u, d = a["expert"]
     if m + "experts.gate_up_proj" in ts:  # fused layout (transformers >= 5 in memory)
       w13 = get(m + "experts.gate_up_proj", E, 2 * I, dim)[mine.start:mine.stop].contiguous()
@@ -226,50 +192,17 @@ def load(model_dir: str, dtype=None, device="cpu", moe_backend: str = "local") -
       w2 = torch.stack([get(f"{m}experts.{e}.{d}.weight", dim, I) for e in mine])
     shared = (None, None, None)
     if Is:
-      s = m + "shared_expert."
-      shared = (torch.cat([get(s + "gate_proj.weight", Is, dim), get(s + "up_proj.weight", Is, dim)]),
-                get(s + "down_proj.weight", dim, Is),
-                get(m + "shared_expert_gate.weight", 1, dim) if cfg.shared_gate else None)
+      sw = checkpoint.gated_mlp_weights(ts, m + "shared_expert.", Is, dim, dtype)
+      shared = (sw["w13"], sw["w2"], get(m + "shared_expert_gate.weight", 1, dim) if cfg.shared_gate else None)
     w = MoEWeights(get(m + a["router"] + ".weight", E, dim), w13, w2, *shared, top_k=cfg.top_k,
                    scoring=cfg.scoring, renormalize=cfg.renormalize)
     return MoELayer(**attn, moe=w)
 
-  vd = (cfg.vocab_size, dim)
-  params = llama.Params(embed=get("model.embed_tokens.weight", *vd), layers=[layer(i) for i in range(cfg.n_layers)],
-                        norm=get("model.norm.weight", dim),
-                        lm_head=None if cfg.tie_embeddings else get("lm_head.weight", *vd),
-                        inv_freq=rope_inv_freq(D, cfg.rope_theta, cfg.rope_scaling).to(device))
-  return cfg, params
+  return cfg, checkpoint.assemble(ts, cfg, dtype, device, layer)
 
 
-# ------------------------------------------------------------------------------------------------ command
-def main(argv=None) -> dict:
-  """`python -m examples.generate` for MoE models: its flags, plus --moe-backend and --moe-preset."""
+if __name__ == "__main__":  # the former command, kept: examples.generate runs MoE models now (tiny-moe by default)
+  import sys
   from . import generate
-  p = argparse.ArgumentParser(add_help=False)
-  p.add_argument("--moe-backend", default="local", choices=["local", "allgather", "all2all"])
-  p.add_argument("--moe-preset", default="tiny-moe", choices=sorted(presets))
-  own, rest = p.parse_known_args(argv)
-
-  def load_model(args, device, dtype):
-    if args.model:
-      cfg, params = load(args.model, dtype, device, own.moe_backend)
-      return cfg, params, checkpoint.eos_token_ids(args.model), checkpoint.load_tokenizer(args.model)
-    cfg = preset(own.moe_preset, moe_backend=own.moe_backend)
-    return cfg, init_params(cfg, dtype, device, seed=args.seed), (), None
-
-  # generate.main is the command; this model swaps in its loader and engine builder for the call.
-  saved = generate.load_model, generate.engine
-  generate.load_model, generate.engine = load_model, _EngineModule()
-  try:
-    return generate.main(rest)
-  finally:
-    generate.load_model, generate.engine = saved
-
-
-class _EngineModule:
-  build = staticmethod(build)
-
-
-if __name__ == "__main__":
-  main()
+  argv = sys.argv[1:]
+  generate.main(argv if {"--model", "--preset"} & set(argv) else ["--preset", "tiny-moe", *argv])

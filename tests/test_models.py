@@ -164,7 +164,7 @@ REAL_CONFIGS = {
 def test_real_configs_map_to_presets(tmp_path, name):
   json.dump(REAL_CONFIGS[name], open(tmp_path / "config.json", "w"))
   assert checkpoint.read_config(str(tmp_path)) == llama.preset(name)
-  assert checkpoint._dtype(None, str(tmp_path)) == torch.bfloat16
+  assert checkpoint.dtype_of(None, str(tmp_path)) == torch.bfloat16
 
 
 def test_sharded_checkpoint_with_index(tmp_path):

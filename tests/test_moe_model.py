@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 import fgraph  # noqa: E402
 from fgraph.ops import attention as A  # noqa: E402
 
-from examples import checkpoint, llama, qwen2_moe  # noqa: E402
+from examples import checkpoint, generate, llama, qwen2_moe  # noqa: E402
 from tests.test_models import PAGE, PROMPTS, hf_greedy, hf_logits  # noqa: E402
 
 BASE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -167,18 +167,21 @@ def test_user_break_list_keeping_all2all_inside_a_graph_fails_at_capture(models)
 
 
 def test_generate_command_runs_a_moe_checkpoint(models, capsys):
+  """`python -m examples.generate --model DIR` picks the MoE loader and step by the checkpoint's architecture."""
   hf, cfg, params, path = models
   prompt = ",".join(map(str, PROMPTS[0]))
-  out = qwen2_moe.main(["--model", path, "--prompt-ids", prompt, "--greedy", "--max-new-tokens", "6",
-                        "--json", "--no-progress", "--mode", "FULL", "--moe-backend", "all2all"])
+  out = generate.main(["--model", path, "--prompt-ids", prompt, "--greedy", "--max-new-tokens", "6",
+                       "--json", "--no-progress", "--mode", "FULL", "--moe-backend", "all2all"])
   assert out["tokens"] == [hf_greedy(hf, PROMPTS[0], 6)]
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == out["tokens"]
 
 
-def test_generate_command_default_tiny_moe():
-  out = qwen2_moe.main(["--num-prompts", "2", "--prompt-len", "5", "--max-new-tokens", "3", "--json", "--no-progress",
-                        "--device", "cpu"])
-  assert [len(t) for t in out["tokens"]] == [3, 3]
+def test_generate_command_moe_preset(capsys):
+  out = generate.main(["--preset", "tiny-moe", "--num-prompts", "2", "--prompt-len", "5", "--max-new-tokens", "3",
+                       "--json", "--no-progress", "--device", "cpu", "--moe-backend", "all2all", "--explain"])
+  assert [len(t) for t in out["tokens"]] == [3, 3] and out["model"] == "tiny-moe"
+  text = capsys.readouterr().err  # with --json, explain goes to stderr
+  assert "break moe" in text and "FULL_AND_PIECEWISE requested -> PIECEWISE" in text
 
 
 def test_loader_rejects_dense_and_unknown_architectures(tmp_path):
@@ -188,3 +191,6 @@ def test_loader_rejects_dense_and_unknown_architectures(tmp_path):
   json.dump(dict(c, architectures=["LlamaForCausalLM"]), open(os.path.join(path, "config.json"), "w"))
   with pytest.raises(checkpoint.CheckpointError, match="'LlamaForCausalLM' is not a supported MoE"):
     qwen2_moe.load(path)
+  json.dump(dict(c, architectures=["MixtralForCausalLM"]), open(os.path.join(path, "config.json"), "w"))
+  with pytest.raises(checkpoint.CheckpointError, match="'MixtralForCausalLM' is not supported(.|\n)*qwen2_moe"):
+    checkpoint.load(path)  # the dense loader points to the MoE one
