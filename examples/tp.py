@@ -36,6 +36,9 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+# torch >= 2.12 names it all_gather_single; 2.11 (the GPU image) has only all_gather_tensor: the same traced op
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 import fgraph
 
 from . import checkpoint, engine, llama
@@ -64,7 +67,7 @@ class TP:
   def lm_head(self, x: torch.Tensor, w: torch.Tensor, vocab_size: int) -> torch.Tensor:
     # x: [N, dim], w: [Vl, dim] -> this rank's logits [N, Vl] -> gathered [W*N, Vl] (rank-major) -> [N, V] fp32
     N = x.shape[0]
-    y = funcol.all_gather_single(linear(x, w), 0, self.group)
+    y = _all_gather(linear(x, w), 0, self.group)
     return y.view(self.world, N, -1).transpose(0, 1).reshape(N, -1)[:, :vocab_size].float()
 
 

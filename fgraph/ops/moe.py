@@ -218,8 +218,8 @@ def _allgather(x, w, ids, w13, w2):
   packed = torch.cat([ids.to(pdt), w.to(pdt)], 1)                     # [N, 2k]
   if comm:
     xg, pg = x.new_empty(world * N, x.shape[1]), packed.new_empty(world * N, 2 * k)
-    dist.all_gather_single(xg, x.contiguous())
-    dist.all_gather_single(pg, packed)
+    dist.all_gather_into_tensor(xg, x.contiguous())
+    dist.all_gather_into_tensor(pg, packed)
   else:
     xg, pg = x, packed
   gids, gw = _unpack(pg, k, pdt)
@@ -228,7 +228,7 @@ def _allgather(x, w, ids, w13, w2):
   if not comm:
     return y
   mine = x.new_empty(N, x.shape[1])
-  dist.reduce_scatter_single(mine, y.contiguous())
+  dist.reduce_scatter_tensor(mine, y.contiguous())
   return mine
 
 
