@@ -3,7 +3,7 @@
 #   bash scripts/bench_all.sh      -> $OUT/decode*.json, $OUT/decode*.png and the tables on stdout
 set -uo pipefail
 source .gpu/activate.sh >/dev/null
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
 # every cell, eager / graph / torch.compile peers, fgraph NONE / PIECEWISE / FULL per backend, capture cost
 timeout 330 python3 -m benchmarks.decode_bench --cells 1024:1 1024:8 1024:64 1024:256 8192:1 8192:64 \
