@@ -20,31 +20,16 @@ import argparse
 import json
 import math
 import os
-import statistics
 import time
 
 import torch
 
 from fgraph.ops import attention as A
 
+from .common import copy_bandwidth, gpu_ms
+
 DEV, BF = "cuda", torch.bfloat16
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3-8b": (32, 8, 128)}
-
-
-def gpu_ms(fn, iters: int, reps: int = 5) -> float:
-  """Median over `reps` of the mean ms per call over `iters` back-to-back calls."""
-  fn()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(reps):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-      fn()
-    e.record()
-    torch.cuda.synchronize()
-    times.append(s.elapsed_time(e) / iters)
-  return statistics.median(times)
 
 
 def host_us(fn, iters: int = 200) -> float:
@@ -53,15 +38,6 @@ def host_us(fn, iters: int = 200) -> float:
   for _ in range(iters):
     fn()
   return (time.perf_counter() - t0) / iters * 1e6
-
-
-def copy_bandwidth() -> float:
-  """Bytes per second of a device copy, counting what it reads and what it writes (the anchors' convention)."""
-  a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
-  b = torch.empty_like(a)
-  ms = gpu_ms(lambda: b.copy_(a), 10)
-  del a, b
-  return 2 * (2 << 30) / (ms / 1e3)
 
 
 def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, bw: float) -> dict:
@@ -90,8 +66,8 @@ def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, b
     fn = graph.replay
   else:
     fn = step
-  once = gpu_ms(fn, 1, reps=1)  # keep slow configurations (the torch reference at 8k) to about a second
-  ms = gpu_ms(fn, max(2, min(iters, int(1000 / max(once, 1e-3)))))
+  once = gpu_ms(fn, 1, reps=1, warm=1)  # keep slow configurations (the torch reference at 8k) to about a second
+  ms = gpu_ms(fn, max(2, min(iters, int(1000 / max(once, 1e-3)))), warm=1)
   kv_bytes = 2 * batch * ctx * hkv * d * BF.itemsize
   row = dict(backend=backend, routine=routine, batch=batch, ctx=ctx, graph=graphed, us=ms * 1e3,
              floor_us=kv_bytes / bw * 1e6, kv_mb=kv_bytes / 1e6)

@@ -25,43 +25,9 @@ import fgraph
 from examples import llama
 from fgraph.ops import attention as A
 
+from .common import copy_bandwidth, decode_batch, gpu_ms
+
 DEV = "cuda"
-
-
-def timeit(fn, iters=30, reps=5, warm=3) -> float:
-  """Median over `reps` of the mean ms per call over `iters` back-to-back calls (host cost included)."""
-  for _ in range(warm):
-    fn()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(reps):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-      fn()
-    e.record()
-    torch.cuda.synchronize()
-    times.append(s.elapsed_time(e) / iters)
-  return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-  a = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
-  b = torch.empty_like(a)
-  ms = timeit(lambda: b.copy_(a), iters=10, reps=5, warm=2)
-  del a, b
-  return 2 * (2 << 30) / (ms / 1e3)  # bytes read + written per second
-
-
-def decode_batch(cfg, B, ctx, page_size, max_ctx):
-  """B sequences at position ctx/2, pages laid out contiguously after the scratch page 0; block tables sized
-  for max_ctx so every cell shares one signature family."""
-  L = ctx // 2 + 1
-  pages_per_seq = -(-ctx // page_size)
-  tables = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(B)]
-  meta = A.build_metadata([1] * B, [L] * B, tables, page_size, -(-max_ctx // page_size))
-  tokens = torch.randint(0, cfg.vocab_size, (B,))
-  return llama.Batch(tokens, torch.full((B,), L - 1, dtype=torch.int64), meta), 1 + B * pages_per_seq
 
 
 def weight_bytes(params) -> int:
@@ -94,13 +60,13 @@ def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes
   res["floor_ms"] = (weight_bytes(params) + kv_read) / bw * 1e3
   for backend in backends:
     ps = A.page_size_for(backend)
-    batch, _ = decode_batch(cfg, B, ctx, ps, max_ctx)
+    batch, _ = decode_batch(cfg.vocab_size, B, ctx, ps, max_ctx)
     cache = caches[backend]
     with torch.no_grad():
       if peers and backend == backends[0]:
         step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
         dev_batch = llama.Batch(batch.tokens.to(DEV), batch.positions.to(DEV), batch.meta.to(DEV))
-        res["eager_ms"] = timeit(lambda: step(params, cache, dev_batch, "decode"))
+        res["eager_ms"] = gpu_ms(lambda: step(params, cache, dev_batch, "decode"))
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -109,7 +75,7 @@ def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes
         torch.cuda.current_stream().wait_stream(s)
         with torch.cuda.graph(g):
           step(params, cache, dev_batch, "decode")
-        res["graph_ms"] = timeit(g.replay)
+        res["graph_ms"] = gpu_ms(g.replay)
         del g
         if peers == "compile":
           try:
@@ -118,7 +84,7 @@ def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes
             for _ in range(3):
               comp(params, cache, dev_batch, "decode")
             res["compile_s"] = time.perf_counter() - t0
-            res["compile_ms"] = timeit(lambda: comp(params, cache, dev_batch, "decode"))
+            res["compile_ms"] = gpu_ms(lambda: comp(params, cache, dev_batch, "decode"))
           except Exception as e:  # a peer that fails is a result too
             res["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
           torch._dynamo.reset()
@@ -127,7 +93,7 @@ def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes
         t0 = time.perf_counter()
         f(params, cache, batch, routine="decode")  # traces (first bucket of the family) and captures
         res[f"{backend}/{mode}_setup_s"] = time.perf_counter() - t0
-        res[f"{backend}/{mode}_ms"] = timeit(lambda: f(params, cache, batch, routine="decode"))
+        res[f"{backend}/{mode}_ms"] = gpu_ms(lambda: f(params, cache, batch, routine="decode"))
         if mode.startswith("FULL"):
           res[f"{backend}/{mode}/host_us"] = host_time(f, params, cache, batch)
   return res
@@ -147,7 +113,7 @@ def host_time(f, params, cache, batch, n=200) -> float:
 def capture_cost(cfg, params, backend):
   """Capture of 2 routines x the default buckets, FULL_AND_PIECEWISE: seconds and pool GiB."""
   ps = A.page_size_for(backend)
-  batch, _ = decode_batch(cfg, 1, 1024, ps, 1024)
+  batch, _ = decode_batch(cfg.vocab_size, 1, 1024, ps)
   cache = llama.init_cache(cfg, 2 + 512 * (-(-1024 // ps)), ps, torch.bfloat16, DEV)
   step = llama.make_step(cfg, backend=backend, max_seq_len=4096)
   spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())

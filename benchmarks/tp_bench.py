@@ -15,7 +15,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 
 import torch
 
@@ -23,31 +22,7 @@ import fgraph
 from examples import llama, tp
 from fgraph.ops import attention as A
 
-
-def timeit(fn, iters=20, reps=5, warm=3) -> float:
-  """Median over `reps` of the mean ms per call over `iters` back-to-back calls (host cost included)."""
-  for _ in range(warm):
-    fn()
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(reps):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-      fn()
-    e.record()
-    torch.cuda.synchronize()
-    times.append(s.elapsed_time(e) / iters)
-  return statistics.median(times)
-
-
-def decode_batch(vocab: int, B: int, ctx: int, page_size: int) -> llama.Batch:
-  """B sequences at position ctx/2, each with its own contiguous pages after the scratch page 0."""
-  L, per = ctx // 2 + 1, -(-ctx // page_size)
-  tables = [list(range(1 + b * per, 1 + (b + 1) * per)) for b in range(B)]
-  meta = A.build_metadata([1] * B, [L] * B, tables, page_size, per)
-  tokens = torch.randint(0, vocab, (B,), generator=torch.Generator().manual_seed(B))
-  return llama.Batch(tokens, torch.full((B,), L - 1, dtype=torch.int64), meta)
+from .common import decode_batch, gpu_ms
 
 
 def measure(cfg, params, step, local_cfg, a) -> dict:
@@ -59,13 +34,13 @@ def measure(cfg, params, step, local_cfg, a) -> dict:
   out = {}
   with torch.no_grad():
     for B in a.batches:
-      batch = decode_batch(cfg.vocab_size, B, a.ctx, ps)
+      batch, _ = decode_batch(cfg.vocab_size, B, a.ctx, ps)
       on_dev = llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
-      out[B, "eager"] = timeit(lambda: step(params, cache, on_dev, "decode"))
+      out[B, "eager"] = gpu_ms(lambda: step(params, cache, on_dev, "decode"))
       for mode in a.modes:  # a new jitted step per cell: its graphs go when the next one replaces it
         f = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode, buckets=[B])
         f(params, cache, batch, routine="decode")  # trace + capture
-        out[B, f"fg-{mode}"] = timeit(lambda: f(params, cache, batch, routine="decode"))
+        out[B, f"fg-{mode}"] = gpu_ms(lambda: f(params, cache, batch, routine="decode"))
   return out
 
 
