@@ -17,6 +17,7 @@ pytest.importorskip("safetensors")
 from fgraph.ops import attention as A  # noqa: E402
 
 from examples import checkpoint, engine, llama  # noqa: E402
+from tests.hf import save_tiny  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
@@ -31,18 +32,11 @@ PAGE = 4  # small pages: every sequence spans several, so the block tables are e
 
 def make_hf(kind: str, extra: dict, path: str, seed: int = 0):
   """A tiny random HF model, saved to `path`. All weights (biases and norms too) are perturbed."""
-  torch.manual_seed(seed)
   base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=128,
               max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
   if kind == "llama":
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**base, **extra))
-  else:
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**base, **extra))
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-  model.eval().save_pretrained(path)
-  return model
+    return save_tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig(**base, **extra), path, seed)
+  return save_tiny(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**base, **extra), path, seed)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

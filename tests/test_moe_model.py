@@ -18,6 +18,7 @@ import fgraph  # noqa: E402
 from fgraph.ops import attention as A  # noqa: E402
 
 from examples import checkpoint, generate, llama, qwen2_moe  # noqa: E402
+from tests.hf import save_tiny  # noqa: E402
 from tests.test_models import PAGE, PROMPTS, hf_greedy, hf_logits  # noqa: E402
 
 BASE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -34,15 +35,10 @@ CASES = {
 
 
 def make_hf(kind, extra, path, seed=0):
-  torch.manual_seed(seed)
   if kind == "qwen2_moe":
-    model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**BASE, **extra))
+    model = save_tiny(transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(**BASE, **extra), path, seed)
   else:
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**BASE, **extra))
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-  model.eval().save_pretrained(path)
+    model = save_tiny(transformers.MixtralForCausalLM, transformers.MixtralConfig(**BASE, **extra), path, seed)
   return type(model).from_pretrained(path).eval()  # reloaded: the saved files are what both sides read
 
 
