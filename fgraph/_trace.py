@@ -189,12 +189,12 @@ def check(fname: str, gm: fx.GraphModule, placeholder_paths: dict[fx.Node, str],
       if b in placeholder_paths and not donated(b):
         raise TraceError(f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
                          f"{placeholder_paths[b]}, which is not donated",
-                         f"add its argument to donate=[...] (fgraph then updates it in place across calls), "
+                         "add its argument to donate=[...] (fgraph then updates it in place across calls), "
                          "or use the out-of-place op")
     val = node.meta.get("val")
     if device != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" and node.op != "placeholder":
       raise TraceError(f"fgraph.jit({fname}): a CPU tensor ({node.format_node()}) at {node.meta.get('line')} in a "
-                       f"{device} signature", f"create it on the device (device=...), or pass it as an argument")
+                       f"{device} signature", "create it on the device (device=...), or pass it as an argument")
     if node.op == "output":
       for i, o in enumerate(node.args[0]):
         b = base_of(o)

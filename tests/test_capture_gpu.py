@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import fgraph
-from fgraph import Mode
 from fgraph.capture import CudaGraph
 from tests import toys
 from tests.toys import jitted, step

@@ -3,7 +3,6 @@ import dataclasses
 from typing import NamedTuple
 
 import attrs
-import pytest
 import torch
 import torch.utils._pytree as pytree
 
