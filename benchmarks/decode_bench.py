@@ -161,7 +161,7 @@ def main():
     if a.capture and name == a.models[0]:  # the capture target is stated for the 0.5B model
       for backend in a.backends:
         caps.append({"model": name, **capture_cost(cfg, params, backend)})
-        print(json.dumps(caps[-1]), flush=True)
+        emit(a.out, caps[-1])
     cells = [tuple(map(int, c.split(":"))) for c in a.cells] if a.cells else \
         [(ctx, B) for ctx in a.ctx for B in a.batches]
     fits = [(ctx, B) for ctx, B in cells
@@ -178,7 +178,7 @@ def main():
       r = {"model": name, **bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, a.backends, bw, a.modes,
                                        compiled, peers)}
       rows.append(r)
-      print(json.dumps(r), flush=True)
+      emit(a.out, r)
     del params, caches, jitted
     gc.collect()
     torch.cuda.empty_cache()
@@ -188,6 +188,14 @@ def main():
   allmodes = list(a.modes) + [f"{m}+C" for m in a.compile_modes]
   print_table(rows, a.backends, allmodes, info)
   plot(rows, a.backends, allmodes, os.path.join(a.out, "decode.png"))
+
+
+def emit(out: str, row: dict):
+  """Print a result and append it to decode.jsonl at once: a run cut short by its time limit keeps its rows."""
+  print(json.dumps(row), flush=True)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "decode.jsonl"), "a") as fh:
+    fh.write(json.dumps(row) + "\n")
 
 
 def print_table(rows, backends, modes, info):
