@@ -185,3 +185,14 @@ def test_never_capturable_primitive_kept_inside_a_graph():
 def test_explain_of_a_plain_function():
   with pytest.raises(TypeError, match=r"expected a function made by fgraph.jit"):
     fgraph.explain(toys.step)
+
+
+def test_host_tensor_inside_a_device_signature():
+  """A tensor made on the CPU inside a device signature is a host->device copy per replay: rejected where it is
+  made. (The meta device stands in for CUDA here; batched inputs may still come from the host.)"""
+  def f(x, p):
+    return (x @ p["w"]) * torch.tensor(2.0)
+  g = fgraph.jit(f, batch={"x": Batched()}, buckets=[4])
+  with pytest.raises(TraceError, match=r"a CPU tensor \(.*\) at tests/test_errors.py:\d+ in a meta signature\n"
+                     r"Fix: create it on the device"):
+    g(torch.ones(3, 2), {"w": torch.ones(2, 2, device="meta")})
