@@ -20,25 +20,25 @@ from ._errors import SignatureError
 class Batched:
   """Marks a leaf whose `axis` carries the token (batch) axis. It is padded to bucket + `extra` along it.
 
-  pad: a scalar fill value, or a callable (tensor, size) -> tensor of `size` along `axis`, for pads that
-  must follow a rule (a monotonic offsets array, a scratch page id).
+  pad: a scalar fill value; "ramp" for offset arrays (a [S+1] array of segment starts): each padded row
+  continues the last value by one, clamped at the bucket, so offsets stay monotonic and end at the padded
+  total; or a callable (tensor, size) -> tensor of `size` along `axis` for any other rule.
   """
   axis: int = 0
   pad: Any = 0
   extra: int = 0
 
   def padded(self, x: torch.Tensor, size: int) -> torch.Tensor:
-    have = x.shape[self.axis]
-    if have == size:
+    if x.shape[self.axis] == size:
       return x
-    if callable(self.pad):
-      return self.pad(x, size)
     shape = list(x.shape)
-    shape[self.axis] = size - have
-    return torch.cat([x, torch.full(shape, self.pad, dtype=x.dtype, device=x.device)], self.axis)
+    shape[self.axis] = size
+    out = x.new_empty(shape)
+    self.pad_into(x, out)
+    return out
 
   def pad_into(self, x: torch.Tensor, dst: torch.Tensor) -> None:
-    """Write x padded into dst (its padded shape), without allocating for scalar pads."""
+    """Write x padded into dst (its padded shape)."""
     have, size = x.shape[self.axis], dst.shape[self.axis]
     if have == size:
       dst.copy_(x)
@@ -46,7 +46,13 @@ class Batched:
       dst.copy_(self.pad(x, size))
     else:
       dst.narrow(self.axis, 0, have).copy_(x)
-      dst.narrow(self.axis, have, size - have).fill_(self.pad)
+      tail = dst.narrow(self.axis, have, size - have)
+      if self.pad == "ramp":
+        last = x.narrow(self.axis, have - 1, 1) if have else x.new_zeros(1)
+        steps = torch.arange(1, size - have + 1, dtype=x.dtype, device=x.device)
+        tail.copy_(torch.clamp(last + steps, max=size - self.extra))
+      else:
+        tail.fill_(self.pad)
 
   def padded_shape(self, x: torch.Tensor, bucket: int) -> tuple[int, ...]:
     shape = list(x.shape)

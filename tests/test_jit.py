@@ -198,3 +198,27 @@ def test_inductor_compiled_pieces_equal_eager():
   (e,) = f.entries.values()
   assert all(type(getattr(e.module, p.name).module).__name__ == "Compiled" for p in e.program.pieces
              if not p.is_break)
+
+
+def repeat_last(t, size):  # a callable pad must accept the empty leaf of capture's all-padding dummy
+  return torch.cat([t, torch.full((size - len(t),), t[-1].item() if len(t) else 0, dtype=t.dtype)])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bfloat16])  # numpy host path, and the torch path
+def test_pad_modes_scalar_ramp_and_callable(dtype):
+  """Each batched leaf is padded to bucket + extra: a fill value, "ramp" (offsets continue by one up to the
+  bucket) or a callable; rows of a shorter call after a longer one are re-padded, never left stale."""
+  def fn(a, starts, c):
+    return a * 1, starts * 1, c * 1
+  f = fgraph.jit(fn, batch={"a": Batched(pad=7), "starts": Batched(pad="ramp", extra=1),
+                            "c": Batched(pad=repeat_last)},
+                 mode="PIECEWISE", buckets=[8], copy_outputs=True)
+  ints = lambda *v: torch.tensor(v, dtype=dtype)
+  a, s, c = f(ints(1, 2, 3, 4, 5), ints(0, 2, 3, 5, 6, 9), ints(4, 5, 6, 7, 8))
+  assert a.tolist() == [1, 2, 3, 4, 5] and c.tolist() == [4, 5, 6, 7, 8]  # outputs sliced back to N = 5
+  (e,) = f.entries.values()
+  assert e.buffers.host[1].tolist() == [0, 2, 3, 5, 6, 9, 8, 8, 8]  # ramp from 9 clamps at the bucket
+  f(ints(1, 2), ints(0, 1, 2), ints(4, 5))
+  assert e.buffers.host[0].tolist() == [1, 2, 7, 7, 7, 7, 7, 7]
+  assert e.buffers.host[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+  assert e.buffers.host[2].tolist() == [4, 5, 5, 5, 5, 5, 5, 5]

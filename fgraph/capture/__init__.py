@@ -7,6 +7,7 @@ import contextlib
 import gc
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
@@ -45,6 +46,10 @@ class HostGraph:
       if isinstance(old, torch.Tensor) and old is not fresh:
         old.copy_(fresh)
     return self.out
+
+
+_NUMPY_DTYPES = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                 torch.float32, torch.float64}
 
 
 def graph_class(device: str):
@@ -95,9 +100,13 @@ class InputBuffers:
     if self.cuda:
       self.host_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=True)
       self.host = self._views(self.host_bytes, offsets, shapes)
-      self.copied = None  # event after the last host->device copy: the host mirror is reusable after it
+      self.copied = torch.cuda.Event()  # recorded after each host->device copy: the mirror is free after it
+      self.copy_pending = False
     else:
       self.host = self.dev
+    # numpy views of the host side: writing a few small rows through numpy costs well under a microsecond,
+    # a torch op several (dtypes numpy lacks, such as bfloat16, keep the torch path)
+    self.host_np = [h.numpy() if h.device.type == "cpu" and h.dtype in _NUMPY_DTYPES else None for h in self.host]
 
   @staticmethod
   def _views(buf, offsets, shapes):
@@ -107,20 +116,34 @@ class InputBuffers:
     """Pad the leaves straight into the buffers; returns the padded views on the caller's side of the copy
     (the host mirror for host inputs: what plan hooks read without a device sync)."""
     to_host = self.cuda and all(x.device.type == "cpu" for x in leaves)
-    if to_host and self.copied is not None:
+    if to_host and self.copy_pending:
       self.copied.synchronize()  # the previous call's copy may still be reading the mirror
+    host_side = to_host or not self.cuda
     targets = self.host if to_host else self.dev
     real = self.real_host if to_host else self.real_dev
     for k, (t, x, s) in enumerate(zip(targets, leaves, specs)):
       have = x.shape[s.axis]
-      if have == real[k] and not callable(s.pad):  # the padding already there is still right
-        t.narrow(s.axis, 0, have).copy_(x)
-      else:
-        s.pad_into(x, t)
+      tn = self.host_np[k] if host_side and x.device.type == "cpu" and not x.requires_grad else None
+      if callable(s.pad) or tn is None or x.dtype != t.dtype:
+        if have == real[k] and not callable(s.pad):  # the padding already there is still right
+          t.narrow(s.axis, 0, have).copy_(x)
+        else:
+          s.pad_into(x, t)
+          real[k] = have
+        continue
+      lead = (slice(None),) * s.axis
+      tn[lead + (slice(0, have),)] = x.numpy()
+      if s.pad == "ramp":  # offsets: continue the last one by one per padded row, up to the bucket
+        size = tn.shape[s.axis]
+        last = int(tn[lead + (have - 1,)]) if have else 0
+        tn[lead + (slice(have, None),)] = np.minimum(np.arange(last + 1, last + 1 + size - have), size - s.extra)
+        real[k] = -1
+      elif have != real[k]:
+        tn[lead + (slice(have, None),)] = s.pad
         real[k] = have
     if to_host:
       self.real_dev[:] = real  # the whole mirror goes over, padding included
       self.dev_bytes.copy_(self.host_bytes, non_blocking=True)
-      self.copied = torch.cuda.Event()
       self.copied.record()
+      self.copy_pending = True
     return targets

@@ -38,6 +38,7 @@ import torch
 from fgraph._errors import FgraphError
 from fgraph._primitives import PlanCall, Support, primitive
 from fgraph._pytree import register
+from fgraph._signature import Batched
 
 BACKENDS = ("torch", "flash_attn", "flashinfer")
 ROUTINES = ("decode", "mixed")
@@ -124,28 +125,8 @@ def build_metadata(query_lens, seq_lens, block_tables, page_size: int, max_pages
 
 
 # ------------------------------------------------------------------------------------------ padding
-def pad_query_start_loc(t: torch.Tensor, size: int) -> torch.Tensor:
-  """[S+1] offsets -> [size]: padded sequence i takes token min(last + i, size - 1), so the offsets stay
-  monotonic and end at the bucket (size - 1 tokens); each padded sequence gets at most one token."""
-  have = t.shape[0]
-  if have >= size:
-    return t
-  last = t[-1:] if have else t.new_zeros(1)
-  steps = torch.arange(1, size - have + 1, dtype=t.dtype, device=t.device)
-  return torch.cat([t, torch.clamp(last + steps, max=size - 1)])
-
-
-def _pad_rows(value):
-  def pad(t: torch.Tensor, size: int) -> torch.Tensor:
-    if t.shape[0] >= size:
-      return t
-    fill = torch.full((size - t.shape[0], *t.shape[1:]), value, dtype=t.dtype, device=t.device)
-    return torch.cat([t, fill])
-  return pad
-
-
 PADS = {  # field -> (pad, extra): the padding contract (see the module docstring)
-  "query_start_loc": (pad_query_start_loc, 1),
+  "query_start_loc": ("ramp", 1),  # padded sequence i takes token min(last + i, bucket): <= 1 token each
   "seq_lens": (1, 0),
   "block_table": (SCRATCH_PAGE, 0),
   "slot_mapping": (SCRATCH_PAGE, 0),  # slot 0 of page 0
@@ -154,7 +135,6 @@ PADS = {  # field -> (pad, extra): the padding contract (see the module docstrin
 
 def metadata_batching() -> AttentionMetadata:
   """The `fgraph.Batched` spec of each metadata field, for `fgraph.jit(batch={...: Batch(meta=...)})`."""
-  from fgraph._signature import Batched
   return AttentionMetadata(**{k: Batched(axis=0, pad=p, extra=e) for k, (p, e) in PADS.items()})
 
 
@@ -166,7 +146,7 @@ def pad_metadata(meta: AttentionMetadata, bucket: int) -> AttentionMetadata:
     if t.shape[0] - e > bucket:
       raise FgraphError(f"pad_metadata: {k} has {t.shape[0] - e} rows, more than the bucket {bucket}",
                         "pick a bucket >= the number of tokens")
-    out[k] = p(t, bucket + e) if callable(p) else _pad_rows(p)(t, bucket + e)
+    out[k] = Batched(axis=0, pad=p, extra=e).padded(t, bucket + e)
   return AttentionMetadata(**out)
 
 
