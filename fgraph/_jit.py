@@ -111,28 +111,28 @@ class Jitted:
 
   def _fast_call(self, args, kwargs):
     """The replay path. Containers passed again (the same params / state objects) are not re-flattened: their
-    flat layout is cached by identity; only batched arguments are flattened and padded. Returns None to
+    flat layout is cached by identity; only batched arguments are flattened and padded. Returns _MISS to
     send the call down the slow path (first sight of anything, errors, fallbacks)."""
     names = self._names
     if len(args) > len(names):
-      return None
+      return _MISS
     bound = dict(zip(names, args))
     for k, v in kwargs.items():
       if k in bound or k not in self._defaults:
-        return None
+        return _MISS
       bound[k] = v
     if len(bound) < len(names):
       for k in names:
         if k not in bound:
           d = self._defaults[k]
           if d is inspect.Parameter.empty:
-            return None
+            return _MISS
           bound[k] = d
     try:
       statics = tuple(bound[k] for k in self._static_sorted)
       hash(statics)
     except TypeError:
-      return None
+      return _MISS
     parts, leaves, n, layouts = [], [], None, []
     for name in self._dynamic:
       v = bound[name]
@@ -140,7 +140,7 @@ class Jitted:
         lv, spec = pytree.tree_flatten(v)
         known = self._specs.get((name, spec))
         if known is None:
-          return None
+          return _MISS
         specs, spec = known  # spec -> a small int: the key below need not hash the tree structure again
         for x, s in zip(lv, specs):
           if s is not None:
@@ -152,17 +152,17 @@ class Jitted:
       else:
         c = self._flat.get(name)
         if c is None or c[0] is not v:
-          return None
+          return _MISS
         parts.append(c[2])
         leaves.extend(c[1])
     bucket = bucket_for(self.buckets, n if n > 1 else 1) if n is not None else None
     if n is not None and bucket is None:
-      return None
+      return _MISS
     for at, lv, specs, spec in layouts:  # batched arguments enter the key at their padded shapes
       parts[at] = _batched_key(spec, lv, specs, bucket)
     entry = self._fast.get((statics, bucket, tuple(parts)))
     if entry is None:
-      return None
+      return _MISS
     held = [p for p in parts if type(p) is _Key]  # the identity-cached containers (not the batched args)
     check = entry.verified is None or len(held) != len(entry.verified) or \
         any(a is not b for a, b in zip(held, entry.verified))
@@ -195,7 +195,7 @@ class Jitted:
     if _disabled:
       return self.fn(*args, **kwargs)
     out = self._fast_call(args, kwargs)
-    if out is not None:
+    if out is not _MISS:
       return out
     call = self._bind(args, kwargs)
     if call.n is not None and call.sig.bucket is None:
@@ -334,6 +334,9 @@ class Jitted:
     self.entries.clear()
     self._flat.clear(), self._specs.clear(), self._fast.clear(), self._traces.clear()
     self.sealed, self.pool = False, None
+
+
+_MISS = object()  # the fast path's "not here": a jitted function may itself return None
 
 
 def _batched_key(spec, leaves, specs, bucket):

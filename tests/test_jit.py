@@ -222,3 +222,14 @@ def test_pad_modes_scalar_ramp_and_callable(dtype):
   assert e.buffers.host[0].tolist() == [1, 2, 7, 7, 7, 7, 7, 7]
   assert e.buffers.host[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
   assert e.buffers.host[2].tolist() == [4, 5, 5, 5, 5, 5, 5, 5]
+
+
+def test_a_function_returning_none_runs_once_per_call():
+  def bump(x, state):
+    state["n"].add_(x.sum())
+  f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+  state = {"n": torch.zeros(())}
+  for _ in range(3):
+    assert f(torch.ones(3), state) is None
+  assert state["n"].item() == 9  # three calls of 3 (warm-up and capture ran on all-zero padding)
+  assert f.stats()["total"]["calls"] == 3
