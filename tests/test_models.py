@@ -63,15 +63,15 @@ def test_config_mapping(models):
   torch.testing.assert_close(params.inv_freq, hf.model.rotary_emb.inv_freq.float(), rtol=0, atol=0)
 
 
-def test_prefill_and_decode_logits_match_hf(models):
-  hf, cfg, params, _ = models
-  step = llama.make_step(cfg)
+def assert_steps_match_hf(step, cfg, hf, params, n_steps: int):
+  """A batched prefill of 3 sequences (routine "mixed"), then decode steps: the logits of every new position
+  match HF's, and each sequence continues with HF's greedy token."""
   cache = llama.init_cache(cfg, num_pages=16, page_size=PAGE, dtype=torch.float32, device="cpu")
   g = torch.Generator().manual_seed(1)
   seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 11, 1)]
   pages = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11]]
   done = [0, 0, 0]
-  for it in range(5):  # step 0: prefill all three at once (mixed); then decode steps
+  for it in range(n_steps):
     qlens = [len(s) - d for s, d in zip(seqs, done)]
     meta = A.build_metadata(qlens, [len(s) for s in seqs], pages, PAGE, 8)
     toks = [t for s, d in zip(seqs, done) for t in s[d:]]
@@ -86,6 +86,11 @@ def test_prefill_and_decode_logits_match_hf(models):
       start += qlens[i]
       done[i] = len(s)
       s.append(int(want[-1].argmax()))
+
+
+def test_prefill_and_decode_logits_match_hf(models):
+  hf, cfg, params, _ = models
+  assert_steps_match_hf(llama.make_step(cfg), cfg, hf, params, n_steps=5)
 
 
 def hf_greedy(hf, prompt, n):

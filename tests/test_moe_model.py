@@ -19,7 +19,7 @@ from fgraph.ops import attention as A  # noqa: E402
 
 from examples import checkpoint, generate, llama, qwen2_moe  # noqa: E402
 from tests.hf import save_tiny  # noqa: E402
-from tests.test_models import PAGE, PROMPTS, hf_greedy, hf_logits  # noqa: E402
+from tests.test_models import PAGE, PROMPTS, assert_steps_match_hf, hf_greedy  # noqa: E402
 
 BASE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
             max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None)
@@ -67,36 +67,11 @@ def test_config_mapping(models):
   assert isinstance(cfg, llama.LlamaConfig)  # same attention config and KV cache as the dense models
 
 
-def run_steps(step, cfg, params, n_steps=4):
-  """A batched prefill of 3 sequences then decode steps; yields (logits, per-sequence slices, seqs)."""
-  cache = llama.init_cache(cfg, num_pages=16, page_size=PAGE, dtype=torch.float32, device="cpu")
-  g = torch.Generator().manual_seed(1)
-  seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 11, 1)]
-  pages = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10, 11]]
-  done = [0, 0, 0]
-  for it in range(n_steps):
-    qlens = [len(s) - d for s, d in zip(seqs, done)]
-    meta = A.build_metadata(qlens, [len(s) for s in seqs], pages, PAGE, 8)
-    toks = [t for s, d in zip(seqs, done) for t in s[d:]]
-    pos = [p for s, d in zip(seqs, done) for p in range(d, len(s))]
-    batch = llama.Batch(torch.tensor(toks), torch.tensor(pos), meta)
-    logits, cache = step(params, cache, batch, routine="mixed" if it == 0 else "decode")
-    lens = [len(s) for s in seqs]
-    yield logits, qlens, seqs, done  # the caller appends each sequence's next token
-    done[:] = lens
-
-
 @pytest.mark.parametrize("moe_backend", ["local", "all2all"])
 def test_prefill_and_decode_logits_match_hf(models, moe_backend):
   hf, cfg, params, _ = models
   step = qwen2_moe.make_step(qwen2_moe.MoEConfig(**{**vars_of(cfg), "moe_backend": moe_backend}))
-  for logits, qlens, seqs, done in run_steps(step, cfg, params):
-    start = 0
-    for i, s in enumerate(seqs):
-      want = hf_logits(hf, s)[done[i]:]  # [qlen, V]
-      torch.testing.assert_close(logits[start:start + qlens[i]], want, atol=1e-4, rtol=1e-4)
-      start += qlens[i]
-      s.append(int(want[-1].argmax()))
+  assert_steps_match_hf(step, cfg, hf, params, n_steps=4)
 
 
 def vars_of(cfg):
