@@ -18,7 +18,8 @@ from ._trace import check, trace
 
 
 class Call(NamedTuple):
-  """One call, flattened and padded: everything dispatch needs."""
+  """One call, flattened, with its bucket found (batched leaves stay unpadded: the entry pads them into its
+  input buffers): everything dispatch needs."""
   sig: Signature
   statics: dict[str, Any]
   paths: list            # key path per leaf

@@ -228,6 +228,10 @@ class Jitted:
     graphed = entry.mode is not Mode.NONE
     entry.capture(call, self._pool(entry.device) if graphed else None, self.warmups if graphed else 0,
                   self.compile and graphed)
+    if config.log_captures and graphed:
+      log.warning("fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB", self.name,
+                  len(entry.graphs), entry.mode.name, entry.sig.describe(), entry.capture_seconds,
+                  entry.pool_bytes / 2**30)
 
   def _pool(self, device):
     if self.pool is None:

@@ -10,6 +10,7 @@ import bisect
 from typing import Any, NamedTuple
 
 import attrs
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
@@ -53,6 +54,26 @@ class Batched:
         tail.copy_(torch.clamp(last + steps, max=size - self.extra))
       else:
         tail.fill_(self.pad)
+
+  @property
+  def fixed_tail(self) -> bool:
+    """Whether the pad rows depend only on the call's length (a fill value), not on the data."""
+    return not callable(self.pad) and not (isinstance(self.pad, str) and self.pad == "ramp")
+
+  def pad_into_numpy(self, x, dst, tail_valid: bool) -> bool:
+    """pad_into through numpy views (the replay path: a few small rows cost far less than torch ops). With
+    tail_valid, the pad rows already in dst are right for this length and only scalar pads may skip them.
+    Returns whether dst's pad rows stay valid for a next call of the same length ("ramp" depends on data)."""
+    have, lead = x.shape[self.axis], (slice(None),) * self.axis
+    dst[lead + (slice(0, have),)] = x
+    if not self.fixed_tail:  # "ramp" offsets: continue the last one by one per padded row, up to the bucket
+      size = dst.shape[self.axis]
+      last = int(dst[lead + (have - 1,)]) if have else 0
+      dst[lead + (slice(have, None),)] = np.minimum(np.arange(last + 1, last + 1 + size - have), size - self.extra)
+      return False
+    if not tail_valid:
+      dst[lead + (slice(have, None),)] = self.pad
+    return True  # (callable pads never come here: they take the torch path)
 
   def padded_shape(self, x: torch.Tensor, bucket: int) -> tuple[int, ...]:
     shape = list(x.shape)

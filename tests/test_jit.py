@@ -222,6 +222,8 @@ def test_pad_modes_scalar_ramp_and_callable(dtype):
   assert e.buffers.host[0].tolist() == [1, 2, 7, 7, 7, 7, 7, 7]
   assert e.buffers.host[1].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
   assert e.buffers.host[2].tolist() == [4, 5, 5, 5, 5, 5, 5, 5]
+  f(ints(1, 2), ints(0, 3, 4), ints(4, 5))  # same length, new data: a "ramp" tail must follow it
+  assert e.buffers.host[1].tolist() == [0, 3, 4, 5, 6, 7, 8, 8, 8]
 
 
 def test_a_function_returning_none_runs_once_per_call():
@@ -233,3 +235,15 @@ def test_a_function_returning_none_runs_once_per_call():
     assert f(torch.ones(3), state) is None
   assert state["n"].item() == 9  # three calls of 3 (warm-up and capture ran on all-zero padding)
   assert f.stats()["total"]["calls"] == 3
+
+
+def test_log_captures_reports_each_signature(caplog):
+  f = jitted(mode="PIECEWISE", buckets=[8])
+  params, state, batch = make()
+  fgraph.config.log_captures = True
+  try:
+    with caplog.at_level("WARNING", logger="fgraph"):
+      f.capture(params, state, batch, routine="decode", progress=False)
+  finally:
+    fgraph.config.log_captures = False
+  assert "captured 3 PIECEWISE graph(s) for (breaks=2, routine='decode', bucket=8)" in caplog.text

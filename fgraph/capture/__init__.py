@@ -7,7 +7,6 @@ import contextlib
 import gc
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
@@ -125,22 +124,14 @@ class InputBuffers:
       have = x.shape[s.axis]
       tn = self.host_np[k] if host_side and x.device.type == "cpu" and not x.requires_grad else None
       if callable(s.pad) or tn is None or x.dtype != t.dtype:
-        if have == real[k] and not callable(s.pad):  # the padding already there is still right
+        if have == real[k] and s.fixed_tail:  # the padding already there is still right
           t.narrow(s.axis, 0, have).copy_(x)
         else:
           s.pad_into(x, t)
           real[k] = have
         continue
-      lead = (slice(None),) * s.axis
-      tn[lead + (slice(0, have),)] = x.numpy()
-      if s.pad == "ramp":  # offsets: continue the last one by one per padded row, up to the bucket
-        size = tn.shape[s.axis]
-        last = int(tn[lead + (have - 1,)]) if have else 0
-        tn[lead + (slice(have, None),)] = np.minimum(np.arange(last + 1, last + 1 + size - have), size - s.extra)
-        real[k] = -1
-      elif have != real[k]:
-        tn[lead + (slice(have, None),)] = s.pad
-        real[k] = have
+      valid = s.pad_into_numpy(x.numpy(), tn, tail_valid=have == real[k])
+      real[k] = have if valid else -1
     if to_host:
       self.real_dev[:] = real  # the whole mirror goes over, padding included
       self.dev_bytes.copy_(self.host_bytes, non_blocking=True)
