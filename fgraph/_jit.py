@@ -80,6 +80,7 @@ class Jitted:
     self._flat, self._specs, self._fast = {}, {}, {}  # the fast path's caches (see _fast_call)
     self._traces: dict[tuple, list] = {}  # (statics, structure, bucket == 1, non-batch shapes) -> traces
     self.sealed, self.pool, self.fallbacks, self._logged = False, None, {"unseen": 0, "oversize": 0}, set()
+    self._retired: list[Entry] = []
     functools.update_wrapper(self, fn)
 
   # -- the call path ---------------------------------------------------------------------------------------
@@ -334,7 +335,9 @@ class Jitted:
     return {"signatures": per, "total": total, "fallbacks": dict(self.fallbacks)}
 
   def reset(self):
-    """Drop every trace and graph (after replacing params or state with new tensors)."""
+    """Drop every trace and graph (after replacing params or state with new tensors). Graphs whose outputs the
+    caller still holds keep their memory (retired, not freed) until a later reset finds them unused."""
+    self._retired = [e for e in [*self._retired, *self.entries.values()] if any(g.in_use() for g in e.graphs)]
     self.entries.clear()
     self._flat.clear(), self._specs.clear(), self._fast.clear(), self._traces.clear()
     self.sealed, self.pool = False, None
@@ -373,8 +376,8 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
     argument whose value "decode" marks uniform decode signatures.
   breaks: primitive names that cut the graph (default: all registered primitives).
   strict: raise instead of running eagerly for unseen signatures or oversize batches.
-  copy_outputs: return copies; by default outputs live in graph memory until the next replay of the same
-    signature overwrites them.
+  copy_outputs: return copies; by default outputs live in graph memory until the next call of this function
+    (every signature's graphs share one pool, so any later replay may write over them).
   compile: compile the graph pieces with Inductor before capturing them (fuses elementwise work between
     matmuls; costs compile time per signature, so capture fewer buckets with it).
   """

@@ -15,7 +15,20 @@ class CudaGraph:
   """One torch.cuda.CUDAGraph in a pool shared by every graph of a jitted function."""
 
   def __init__(self, pool):
-    self.graph, self.pool, self.out = torch.cuda.CUDAGraph(), pool, None
+    self.graph, self.pool, self.out, self.uses = torch.cuda.CUDAGraph(), pool, None, ()
+
+  def weaken(self) -> None:
+    """Stop owning the outputs (after the signature's capture). Their pool blocks go back to the pool, so the
+    next signature captured reuses them: the pool holds about one signature's outputs, not the sum over all
+    (vLLM's weak_ref_tensors, Inductor's cudagraph trees). A replay still writes there, so outputs stay valid
+    until the next call of the function, which may replay another signature over the same memory."""
+    self.out = pytree.tree_map(_weak, self.out)
+    self.uses = [_uses(t) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)]
+
+  def in_use(self) -> bool:
+    """Does anyone besides this graph hold a view of its outputs? (then its pool must outlive a reset)"""
+    live = [_uses(t) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)]
+    return any(a > b for a, b in zip(live, self.uses))
 
   def capture(self, fn: Callable, *args) -> Any:
     with torch.cuda.graph(self.graph, pool=self.pool):
@@ -27,12 +40,31 @@ class CudaGraph:
     return self.out
 
 
+def _weak(t):
+  """The same tensor, over memory it does not own (nothing frees it when the last view goes)."""
+  if not isinstance(t, torch.Tensor) or not t.is_cuda:
+    return t
+  st = t.untyped_storage()
+  weak = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
+  return torch.empty((), dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.size(), t.stride())
+
+
+def _uses(t: torch.Tensor) -> int:
+  return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
 class HostGraph:
   """The CPU stand-in: replay reruns `fn` on the captured arguments and writes into the captured outputs,
   which reproduces a CUDA graph's observable behaviour (stable input and output addresses)."""
 
   def __init__(self, pool=None):
     self.fn, self.args, self.out = None, (), None
+
+  def weaken(self) -> None:  # host memory is not pooled: outputs stay owned, per graph
+    pass
+
+  def in_use(self) -> bool:
+    return False
 
   def capture(self, fn: Callable, *args) -> Any:
     self.fn, self.args = fn, args

@@ -1,0 +1,189 @@
+"""Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
+logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|capture|moe ...]
+Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set."""
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+import fgraph
+from examples import llama
+from fgraph.ops import attention as A
+
+sys.path.insert(0, os.getcwd())
+from benchmarks.common import decode_batch  # noqa: E402
+
+DEV = "cuda"
+LOG = io.StringIO()
+
+
+def say(*a):
+  s = " ".join(str(x) for x in a)
+  print(s, flush=True)
+  LOG.write(s + "\n")
+
+
+def profile(fn, n, top=18, sort="tottime"):
+  pr = cProfile.Profile()
+  pr.enable()
+  for _ in range(n):
+    fn()
+  pr.disable()
+  s = io.StringIO()
+  pstats.Stats(pr, stream=s).sort_stats(sort).print_stats(top)
+  say(s.getvalue())
+
+
+def jitted(cfg, backend, mode, buckets=None):
+  step = llama.make_step(cfg, backend=backend, max_seq_len=4096)
+  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+  return fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode, buckets=buckets)
+
+
+def host(cfg, params):
+  """Host µs per FULL decode call, by part: the whole call, and torch's own primitives it uses."""
+  x = torch.zeros(1 << 16, dtype=torch.uint8, pin_memory=True)
+  y = torch.zeros(1 << 16, dtype=torch.uint8, device=DEV)
+  ev = torch.cuda.Event()
+  g = torch.cuda.CUDAGraph()
+  s = torch.cuda.Stream()
+  with torch.cuda.stream(s):
+    y.add_(1)
+  torch.cuda.synchronize()
+  with torch.cuda.graph(g):
+    y.add_(1)
+  for name, fn in [("H2D copy 64KiB non_blocking", lambda: y.copy_(x, non_blocking=True)),
+                   ("event record", ev.record), ("event synchronize (done)", ev.synchronize),
+                   ("1-kernel graph replay", g.replay), ("empty python call", lambda: None)]:
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(2000):
+      t0 = time.perf_counter()
+      fn()
+      ts.append(time.perf_counter() - t0)
+    say(f"  {name:32s} {statistics.median(ts) * 1e6:7.2f} us")
+  for backend in ("flash_attn", "flashinfer"):
+    ps = A.page_size_for(backend)
+    for B in (1, 64):
+      batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
+      cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
+      f = jitted(cfg, backend, "FULL", [B])
+      call = lambda: f(params, cache, batch, routine="decode")
+      call()
+      torch.cuda.synchronize()
+      ts = []
+      for _ in range(300):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        ts.append(time.perf_counter() - t0)
+      say(f"{backend} B={B} FULL decode host us: median {statistics.median(ts) * 1e6:.1f}")
+      profile(call, 300)
+      del f, cache
+      torch.cuda.synchronize()
+
+
+def capture(cfg, params):
+  for backend in ("flash_attn", "flashinfer"):
+    ps = A.page_size_for(backend)
+    batch, _ = decode_batch(cfg.vocab_size, 1, 1024, ps)
+    cache = llama.init_cache(cfg, 2 + 512 * (-(-1024 // ps)), ps, torch.bfloat16, DEV)
+    f = jitted(cfg, backend, "FULL_AND_PIECEWISE")
+    t0 = time.perf_counter()
+    pr = cProfile.Profile()
+    pr.enable()
+    f.capture(params, cache, batch, routine=["decode", "mixed"], progress=False)
+    pr.disable()
+    secs = time.perf_counter() - t0
+    mem = sum(e.pool_bytes for e in f.entries.values()) / 2**30
+    say(f"{backend}: capture {secs:.1f} s, {f.stats()['total']['captures']} graphs, {len(f.entries)} signatures, "
+        f"pool {mem:.2f} GiB, reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB")
+    for e in sorted(f.entries.values(), key=lambda e: (e.sig.statics, e.sig.bucket))[::10]:
+      say(f"   {e.sig.describe():40s} {e.mode.name:9s} {e.capture_seconds * 1e3:7.1f} ms {e.pool_bytes / 2**20:8.1f} MiB")
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumtime").print_stats(30)
+    say(s.getvalue())
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(20)
+    say(s.getvalue())
+    del f, cache
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def moe(_cfg, _params):
+  """Per-step logits of the tiny MoE model under eager (hand-padded), NONE, PIECEWISE, for local and all2all."""
+  import contextlib
+  import tempfile
+  from datetime import timedelta
+
+  import torch.distributed as dist
+
+  from examples import qwen2_moe
+  with tempfile.TemporaryDirectory() as d:
+    dist.init_process_group("nccl", init_method=f"file://{d}/store", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60), device_id=torch.device(DEV, 0))
+    runs = {}
+    for backend in ("local", "all2all"):
+      cfg = qwen2_moe.preset("tiny-moe", moe_backend=backend, mlp_only_layers=(1,), n_layers=3)
+      params = qwen2_moe.init_params(cfg, torch.bfloat16, DEV, seed=0)
+      for mode in ("eager", "NONE", "FULL"):
+        eng = qwen2_moe.build(cfg, params, backend="auto", mode=mode, max_seqs=8, max_seq_len=96,
+                              max_batch_tokens=64, capture=mode not in ("eager", "NONE"))
+        logs = []
+        run_batch = eng.run_batch
+        def rec(batch, routine, run_batch=run_batch, logs=logs):
+          out = run_batch(batch, routine)
+          logs.append((routine, out.float().clone()))
+          return out
+        eng.run_batch = rec
+        g = torch.Generator().manual_seed(0)
+        for n in (5, 17, 1, 33, 9, 2, 40, 12):
+          eng.add(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), max_new_tokens=12)
+        runs[backend, mode] = (eng.run(progress=False).tokens, logs)
+        del eng
+        torch.cuda.synchronize()
+    ref_tokens, ref = runs["local", "eager"]
+    for key, (tokens, logs) in runs.items():
+      diffs = [_diff(a, b) for (_, a), (_, b) in zip(logs, ref)]
+      say(f"moe {key}: tokens equal local/eager: {tokens == ref_tokens}; steps {len(logs)}; max|dlogits| per step "
+          f"vs local/eager: {' '.join(diffs)}")
+    for a, b in (("all2all", "eager"), ("all2all", "NONE")):
+      d = [_diff(x, y) for (_, x), (_, y) in zip(runs[a, b][1], runs[a, "FULL"][1])]
+      say(f"moe all2all FULL(piecewise) vs {a}/{b}: {' '.join(d)}")
+    dist.destroy_process_group()
+
+
+def _diff(a, b):
+  n = min(a.shape[0], b.shape[0])  # eager runs return the padded rows too
+  return f"{(a[:n] - b[:n]).abs().max().item():.1e}"
+
+
+def main():
+  parts = sys.argv[1:] or ["host", "capture", "moe"]
+  cfg = llama.preset("qwen2.5-0.5b")
+  params = llama.init_params(cfg, torch.bfloat16, DEV)
+  say(torch.cuda.get_device_name(), torch.__version__, "commit", os.popen("git rev-parse --short HEAD").read().strip())
+  for p in parts:
+    say(f"==== {p}")
+    t0 = time.perf_counter()
+    try:
+      globals()[p](cfg, params)
+    except Exception as e:  # keep going: the other parts still tell something
+      import traceback
+      say(traceback.format_exc())
+    say(f"==== {p} took {time.perf_counter() - t0:.1f} s")
+    if os.environ.get("OUT"):
+      with open(os.path.join(os.environ["OUT"], "diagnose.txt"), "w") as fh:
+        fh.write(LOG.getvalue())
+
+
+if __name__ == "__main__":
+  main()
