@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from . import _primitives as P
 from . import capture as C
 from ._errors import SignatureError
+from ._pytree import unflattener
 from ._signature import Signature, path_str
 from ._split import Mode, Program, breaks_filter, resolve_mode, split
 from ._trace import check, trace
@@ -116,6 +117,7 @@ class Entry:
               "plans"):
       setattr(self, k, getattr(traced, k))
     self.out_recipe = getattr(traced, "out_recipe", None)
+    self.unflatten = unflattener(self.out_spec)
     self.out_batched = traced.batched_outputs(call.sig.bucket)
     self.specs = [call.specs[i] for i in self.batched_ix]
     self.graphs: list = []
@@ -125,14 +127,12 @@ class Entry:
     self.buffers = None
 
   # -- running ----------------------------------------------------------------------------------------------
-  def _inputs(self, leaves):
-    """The program's positional inputs: static buffers for batched leaves (padded into them), the caller's
-    tensors otherwise; and the padded host-side views that plan hooks read."""
-    host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs)
+  def _args(self, leaves):
+    """The program's positional inputs: the static buffers for batched leaves, the caller's tensors otherwise."""
     args = list(leaves)
     for i, b in zip(self.batched_ix, self.buffers.dev):
       args[i] = b
-    return [args[i] for i in self.tensor_ix], dict(zip(self.batched_ix, host))
+    return [args[i] for i in self.tensor_ix]
 
   def _plan(self, host: dict[int, torch.Tensor], n: int | None, statics, capturing: bool):
     for p, args, inputs in self.plans:
@@ -146,15 +146,17 @@ class Entry:
     st.calls += 1
     if n is not None:
       st.padded += self.sig.bucket - n
-    args, host = self._inputs(leaves)
+    # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
+    host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs)
     if self.full is None and not self.graphs:
       st.eager += 1
     else:
       if check:
         self._check_addresses(leaves)
       st.replays += 1
-    self._plan(host, n, statics, capturing=False)
-    outs = self.full.replay() if self.full is not None else self.module(*args)
+    if self.plans:
+      self._plan(dict(zip(self.batched_ix, host)), n, statics, capturing=False)
+    outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
     return self._outputs(leaves, n, bound, outs, copy_outputs)
 
   def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
@@ -168,8 +170,8 @@ class Entry:
       outs = [o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o
               for j, o in enumerate(outs)]
     if not self.out_args:
-      return pytree.tree_unflatten(outs, self.out_spec)
-    return pytree.tree_unflatten([outs[x] if type(x) is int else bound[x] for x in self.out_recipe], self.out_spec)
+      return self.unflatten(iter(outs))
+    return self.unflatten(iter([outs[x] if type(x) is int else bound[x] for x in self.out_recipe]))
 
   def _check_addresses(self, leaves):
     ptrs = tuple(leaves[i].data_ptr() for i in self.address_ix)
@@ -192,9 +194,10 @@ class Entry:
           setattr(self.module, piece.name, Compiled(piece.module))
     self.buffers = C.InputBuffers([(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
                                   self.device)
-    args, host = self._inputs(call.leaves)
+    host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
+    args = self._args(call.leaves)
     self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
-    self._plan(host, call.n, call.statics, capturing=True)
+    self._plan(dict(zip(self.batched_ix, host)), call.n, call.statics, capturing=True)
     for _ in range(warmups):
       self.module(*args)
     if self.device.startswith("cuda"):
@@ -287,9 +290,11 @@ def _plan_sites(gm, ph_pos, tensor_ix, specs):
     p = P.primitive_of(node)
     if p is None or p not in P.plan_rules:
       continue
+    args = P.constant_args(node)
+    if p in P.plan_filters and not P.plan_filters[p](args):
+      continue
     inputs = {k: tensor_ix[ph_pos[v]] for k, v in P.node_args(node).items()
               if isinstance(v, fx.Node) and v in ph_pos and specs[tensor_ix[ph_pos[v]]] is not None}
-    args = P.constant_args(node)
     key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())))
     sites.setdefault(key, (p, args, inputs))
   return list(sites.values())

@@ -17,7 +17,7 @@ from . import _primitives as P
 from . import capture as C
 from ._entry import Call, Entry, Stats, Traced, _device_of
 from ._errors import SignatureError
-from ._pytree import check_static_fields, flatten_with_paths
+from ._pytree import check_static_fields, flatten_with_paths, flattener
 from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
 from ._split import Mode
 
@@ -77,7 +77,7 @@ class Jitted:
     self._defaults = {k: p.default for k, p in params.items()}
     self._static_sorted = tuple(sorted(self.static))
     self._dynamic = [k for k in params if k not in self.static]
-    self._flat, self._specs, self._fast = {}, {}, {}  # the fast path's caches (see _fast_call)
+    self._flat, self._specs, self._flatteners, self._fast = {}, {}, {}, {}  # the fast path's caches (_fast_call)
     self._traces: dict[tuple, list] = {}  # (statics, structure, bucket == 1, non-batch shapes) -> traces
     self.sealed, self.pool, self.fallbacks, self._logged = False, None, {"unseen": 0, "oversize": 0}, set()
     self._retired: list[Entry] = []
@@ -134,21 +134,21 @@ class Jitted:
       hash(statics)
     except TypeError:
       return _MISS
-    parts, leaves, n, layouts = [], [], None, []
+    parts, leaves, n = [], [], None
     for name in self._dynamic:
       v = bound[name]
       if name in self.batch:
-        lv, spec = pytree.tree_flatten(v)
-        known = self._specs.get((name, spec))
-        if known is None:
+        for flatten, specs, spec in self._flatteners.get(name, ()):  # known structures of this argument
+          lv = flatten(v)
+          if lv is not None:
+            break
+        else:
           return _MISS
-        specs, spec = known  # spec -> a small int: the key below need not hash the tree structure again
         for x, s in zip(lv, specs):
           if s is not None:
             r = x.shape[s.axis] - s.extra
             n = r if n is None or r > n else n
-        layouts.append((len(parts), lv, specs, spec))
-        parts.append(None)  # filled in below, once the bucket is known
+        parts.append(_batched_key(spec, lv))
         leaves.extend(lv)
       else:
         c = self._flat.get(name)
@@ -159,8 +159,6 @@ class Jitted:
     bucket = bucket_for(self.buckets, n if n > 1 else 1) if n is not None else None
     if n is not None and bucket is None:
       return _MISS
-    for at, lv, specs, spec in layouts:  # batched arguments enter the key at their padded shapes
-      parts[at] = _batched_key(spec, lv, specs, bucket)
     entry = self._fast.get((statics, bucket, tuple(parts)))
     if entry is None:
       return _MISS
@@ -174,15 +172,17 @@ class Jitted:
   def _remember(self, call: Call, entry: Entry):
     """Teach the fast path this call's layout: per argument, its flat leaves (by container identity) or,
     for batched arguments, the Batched spec of each leaf."""
-    parts, bucket = [], call.sig.bucket
+    parts = []
     for name in self._dynamic:
       v = call.bound[name]
       lv, spec = pytree.tree_flatten(v)
       if name in self.batch:
         specs = batch_specs(self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1],
                             len(lv))
-        specs, sid = self._specs.setdefault((name, spec), (specs, len(self._specs)))
-        parts.append(_batched_key(sid, lv, specs, bucket))
+        if (name, spec) not in self._specs:
+          self._specs[name, spec] = len(self._specs)
+          self._flatteners.setdefault(name, []).append((flattener(spec), specs, self._specs[name, spec]))
+        parts.append(_batched_key(self._specs[name, spec], lv))
       else:
         key = _Key((spec, tuple(leaf_of(x) for x in lv)))
         c = self._flat.get(name)
@@ -190,7 +190,7 @@ class Jitted:
           self._flat[name] = c = (v, lv, key)
         parts.append(c[2])
     statics = tuple(call.bound[k] for k in self._static_sorted)
-    self._fast[(statics, bucket, tuple(parts))] = entry
+    self._fast[(statics, call.sig.bucket, tuple(parts))] = entry
 
   def __call__(self, *args, **kwargs):
     if _disabled:
@@ -339,16 +339,17 @@ class Jitted:
     caller still holds keep their memory (retired, not freed) until a later reset finds them unused."""
     self._retired = [e for e in [*self._retired, *self.entries.values()] if any(g.in_use() for g in e.graphs)]
     self.entries.clear()
-    self._flat.clear(), self._specs.clear(), self._fast.clear(), self._traces.clear()
+    self._flat.clear(), self._specs.clear(), self._flatteners.clear(), self._fast.clear(), self._traces.clear()
     self.sealed, self.pool = False, None
 
 
 _MISS = object()  # the fast path's "not here": a jitted function may itself return None
 
 
-def _batched_key(spec, leaves, specs, bucket):
-  return spec, tuple((x.dtype, x.device, s.padded_shape(x, bucket)) if s is not None and isinstance(x, torch.Tensor)
-                     else leaf_of(x) for x, s in zip(leaves, specs))
+def _batched_key(spec: int, leaves):
+  """A batched argument's part of the fast path's key: its structure and its leaves' dtypes, devices and shapes
+  as passed (unpadded: each token count met gets its own key, after one call down the slow path)."""
+  return spec, tuple((x.dtype, x.device, x.shape) if isinstance(x, torch.Tensor) else leaf_of(x) for x in leaves)
 
 
 class _Key:

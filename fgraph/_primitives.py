@@ -6,6 +6,8 @@ A primitive is data (`Primitive`); what it does lives in tables keyed by primiti
     fake_rules[p]     the shape-only implementation used while tracing
     support_rules[p]  may it run inside a CUDA graph?  (non-tensor args) -> (Support, reason)
     plan_rules[p]     optional host-side hook run before every execution of a signature
+    plan_filters[p]   optional (non-tensor args) -> bool: whether a call site needs the hook at all (decided
+                      once per trace, so a backend that plans nothing costs nothing per call)
 
 Breaks follow vLLM's `*_with_output` convention: they return nothing and write into a caller-allocated
 `out` tensor, so the address the next piece reads is the same on every replay.
@@ -62,6 +64,7 @@ eager_rules: dict[Primitive, Callable] = {}
 fake_rules: dict[Primitive, Callable] = {}
 support_rules: dict[Primitive, Callable[[Mapping[str, Any]], tuple[Support, str]]] = {}
 plan_rules: dict[Primitive, Callable[[PlanCall], None]] = {}
+plan_filters: dict[Primitive, Callable[[Mapping[str, Any]], bool]] = {}
 registry: dict[str, Primitive] = {}
 
 
@@ -96,7 +99,8 @@ class BreakOp:
 
 def primitive(name: str, *, mutates_args: tuple[str, ...] | list[str] = ("out",),
               support: Support | Callable = Support.ALWAYS,
-              plan: Callable[[PlanCall], None] | None = None) -> Callable[[Callable], BreakOp]:
+              plan: Callable[[PlanCall], None] | None = None,
+              plan_needed: Callable[[Mapping[str, Any]], bool] | None = None) -> Callable[[Callable], BreakOp]:
   """Register a break primitive. The decorated function is its eager rule; its annotations are the schema.
 
       @fgraph.primitive("scale", support=fgraph.Support.ALWAYS)
@@ -105,7 +109,8 @@ def primitive(name: str, *, mutates_args: tuple[str, ...] | list[str] = ("out",)
 
   `support` is a level or a rule `(non-tensor args by name) -> Support | (Support, reason)`, so one op can
   declare different support per backend (`backend: str` argument). `plan` runs on the host before every
-  execution of a signature containing the op (see `PlanCall`).
+  execution of a signature containing the op (see `PlanCall`); `plan_needed(args)` may rule it out per call
+  site (e.g. only one backend of the op plans).
   """
   if name in registry:
     raise ValueError(f"fgraph.primitive: a primitive named {name!r} is already registered; pick another name")
@@ -117,6 +122,8 @@ def primitive(name: str, *, mutates_args: tuple[str, ...] | list[str] = ("out",)
     support_rules[p] = _as_support_rule(support)
     if plan is not None:
       plan_rules[p] = plan
+    if plan_needed is not None:
+      plan_filters[p] = plan_needed
     op = BreakOp(p, custom)
     if inspect.signature(fn).return_annotation in (None, "None"):
       fake_rules[p] = lambda *a, **k: None  # writes `out` only: shapes are the caller's

@@ -70,6 +70,53 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple[KeyPath, Any]], pytree.Tre
       register(cls)
 
 
+def flattener(spec: pytree.TreeSpec):
+  """`tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and
+  contexts: dict keys, attrs static fields). torch's tree_flatten minus building a TreeSpec: the replay path
+  flattens the batch argument on every call, and building the spec was most of its cost."""
+  walk = _walker(spec)
+
+  def flatten(tree):
+    out = []
+    return out if walk(tree, out) else None
+  return flatten
+
+
+def _walker(spec):
+  nodes = pytree.SUPPORTED_NODES
+  if spec.is_leaf():
+    def leaf(x, out):
+      if type(x) in nodes or isinstance(x, tuple):  # a container (NamedTuples are tuples) where a leaf was
+        return False
+      out.append(x)
+      return True
+    return leaf
+  typ, ctx, kids = spec.type, spec.context, [_walker(c) for c in _children(spec)]
+  flatten = nodes[typ].flatten_fn
+
+  def node(x, out):
+    if pytree._get_node_type(x) is not typ:
+      return False
+    children, c = flatten(x)
+    if len(children) != len(kids) or c != ctx:
+      return False
+    return all(k(ch, out) for k, ch in zip(kids, children))
+  return node
+
+
+def _children(spec):
+  return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.13
+
+
+def unflattener(spec: pytree.TreeSpec):
+  """`iterator of leaves -> tree` for a fixed structure: tree_unflatten without re-validating the spec."""
+  if spec.is_leaf():
+    return next
+  unflatten, ctx = pytree.SUPPORTED_NODES[spec.type].unflatten_fn, spec.context
+  kids = [unflattener(c) for c in _children(spec)]
+  return lambda it: unflatten([k(it) for k in kids], ctx)
+
+
 def check_static_fields(tree: Any, where: str) -> None:
   """Static fields must be hashable and must not hold tensors (a frozen tensor is a silent wrong answer)."""
   import torch

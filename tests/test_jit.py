@@ -129,6 +129,19 @@ def test_plan_hook_sees_padded_host_inputs_before_every_execution():
   assert out.tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
 
 
+@pytest.mark.parametrize("planned", [True, False])
+def test_plan_needed_rules_out_call_sites_once_per_trace(planned):
+  def fn(x, lens):
+    o = torch.empty_like(x)
+    toys.toy_maybe_planned(o, x, lens, planned)
+    return o
+  f = fgraph.jit(fn, batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=[4])
+  toys.calls["plan"].clear()
+  assert f(torch.ones(3, 2), torch.tensor([1, 2, 3])).tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+  assert len(toys.calls["plan"]) == (2 if planned else 0)  # capture + the call, or never
+  assert len(next(iter(f.entries.values())).plans) == int(planned)
+
+
 def test_oversize_runs_eagerly_and_is_counted():
   f = jitted(mode="PIECEWISE", buckets=[4])
   params, state, _ = make()

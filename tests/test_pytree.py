@@ -66,3 +66,31 @@ def test_registered_record_as_argument_and_result():
   out = step(cache, routine="decode")
   assert isinstance(out, Cache) and out.layers[0].k is cache.layers[0].k
   assert cache.layers[0].k.tolist() == [3.0, 3.0, 3.0]  # warm-up + capture + the call (see test_footguns)
+
+
+def test_flattener_is_tree_flatten_or_none_on_another_structure():
+  import collections
+  import torch.utils._pytree as pt
+  from fgraph._pytree import flattener, register, unflattener
+
+  @register
+  @attrs.define
+  class Rec:
+    a: torch.Tensor
+    b: dict
+    tag: str = fgraph.field(static=True, default="x")
+  NT = collections.namedtuple("NT", "x y")
+  t = torch.zeros(1)
+  tree = Rec(t, {"k": [t, None, NT(t, t)], "j": (t,)})
+  leaves, spec = pt.tree_flatten(tree)
+  flat = flattener(spec)
+  assert flat(tree) == leaves and len(leaves) == 6  # None is a leaf
+  for other in (Rec(t, {"k": [t, None, NT(t, t)], "z": (t,)}),      # another dict key
+                Rec(t, {"k": [t, None, (t, t)], "j": (t,)}),        # a tuple where a NamedTuple was
+                Rec(t, {"k": [t, None, NT(t, [t])], "j": (t,)}),    # a list where a leaf was
+                Rec(t, {"k": [t, None], "j": (t,)}),                # a shorter list
+                Rec(t, {"k": [t, None, NT(t, t)], "j": (t,)}, tag="y"),  # another static field
+                {"a": t}):
+    assert flat(other) is None, other
+  back = unflattener(spec)(iter(leaves))
+  assert pt.tree_flatten(back)[1] == spec and back.b["k"][2].y is t

@@ -34,6 +34,11 @@ def toy_planned(out: torch.Tensor, x: torch.Tensor, lens: torch.Tensor) -> None:
   out.copy_(x * lens.to(x.dtype)[:, None])
 
 
+@fgraph.primitive("toy_maybe_planned", plan=_record_plan, plan_needed=lambda args: args["planned"])
+def toy_maybe_planned(out: torch.Tensor, x: torch.Tensor, lens: torch.Tensor, planned: bool) -> None:
+  out.copy_(x * lens.to(x.dtype)[:, None])
+
+
 def step(params, state, batch, routine="decode", breaks=2):
   """A toy decoder step: `breaks` toy breaks between dense layers; state['count'] is donated and bumped."""
   h = batch["x"] @ params["w"]                       # [N, D]

@@ -111,8 +111,9 @@ def pool_bytes(device: str) -> int:
 
 
 class InputBuffers:
-  """Static buffers for the per-call (batched) inputs: one device allocation viewed per leaf, and on CUDA a
-  pinned host mirror, so a call's host inputs reach the device in one copy instead of one per leaf."""
+  """Static buffers for the per-call (batched) inputs: one device allocation viewed per leaf, and on CUDA two
+  pinned host mirrors used in turn, so a call's host inputs reach the device in one copy instead of one per leaf,
+  and a call never waits for the previous call's copy (only for the one before it, long done)."""
 
   ALIGN = 64
 
@@ -122,51 +123,72 @@ class InputBuffers:
       total = -(-total // self.ALIGN) * self.ALIGN
       offsets.append(total)
       total += max(1, torch.Size(shape).numel()) * dtype.itemsize
-    self.device = device
-    # rows last written per leaf, on each side: the pad rows after them are still in place
-    self.real_host, self.real_dev = [-1] * len(shapes), [-1] * len(shapes)
+    self.device, self.cuda = device, device.startswith("cuda")
     self.dev_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
     self.dev = self._views(self.dev_bytes, offsets, shapes)
-    self.cuda = device.startswith("cuda")
-    if self.cuda:
-      self.host_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=True)
-      self.host = self._views(self.host_bytes, offsets, shapes)
-      self.copied = torch.cuda.Event()  # recorded after each host->device copy: the mirror is free after it
-      self.copy_pending = False
-    else:
-      self.host = self.dev
-    # numpy views of the host side: writing a few small rows through numpy costs well under a microsecond,
-    # a torch op several (dtypes numpy lacks, such as bfloat16, keep the torch path)
-    self.host_np = [h.numpy() if h.device.type == "cpu" and h.dtype in _NUMPY_DTYPES else None for h in self.host]
+    self.real_dev = [-1] * len(shapes)  # rows last written per leaf: the pad rows after them are still in place
+    self.mirrors = [_Mirror(total, offsets, shapes) for _ in range(2)] if self.cuda else []
+    self.turn = 0
+    # on the CPU the "device" buffers are host memory: written through numpy like a mirror
+    self.dev_np = [_numpy(d) for d in self.dev] if not self.cuda else None
 
   @staticmethod
   def _views(buf, offsets, shapes):
     return [buf[o:o + torch.Size(s).numel() * d.itemsize].view(d).view(s) for o, (s, d) in zip(offsets, shapes)]
 
+  @property
+  def host(self) -> list[torch.Tensor]:
+    """The host side last written: the mirror of the last call on CUDA, the buffers themselves on the CPU."""
+    return self.mirrors[self.turn ^ 1].host if self.cuda else self.dev
+
   def write(self, leaves: list[torch.Tensor], specs) -> list[torch.Tensor]:
     """Pad the leaves straight into the buffers; returns the padded views on the caller's side of the copy
     (the host mirror for host inputs: what plan hooks read without a device sync)."""
-    to_host = self.cuda and all(x.device.type == "cpu" for x in leaves)
-    if to_host and self.copy_pending:
-      self.copied.synchronize()  # the previous call's copy may still be reading the mirror
-    host_side = to_host or not self.cuda
-    targets = self.host if to_host else self.dev
-    real = self.real_host if to_host else self.real_dev
-    for k, (t, x, s) in enumerate(zip(targets, leaves, specs)):
-      have = x.shape[s.axis]
-      tn = self.host_np[k] if host_side and x.device.type == "cpu" and not x.requires_grad else None
-      if callable(s.pad) or tn is None or x.dtype != t.dtype:
-        if have == real[k] and s.fixed_tail:  # the padding already there is still right
-          t.narrow(s.axis, 0, have).copy_(x)
-        else:
-          s.pad_into(x, t)
-          real[k] = have
-        continue
-      valid = s.pad_into_numpy(x.numpy(), tn, tail_valid=have == real[k])
-      real[k] = have if valid else -1
-    if to_host:
-      self.real_dev[:] = real  # the whole mirror goes over, padding included
-      self.dev_bytes.copy_(self.host_bytes, non_blocking=True)
-      self.copied.record()
-      self.copy_pending = True
-    return targets
+    if self.cuda and all(x.device.type == "cpu" for x in leaves):
+      m, self.turn = self.mirrors[self.turn], self.turn ^ 1
+      if m.copied is not None:
+        m.copied.synchronize()  # the copy made from this mirror two calls ago must be done reading it
+      _pad_all(m.host, m.host_np, m.real, leaves, specs)
+      self.real_dev[:] = m.real  # the whole mirror goes over, padding included
+      self.dev_bytes.copy_(m.bytes, non_blocking=True)
+      m.copied = m.copied or torch.cuda.Event()
+      m.copied.record()
+      return m.host
+    _pad_all(self.dev, self.dev_np or [None] * len(self.dev), self.real_dev, leaves, specs)
+    for m in self.mirrors:
+      m.real[:] = [-1] * len(m.real)  # the device side changed behind the mirrors' backs
+    return self.dev
+
+
+class _Mirror:
+  """A pinned host copy of the input buffers, its numpy views, and the event of its last copy to the device."""
+
+  def __init__(self, total, offsets, shapes):
+    self.bytes = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=True)
+    self.host = InputBuffers._views(self.bytes, offsets, shapes)
+    self.host_np = [_numpy(h) for h in self.host]
+    self.real = [-1] * len(shapes)
+    self.copied = None
+
+
+def _numpy(t: torch.Tensor):
+  # numpy views of host buffers: writing a few small rows through numpy costs well under a microsecond, a torch
+  # op several (dtypes numpy lacks, such as bfloat16, keep the torch path)
+  return t.numpy() if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES else None
+
+
+def _pad_all(targets, targets_np, real, leaves, specs) -> None:
+  """Pad each leaf into its target; `real` holds the rows last written per target (-1: unknown), so padding
+  still in place from the previous call is not written again."""
+  for k, (t, x, s) in enumerate(zip(targets, leaves, specs)):
+    have = x.shape[s.axis]
+    tn = targets_np[k] if x.device.type == "cpu" and not x.requires_grad else None
+    if callable(s.pad) or tn is None or x.dtype != t.dtype:
+      if have == real[k] and s.fixed_tail:  # the padding already there is still right
+        t.narrow(s.axis, 0, have).copy_(x)
+      else:
+        s.pad_into(x, t)
+        real[k] = have
+      continue
+    valid = s.pad_into_numpy(x.numpy(), tn, tail_valid=have == real[k])
+    real[k] = have if valid else -1
