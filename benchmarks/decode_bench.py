@@ -1,14 +1,23 @@
-"""Decode-step benchmark on the GPU: one process, the same pure step, side by side.
+"""Decode-step benchmark: one process, the same pure step, side by side, per cell (KV context C, batch B).
 
   eager       the step called directly (batch already on the device)
   graph       the eager step captured once with torch.cuda.graph (the ideal launch cost, no fgraph)
-  compile     torch.compile(step, mode="reduce-overhead")
-  fg-NONE / fg-PIECEWISE / fg-FULL   fgraph.jit of the same step, batch passed from the host each call
+  compile     torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+  <backend>/NONE, /PIECEWISE, /FULL   fgraph.jit of the same step, batch passed from the host each call
   floor       bytes the step must move (weights + KV read) / copy bandwidth measured in this run
 
-Random bf16 weights (presets), KV context C with every sequence at position C/2. CUDA-event medians.
-usage (device): source .gpu/activate.sh; python3 -m benchmarks.decode_bench [--quick]
-Writes benchmarks/results/decode.json and decode.png (or under $OUT when set).
+Random weights (presets; bf16 on the GPU), every sequence at position C/2, medians of CUDA-event timings after
+warm-up. Peers run on one backend (--peer-backend, flash_attn: its eager step needs no host plan). Also: host
+time per FULL call (entry -> graph launch, with and without the plan hook), and with --capture the capture cost
+of 2 routines x the default buckets (FULL_AND_PIECEWISE) per backend.
+
+Time: every part has a budget (--budget-s); work that does not fit is skipped and says why. Order per model:
+capture cost, then one pass per backend (peer backend last: its pass ends with the torch.compile sweep, one
+compile per batch size shared by every context, since block tables are sized for the largest context).
+Rows go to <out>/<name>.jsonl as soon as they are measured; the end writes <name>.json, a table and <name>.png.
+
+usage (device): source .gpu/activate.sh; python3 -m benchmarks.decode_bench --models qwen2.5-0.5b --capture
+       (CPU):   python3 -m benchmarks.decode_bench --smoke
 """
 from __future__ import annotations
 
@@ -17,224 +26,373 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
+import torch.utils._pytree as pytree
 
 import fgraph
 from examples import llama
 from fgraph.ops import attention as A
 
-from .common import copy_bandwidth, decode_batch, gpu_ms
+from . import summarize
+from .common import Budget, copy_bandwidth, decode_batch, device_name, emit, sync, time_ms
 
-DEV = "cuda"
+SLEEP_CYCLES = 6_000_000  # ~3 ms of GPU spin at H200 clocks: longer than any host call we measure
 
 
+# ------------------------------------------------------------------------------------------------ sizes
 def weight_bytes(params) -> int:
+  """What a decode step reads: every layer, the final norm and the head (embedding rows read are negligible)."""
   leaves = [params.norm, params.lm_head if params.lm_head is not None else params.embed]
   leaves += [t for layer in params.layers for t in (layer.attn_norm, layer.wqkv, layer.bqkv, layer.wo,
                                                      layer.mlp_norm, layer.w13, layer.w2) if t is not None]
   return sum(t.numel() * t.element_size() for t in leaves)
 
 
-def modes_of(backend, modes, compiled):
-  return list(modes) + [f"{m}+C" for m in compiled if backend in compiled.get(m, ())]
+def kv_token_bytes(cfg, dtype) -> int:
+  return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def fgraph_steps(cfg, backends, modes, compiled, max_ctx):
-  """One jitted step per (backend, mode), shared by every cell: buckets >= 2 share one symbolic trace."""
-  out = {}
-  for backend in backends:
-    step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
-    for mode in modes_of(backend, modes, compiled):  # "FULL+C": the same mode, Inductor-compiled pieces
-      spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-      out[backend, mode] = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec},
-                                      mode=mode.split("+")[0], compile=mode.endswith("+C"),
-                                      buckets=[1, 8, 64, 256])
-  return out
+def cache_pages(cells, ps) -> int:
+  return 1 + max(B * -(-ctx // ps) for ctx, B in cells)  # + the scratch page
 
 
-def bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, backends, bw, modes, compiled, peers):
-  res = {"batch": B, "ctx": ctx}
-  kv_read = cfg.n_layers * 2 * B * (ctx // 2 + 1) * cfg.n_kv_heads * cfg.head_dim * 2
-  res["floor_ms"] = (weight_bytes(params) + kv_read) / bw * 1e3
-  for backend in backends:
-    ps = A.page_size_for(backend)
-    batch, _ = decode_batch(cfg.vocab_size, B, ctx, ps, max_ctx)
-    cache = caches[backend]
-    with torch.no_grad():
-      if peers and backend == backends[0]:
-        step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
-        dev_batch = llama.Batch(batch.tokens.to(DEV), batch.positions.to(DEV), batch.meta.to(DEV))
-        res["eager_ms"] = gpu_ms(lambda: step(params, cache, dev_batch, "decode"))
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-          step(params, cache, dev_batch, "decode")
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-          step(params, cache, dev_batch, "decode")
-        res["graph_ms"] = gpu_ms(g.replay)
-        del g
-        if peers == "compile":
-          try:
-            t0 = time.perf_counter()
-            comp = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-            for _ in range(3):
-              comp(params, cache, dev_batch, "decode")
-            res["compile_s"] = time.perf_counter() - t0
-            res["compile_ms"] = gpu_ms(lambda: comp(params, cache, dev_batch, "decode"))
-          except Exception as e:  # a peer that fails is a result too
-            res["compile_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-          torch._dynamo.reset()
-      for mode in modes_of(backend, modes, compiled):
-        f = jitted[backend, mode]
-        t0 = time.perf_counter()
-        f(params, cache, batch, routine="decode")  # traces (first bucket of the family) and captures
-        res[f"{backend}/{mode}_setup_s"] = time.perf_counter() - t0
-        res[f"{backend}/{mode}_ms"] = gpu_ms(lambda: f(params, cache, batch, routine="decode"))
-        if mode.startswith("FULL"):
-          res[f"{backend}/{mode}/host_us"] = host_time(f, params, cache, batch)
-  return res
-
-
-def host_time(f, params, cache, batch, n=200) -> float:
-  """Host µs from entry to return of a replayed call (the GPU drained before each call)."""
-  ts = []
-  for _ in range(n):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    f(params, cache, batch, routine="decode")
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts) * 1e6
-
-
-def capture_cost(cfg, params, backend):
-  """Capture of 2 routines x the default buckets, FULL_AND_PIECEWISE: seconds and pool GiB."""
-  ps = A.page_size_for(backend)
-  batch, _ = decode_batch(cfg.vocab_size, 1, 1024, ps)
-  cache = llama.init_cache(cfg, 2 + 512 * (-(-1024 // ps)), ps, torch.bfloat16, DEV)
-  step = llama.make_step(cfg, backend=backend, max_seq_len=4096)
+# ------------------------------------------------------------------------------------------------ fgraph
+def make_jitted(cfg, backend, mode, max_ctx, buckets):
+  """mode "FULL+C": the same mode with Inductor-compiled pieces (jit(compile=True))."""
+  step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
   spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-  f = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode="FULL_AND_PIECEWISE")
-  torch.cuda.synchronize()
+  return fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode.split("+")[0],
+                    compile=mode.endswith("+C"), buckets=buckets)
+
+
+def decode_entry(f, B):
+  bucket = min(b for b in f.buckets if b >= B)
+  return next(e for e in f.entries.values()
+              if e.sig.bucket == bucket and dict(e.sig.statics).get("routine") == "decode")
+
+
+def host_time(f, params, cache, batch, dev, n: int = 100) -> dict:
+  """Host µs of a FULL decode call: entry -> graph launch, the plan hook inside it, entry -> return.
+
+  Method: before each call the GPU is given ~3 ms of spinning (torch.cuda._sleep), so the call runs with the
+  GPU queue non-empty, as in a serving loop; perf_counter brackets the call, and the graph's replay and the
+  entry's plan hook are wrapped (on this entry only) to stamp the launch and time the plan. A call that waited
+  for the GPU (a hidden sync) would show as ~ms; the queue is drained after each sample, outside the timing."""
+  entry = decode_entry(f, batch.tokens.shape[0])
+  if entry.full is None:
+    return {"host_note": f"no FULL graph (mode {entry.mode.name}: {entry.reason})"}
+  stamp = {"launch": 0.0, "plan": 0.0}
+  replay, plan = entry.full.replay, entry._plan
+
+  def timed_replay():
+    stamp["launch"] = time.perf_counter()
+    return replay()
+
+  def timed_plan(*a, **k):
+    t = time.perf_counter()
+    plan(*a, **k)
+    stamp["plan"] += time.perf_counter() - t
+
+  entry.full.replay, entry._plan = timed_replay, timed_plan
+  cuda = str(dev).startswith("cuda")
+  total, launch, planned = [], [], []
+  try:
+    for _ in range(n):
+      if cuda:
+        torch.cuda._sleep(SLEEP_CYCLES)
+      stamp["plan"] = 0.0
+      t0 = time.perf_counter()
+      f(params, cache, batch, routine="decode")
+      t1 = time.perf_counter()
+      total.append(t1 - t0)
+      launch.append(stamp["launch"] - t0)
+      planned.append(stamp["plan"])
+      sync(dev)
+  finally:
+    del entry.full.replay, entry._plan  # back to the class methods
+  med = lambda xs: statistics.median(xs) * 1e6
+  return {"host_us": med(total), "launch_us": med(launch), "plan_us": med(planned),
+          "noplan_us": statistics.median(l - p for l, p in zip(launch, planned)) * 1e6}
+
+
+def fgraph_cell(jitted, params, cache, batch, dev, backend, host) -> dict:
+  row = {}
+  for mode, f in jitted.items():
+    key = f"{backend}/{mode}"
+    try:
+      t0 = time.perf_counter()
+      f(params, cache, batch, routine="decode")  # traces (first bucket of a family) and captures this bucket
+      sync(dev)
+      row[f"{key}_setup_s"] = time.perf_counter() - t0
+      row[f"{key}_ms"] = time_ms(lambda: f(params, cache, batch, routine="decode"), dev)
+      if mode.startswith("FULL") and host:
+        row.update({f"{key}/{k}": v for k, v in host_time(f, params, cache, batch, dev).items()})
+    except Exception as e:  # a failing mode is a result too; the others still run
+      row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+  return row
+
+
+# ------------------------------------------------------------------------------------------------ peers
+def on_device(batch, dev):
+  return llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
+
+
+def peers_cell(step, params, cache, batch, dev) -> dict:
+  """eager and one torch.cuda.graph of the eager step (its outputs are dropped: nothing kept across calls)."""
+  row, b = {}, on_device(batch, dev)
+  row["eager_ms"] = time_ms(lambda: step(params, cache, b, "decode"), dev)
+  if not str(dev).startswith("cuda"):
+    row["graph_skipped"] = "needs CUDA"
+    return row
+  g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+  s.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(s):
+    step(params, cache, b, "decode")
+  torch.cuda.current_stream().wait_stream(s)
+  t0 = time.perf_counter()
+  with torch.cuda.graph(g):
+    step(params, cache, b, "decode")
+  row["graph_capture_s"] = time.perf_counter() - t0
+  row["graph_ms"] = time_ms(g.replay, dev)
+  del g
+  return row
+
+
+def compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, est_s, base):
+  """torch.compile(reduce-overhead) of the same step: one compile per batch size (dynamic=False; the contexts
+  share shapes), measured on each context of that size while the budget lasts, else a row saying why not.
+  Params and cache are marked static addresses, so cudagraph trees accept the in-place cache write."""
+  import torch._dynamo
+  from torch._dynamo.utils import counters
+  for t in pytree.tree_leaves(params) + pytree.tree_leaves(cache):
+    if isinstance(t, torch.Tensor):
+      torch._dynamo.mark_static_address(t)
+  comp = torch.compile(llama.make_step(cfg, backend=backend, max_seq_len=max_ctx), mode="reduce-overhead",
+                       fullgraph=True, dynamic=False)
+
+  def call(b):
+    torch.compiler.cudagraph_mark_step_begin()
+    comp(params, cache, b, "decode")
+
+  error = None
+  for B in sorted({B for _, B in cells}):
+    ctxs = [ctx for ctx, b in cells if b == B]
+    why = error or budget.why_not(est_s + 3 * len(ctxs))
+    if why:
+      for ctx in ctxs:
+        rec({**base, "ctx": ctx, "batch": B, "compile_skipped": why})
+      continue
+    try:
+      skips0 = counters["inductor"]["cudagraph_skips"]
+      batches = {ctx: on_device(decode_batch(cfg.vocab_size, B, ctx, A.page_size_for(backend), max_ctx)[0], dev)
+                 for ctx in ctxs}
+      t0 = time.perf_counter()
+      for _ in range(3):  # compile, then cudagraph trees' warm-up run and recording
+        call(batches[ctxs[0]])
+      sync(dev)
+      secs = time.perf_counter() - t0
+      est_s = max(est_s, 1.2 * secs)
+      for ctx in ctxs:
+        ms = time_ms(lambda b=batches[ctx]: call(b), dev)
+        rec({**base, "ctx": ctx, "batch": B, "compile_ms": ms, "compile_s": secs,
+             "compile_cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips0})
+    except Exception as e:
+      error = f"compile failed at B={B}: {type(e).__name__}: {str(e)[:300]}"
+      for ctx in ctxs:
+        rec({**base, "ctx": ctx, "batch": B, "compile_error": error})
+  del comp
+  torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------------ passes
+def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base):
+  """Every cell for one attention backend, with one KV cache (sized for the largest cell) shared by all cells."""
+  dev, ps, max_ctx = a.device, A.page_size_for(backend), max(ctx for ctx, _ in cells)
+  cache = llama.init_cache(cfg, cache_pages(cells, ps), ps, a.dtype, dev)
+  jitted = {m: make_jitted(cfg, backend, m, max_ctx, a.buckets) for m in modes}
+  step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
+  with torch.no_grad():
+    for ctx, B in cells:
+      why = budget.why_not(a.cell_est_s)
+      if why:
+        rec({**base, "ctx": ctx, "batch": B, f"{backend}_skipped": why,
+             **{f"{p}_skipped": why for p in peers if p != "compile"}})
+        continue
+      batch, _ = decode_batch(cfg.vocab_size, B, ctx, ps, max_ctx)
+      row = fgraph_cell(jitted, params, cache, batch, dev, backend, a.host)
+      if {"eager", "graph"} & set(peers):
+        row.update(peers_cell(step, params, cache, batch, dev))
+      rec({**base, "ctx": ctx, "batch": B, **row})
+    del jitted
+    gc.collect()
+    if "compile" in peers:
+      compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, a.compile_est_s, base)
+  del cache
+  gc.collect()
+  if str(dev).startswith("cuda"):
+    torch.cuda.empty_cache()
+
+
+def capture_cost(cfg, params, backend, a) -> dict:
+  """Capture of 2 routines x the default buckets, FULL_AND_PIECEWISE: seconds, graphs, pool GiB, per signature."""
+  dev, ps = a.device, A.page_size_for(backend)
+  batch, pages = decode_batch(cfg.vocab_size, 1, 1024, ps)
+  cache = llama.init_cache(cfg, pages, ps, a.dtype, dev)
+  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+  f = fgraph.jit(llama.make_step(cfg, backend=backend, max_seq_len=1024), static=["routine"], donate=["cache"],
+                 batch={"batch": spec}, mode="FULL_AND_PIECEWISE",
+                 buckets=fgraph.default_buckets(a.capture_max_bucket))
+  cuda = str(dev).startswith("cuda")
+  if cuda:
+    torch.cuda.empty_cache()
+  r0 = torch.cuda.memory_reserved() if cuda else 0
   t0 = time.perf_counter()
   f.capture(params, cache, batch, routine=["decode", "mixed"], progress=False)
+  sync(dev)
   secs = time.perf_counter() - t0
-  st = f.stats()["total"]
-  out = {"backend": backend, "capture_s": secs, "graphs": st["captures"], "signatures": len(f.entries),
-         "pool_GiB": sum(e.pool_bytes for e in f.entries.values()) / 2**30}
+  per = [{"routine": dict(e.sig.statics).get("routine"), "bucket": e.sig.bucket, "mode": e.mode.name,
+          "traced": e.stats.traces, "graphs": len(e.graphs), "capture_s": e.capture_seconds,
+          "pool_MiB": e.pool_bytes / 2**20} for e in f.entries.values()]
+  out = {"backend": backend, "buckets": len(f.buckets), "capture_s": secs, "signatures": len(per),
+         "graphs": sum(p["graphs"] for p in per), "traces": sum(p["traced"] for p in per),
+         "pool_GiB": sum(p["pool_MiB"] for p in per) / 1024,
+         "reserved_GiB": ((torch.cuda.memory_reserved() if cuda else 0) - r0) / 2**30, "per_signature": per}
   del f, cache
   gc.collect()
-  torch.cuda.empty_cache()
+  if cuda:
+    torch.cuda.empty_cache()
   return out
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
-  ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
-  ap.add_argument("--ctx", nargs="+", type=int, default=[1024, 8192])
-  ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
-  ap.add_argument("--modes", nargs="+", default=["NONE", "PIECEWISE", "FULL"])
-  ap.add_argument("--no-peers", action="store_true")
-  ap.add_argument("--compile-ctx", nargs="+", type=int, default=[1024], help="cells that run torch.compile")
-  ap.add_argument("--compile-batches", nargs="+", type=int, default=[1, 64])
-  ap.add_argument("--max-kv-gb", type=float, default=30.0)
-  ap.add_argument("--compile-modes", nargs="*", default=["FULL"], help="modes also run with Inductor pieces")
-  ap.add_argument("--compile-backends", nargs="*", default=["flash_attn"])
-  ap.add_argument("--cells", nargs="*", default=None, help="ctx:batch pairs to run (default: all that fit)")
-  ap.add_argument("--capture", action="store_true", help="also measure capture time and pool memory")
-  ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-  a = ap.parse_args()
-  torch.manual_seed(0)
-  bw = copy_bandwidth()
-  info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_TBps": bw / 1e12,
-          "command": "python3 -m benchmarks.decode_bench " + " ".join(os.sys.argv[1:])}
-  print(json.dumps(info), flush=True)
-  rows, caps = [], []
-  max_ctx = max([a_ctx for a_ctx in a.ctx] + [int(c.split(":")[0]) for c in a.cells or []])
-  for name in a.models:
-    cfg = llama.preset(name)
-    params = llama.init_params(cfg, torch.bfloat16, DEV)
-    if a.capture and name == a.models[0]:  # the capture target is stated for the 0.5B model
-      for backend in a.backends:
-        caps.append({"model": name, **capture_cost(cfg, params, backend)})
-        emit(a.out, caps[-1])
-    cells = [tuple(map(int, c.split(":"))) for c in a.cells] if a.cells else \
-        [(ctx, B) for ctx in a.ctx for B in a.batches]
-    fits = [(ctx, B) for ctx, B in cells
-            if cfg.n_layers * 2 * B * ctx * cfg.n_kv_heads * cfg.head_dim * 2 <= a.max_kv_gb * 1e9]
-    for ctx, B in cells:
-      if (ctx, B) not in fits:
-        print(json.dumps({"model": name, "batch": B, "ctx": ctx, "skipped": f"KV cache over {a.max_kv_gb} GB"}))
-    caches = {b: llama.init_cache(cfg, 1 + max(B * -(-ctx // A.page_size_for(b)) for ctx, B in fits),
-                                  A.page_size_for(b), torch.bfloat16, DEV) for b in a.backends}
-    compiled = {m: a.compile_backends for m in a.compile_modes}
-    jitted = fgraph_steps(cfg, a.backends, a.modes, compiled, max_ctx)
-    for ctx, B in fits:
-      peers = False if a.no_peers else ("compile" if (ctx in a.compile_ctx and B in a.compile_batches) else True)
-      r = {"model": name, **bench_cell(cfg, params, caches, jitted, B, ctx, max_ctx, a.backends, bw, a.modes,
-                                       compiled, peers)}
-      rows.append(r)
-      emit(a.out, r)
-    del params, caches, jitted
-    gc.collect()
-    torch.cuda.empty_cache()
-  os.makedirs(a.out, exist_ok=True)
-  with open(os.path.join(a.out, "decode.json"), "w") as fh:
-    json.dump({"info": info, "rows": rows, "capture": caps}, fh, indent=1)
-  allmodes = list(a.modes) + [f"{m}+C" for m in a.compile_modes]
-  print_table(rows, a.backends, allmodes, info)
-  plot(rows, a.backends, allmodes, os.path.join(a.out, "decode.png"))
+def capture_line(c: dict) -> str:
+  per = c["per_signature"]
+  slow = sorted(per, key=lambda p: -p["capture_s"])[:3]
+  big = sorted(per, key=lambda p: -p["pool_MiB"])[:3]
+  fmt = lambda p, v: f"{p['routine']}/{p['bucket']}({p['mode']}) {v}"
+  return (f"capture {c['model']} {c['backend']}: {c['capture_s']:.1f} s, {c['signatures']} signatures, "
+          f"{c['graphs']} graphs, {c['traces']} traces, pool {c['pool_GiB']:.2f} GiB (reserved +"
+          f"{c['reserved_GiB']:.2f}); slowest " + ", ".join(fmt(p, f"{p['capture_s']:.2f}s") for p in slow)
+          + "; largest " + ", ".join(fmt(p, f"{p['pool_MiB']:.0f}MiB") for p in big))
 
 
-def emit(out: str, row: dict):
-  """Print a result and append it to decode.jsonl at once: a run cut short by its time limit keeps its rows."""
-  print(json.dumps(row), flush=True)
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, "decode.jsonl"), "a") as fh:
-    fh.write(json.dumps(row) + "\n")
-
-
-def print_table(rows, backends, modes, info):
-  cols = ["eager_ms", "graph_ms", "compile_ms"] + [f"{b}/{m}_ms" for b in backends for m in modes]
-  short = {"eager_ms": "eager", "graph_ms": "graph", "compile_ms": "compile"}
-  print(f"\n{info['gpu']}, torch {info['torch']}, copy {info['copy_TBps']:.2f} TB/s; ms per decode step "
-        f"(x floor); {info['command']}")
-  head = ["model", "ctx", "B", "floor"] + [short.get(c, c[:-3].replace("flash_attn", "fa2").replace("flashinfer", "fi"))
-                                           for c in cols]
-  print(" | ".join(head))
-  for r in rows:
-    cells = [r["model"], str(r["ctx"]), str(r["batch"]), f"{r['floor_ms']:.2f}"]
-    for c in cols:
-      v = r.get(c)
-      cells.append("-" if v is None else f"{v:.2f} ({v / r['floor_ms']:.2f}x)")
-    print(" | ".join(cells))
-
-
-def plot(rows, backends, modes, path):
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
+def run_model(name, a, rec, budget, bw):
+  dev = a.device
+  cfg = llama.preset(name)
+  params = llama.init_params(cfg, a.dtype, dev)
+  base = {"model": name}
+  cells = [tuple(map(int, c.split(":"))) for c in a.cells] if a.cells else \
+      [(ctx, B) for ctx in a.ctx for B in a.batches]
+  fits = []
+  for ctx, B in cells:
+    kv = kv_token_bytes(cfg, a.dtype) * cache_pages([(ctx, B)], 16) * 16
+    if kv > a.max_kv_gb * 1e9:
+      rec({**base, "ctx": ctx, "batch": B, "skipped": f"KV cache {kv / 1e9:.0f} GB > --max-kv-gb {a.max_kv_gb:g}"})
+    else:
+      fits.append((ctx, B))
+  if not fits:
     return
-  cols = ["eager_ms", "graph_ms", "compile_ms"] + [f"{b}/{m}_ms" for b in backends for m in modes]
-  fig, ax = plt.subplots(figsize=(max(8, len(rows) * 1.6), 4.5))
-  w = 0.8 / len(cols)
-  for k, c in enumerate(cols):
-    ax.bar([i + k * w for i in range(len(rows))], [r.get(c, float("nan")) / r["floor_ms"] for r in rows], w,
-           label=c[:-3])
-  ax.set_xticks([i + 0.4 for i in range(len(rows))], [f"{r['model']}\nctx {r['ctx']} B {r['batch']}" for r in rows],
-                fontsize=7)
-  ax.set_yscale("log")
-  ax.axhline(1.0, color="k", lw=0.8)
-  ax.set_ylabel("decode step / floor (log)")
-  ax.legend(fontsize=6, ncol=3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  if a.capture:
+    for backend in a.backends:
+      why = budget.why_not(a.capture_est_s)
+      c = {"kind": "capture", **base, "backend": backend}
+      if why:
+        rec({**c, "skipped": why})
+        continue
+      c.update(capture_cost(cfg, params, backend, a))
+      rec(c, show=capture_line(c))
+  wb = weight_bytes(params)
+  for ctx, B in fits:
+    kv_read = kv_token_bytes(cfg, a.dtype) * B * (ctx // 2 + 1)
+    rec({**base, "ctx": ctx, "batch": B, "weights_GB": wb / 1e9, "kv_read_GB": kv_read / 1e9,
+         "floor_ms": (wb + kv_read) / bw * 1e3})
+  peers = [p for p in a.peers if p != "none"]
+  order = [b for b in a.backends if b != a.peer_backend] + [a.peer_backend] if peers else list(a.backends)
+  for backend in order:
+    modes = a.modes if backend in a.backends else []
+    backend_pass(cfg, params, backend, modes, fits, a, rec, budget, peers if backend == a.peer_backend else [],
+                 base)
+  del params
+  gc.collect()
+  if str(dev).startswith("cuda"):
+    torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------ main
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
+  ap.add_argument("--ctx", nargs="+", type=int, default=[1024, 8192])
+  ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+  ap.add_argument("--cells", nargs="*", default=None, help="ctx:batch pairs (default: --ctx x --batches)")
+  ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
+  ap.add_argument("--modes", nargs="*", default=["NONE", "PIECEWISE", "FULL"], help='"FULL+C": Inductor pieces')
+  ap.add_argument("--buckets", nargs="+", type=int, default=[1, 8, 64, 256], help="of the benchmarked jit")
+  ap.add_argument("--peers", nargs="+", default=["eager", "graph", "compile"], help='subset, or "none"')
+  ap.add_argument("--peer-backend", default=None, help="attention backend of the peers (default: flash_attn)")
+  ap.add_argument("--no-host", dest="host", action="store_false", help="skip host time per FULL call")
+  ap.add_argument("--capture", action="store_true", help="capture cost of 2 routines x default buckets")
+  ap.add_argument("--capture-max-bucket", type=int, default=512, help="default buckets up to this")
+  ap.add_argument("--max-kv-gb", type=float, default=90.0, help="skip cells whose KV cache is larger")
+  ap.add_argument("--budget-s", type=float, default=520.0, help="wall budget; what does not fit is skipped")
+  ap.add_argument("--cell-est-s", type=float, default=12.0, help="budget reserved per cell and backend")
+  ap.add_argument("--capture-est-s", type=float, default=60.0, help="budget reserved per capture measurement")
+  ap.add_argument("--compile-est-s", type=float, default=60.0, help="first guess of one torch.compile")
+  ap.add_argument("--device", default="cuda")
+  ap.add_argument("--smoke", action="store_true", help="CPU check of every code path: tiny preset, torch backend")
+  ap.add_argument("--name", default="decode", help="file stem of the results")
+  ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+  a = ap.parse_args(argv)
+  if a.smoke:
+    a.models, a.backends, a.device, a.cells = ["tiny"], ["torch"], "cpu", a.cells or ["64:1", "64:8", "256:8"]
+    a.capture_max_bucket = min(a.capture_max_bucket, 16)
+  a.peer_backend = a.peer_backend or ("flash_attn" if a.device.startswith("cuda") else "torch")
+  if a.peer_backend not in a.backends and a.device == "cpu":
+    a.peer_backend = a.backends[0]
+  a.dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+  return a
+
+
+class Recorder:
+  """Rows in memory and appended to the .jsonl as measured (printed whole, or as a shorter line)."""
+
+  def __init__(self, path):
+    self.path, self.rows = path, []
+    open(path, "w").close()  # a new run starts a new file (its rows are appended as they come)
+
+  def __call__(self, row, show=None):
+    self.rows.append(row)
+    if show is None:
+      emit(self.path, row)
+      return
+    with open(self.path, "a") as fh:
+      fh.write(json.dumps(row, default=str) + "\n")
+    print(show, flush=True)
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  budget = Budget(a.budget_s)
+  os.makedirs(a.out, exist_ok=True)
+  rec = Recorder(os.path.join(a.out, f"{a.name}.jsonl"))
+  torch.manual_seed(0)
+  bw = copy_bandwidth(a.device, (2 << 30) if a.device.startswith("cuda") else (64 << 20))
+  info = {"kind": "info", "part": a.name, "device": device_name(a.device), "torch": torch.__version__,
+          "copy_TBps": bw / 1e12, "budget_s": a.budget_s,
+          "command": "python3 -m benchmarks.decode_bench " + " ".join(sys.argv[1:] if argv is None else argv)}
+  rec(info)
+  for name in a.models:
+    run_model(name, a, rec, budget, bw)
+  cells = summarize.merge_cells(rec.rows)
+  caps = [r for r in rec.rows if r.get("kind") == "capture"]
+  with open(os.path.join(a.out, f"{a.name}.json"), "w") as fh:
+    json.dump({"info": info, "cells": cells, "capture": caps, "rows": rec.rows}, fh, indent=1, default=str)
+  print(f"\n{info['device']}, torch {info['torch']}, copy {info['copy_TBps']:.2f} TB/s, {budget.elapsed():.0f} s; "
+        f"{info['command']}")
+  print(summarize.report(rec.rows))
+  summarize.plot_decode(cells, os.path.join(a.out, f"{a.name}.png"))
 
 
 if __name__ == "__main__":

@@ -1,85 +1,150 @@
-"""Continuous batching on the GPU: PIECEWISE vs FULL_AND_PIECEWISE per attention backend (seed 1's comparison).
+"""Continuous batching: PIECEWISE vs FULL_AND_PIECEWISE per attention backend, on the generation engine.
 
-A synthetic ShareGPT-like workload with a fixed seed (~200 requests, prompts 4-1024 tokens, outputs 4-512, all
-submitted at once), greedy, on the random-weight Qwen2.5-0.5B preset in bf16. Reports output throughput, TTFT
-and TPOT, checks that greedy tokens are identical across modes, and writes benchmarks/results/serve.json.
+A synthetic ShareGPT-like workload with a fixed seed (log-normal lengths: ~200 requests, prompts 4-1024 tokens,
+outputs 4-512, all submitted at once, so TTFT includes queueing), greedy, on the random-weight Qwen2.5-0.5B preset
+in bf16. Each engine first runs a short warm-up workload (another seed), so lazily created kernels and wrappers
+are not billed to whichever mode runs first. Reports output throughput, TTFT and TPOT, and how many requests'
+greedy tokens differ from the first mode's (printed, never raised). A time budget skips what would not fit.
+Rows go to <out>/serve.jsonl as measured; the end writes serve.json and the table.
+
 usage (device): source .gpu/activate.sh; python3 -m benchmarks.serve_bench
+       (CPU):   python3 -m benchmarks.serve_bench --smoke
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 from examples import engine, llama
 
+from . import summarize
+from .common import Budget, device_name, emit, sync
 
-def workload(n: int, seed: int, vocab: int):
-  """Log-normal-ish lengths like ShareGPT: many short prompts/answers, a long tail, clipped to the ranges."""
+
+def workload(n: int, seed: int, vocab: int, max_prompt: int = 1024, max_output: int = 512):
+  """Log-normal lengths like ShareGPT: many short prompts/answers, a long tail, clipped to the ranges."""
   g = torch.Generator().manual_seed(seed)
-  plen = torch.exp(torch.randn(n, generator=g) * 1.0 + 5.0).clamp(4, 1024).long().tolist()
-  olen = torch.exp(torch.randn(n, generator=g) * 1.0 + 4.8).clamp(4, 512).long().tolist()
+  plen = torch.exp(torch.randn(n, generator=g) * 1.0 + 5.0).clamp(4, max_prompt).long().tolist()
+  olen = torch.exp(torch.randn(n, generator=g) * 1.0 + 4.8).clamp(4, max_output).long().tolist()
   return [(torch.randint(1, vocab, (p,), generator=g).tolist(), o) for p, o in zip(plen, olen)]
 
 
-def run(cfg, params, backend, mode, reqs, max_seqs, max_batch_tokens):
+def describe(reqs) -> dict:
+  p, o = [len(p) for p, _ in reqs], [o for _, o in reqs]
+  return {"requests": len(reqs), "prompt_tokens": sum(p), "max_output_tokens": sum(o),
+          "prompt_len_p50_max": [int(statistics.median(p)), max(p)], "output_len_p50_max": [int(statistics.median(o)),
+                                                                                             max(o)]}
+
+
+def run(cfg, params, backend, mode, reqs, warm, a):
+  """One engine: build (captures every bucket of both routines), warm up, then the measured workload."""
   t0 = time.perf_counter()
-  eng = engine.build(cfg, params, backend=backend, mode=mode, max_seqs=max_seqs, max_seq_len=2048,
-                     max_batch_tokens=max_batch_tokens)
+  eng = engine.build(cfg, params, backend=backend, mode=mode, max_seqs=a.max_seqs, max_seq_len=a.max_seq_len,
+                     max_batch_tokens=a.max_batch_tokens)
+  sync(a.device)
   setup = time.perf_counter() - t0
+  for prompt, out in warm:
+    eng.add(prompt, max_new_tokens=out)
+  eng.run(progress=False)
   for prompt, out in reqs:
     eng.add(prompt, max_new_tokens=out)
-  torch.cuda.synchronize()
+  sync(a.device)
   rep = eng.run(progress=False)
-  med = lambda xs: statistics.median([x for x in xs if x is not None]) * 1e3
-  res = {"backend": backend, "mode": mode, "setup_s": setup, "elapsed_s": rep.elapsed, "steps": rep.steps,
-         "output_tokens": rep.output_tokens, "throughput_tok_s": rep.throughput, "ttft_p50_ms": med(rep.ttft),
-         "tpot_p50_ms": med(rep.tpot), "fallbacks": eng.step_fn.stats()["fallbacks"]}
+  med = lambda xs: statistics.median([x for x in xs if x is not None] or [float("nan")]) * 1e3
+  st = eng.step_fn.stats() if hasattr(eng.step_fn, "stats") else {"total": {}, "fallbacks": {}}
+  res = {"setup_s": setup, "elapsed_s": rep.elapsed, "steps": rep.steps, "output_tokens": rep.output_tokens,
+         "throughput_tok_s": rep.throughput, "ttft_p50_ms": med(rep.ttft), "tpot_p50_ms": med(rep.tpot),
+         "graphs": st["total"].get("captures"), "replays": st["total"].get("replays"),
+         "eager_calls": st["total"].get("eager"), "fallbacks": st["fallbacks"]}
+  del eng
+  gc.collect()
+  if a.device.startswith("cuda"):
+    torch.cuda.empty_cache()
   return res, rep.tokens
 
 
-def main():
-  ap = argparse.ArgumentParser()
+def mismatches(a_tokens, b_tokens) -> tuple[int, int | None]:
+  """(requests whose tokens differ, index of the first differing request or None)."""
+  diff = [i for i, (x, y) in enumerate(zip(a_tokens, b_tokens)) if x != y]
+  diff += list(range(min(len(a_tokens), len(b_tokens)), max(len(a_tokens), len(b_tokens))))
+  return len(diff), (diff[0] if diff else None)
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--preset", default="qwen2.5-0.5b")
   ap.add_argument("--requests", type=int, default=200)
+  ap.add_argument("--max-prompt", type=int, default=1024)
+  ap.add_argument("--max-output", type=int, default=512)
+  ap.add_argument("--warmup-requests", type=int, default=16)
   ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
   ap.add_argument("--modes", nargs="+", default=["PIECEWISE", "FULL_AND_PIECEWISE"])
   ap.add_argument("--max-seqs", type=int, default=128)
   ap.add_argument("--max-batch-tokens", type=int, default=512)
+  ap.add_argument("--max-seq-len", type=int, default=2048)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--budget-s", type=float, default=520.0, help="wall budget; runs that do not fit are skipped")
+  ap.add_argument("--run-est-s", type=float, default=60.0, help="first guess of one run (build + warm-up + run)")
+  ap.add_argument("--device", default="cuda")
+  ap.add_argument("--smoke", action="store_true", help="CPU check: tiny preset, torch backend, 6 short requests")
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-  a = ap.parse_args()
-  cfg = llama.preset(a.preset)
-  params = llama.init_params(cfg, torch.bfloat16, "cuda")
-  reqs = workload(a.requests, a.seed, cfg.vocab_size)
-  info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "requests": len(reqs),
-          "prompt_tokens": sum(len(p) for p, _ in reqs), "max_output_tokens": sum(o for _, o in reqs),
-          "command": "python3 -m benchmarks.serve_bench " + " ".join(os.sys.argv[1:])}
-  print(json.dumps(info), flush=True)
-  rows = []
-  for backend in a.backends:
-    tokens = {}
-    for mode in a.modes:
-      r, tokens[mode] = run(cfg, params, backend, mode, reqs, a.max_seqs, a.max_batch_tokens)
-      rows.append(r)
-      print(json.dumps(r), flush=True)
-    same = all(t == tokens[a.modes[0]] for t in tokens.values())
-    for r in rows[-len(a.modes):]:
-      r["tokens_identical_across_modes"] = same
+  a = ap.parse_args(argv)
+  if a.smoke:
+    a.preset, a.backends, a.device, a.requests, a.warmup_requests = "tiny", ["torch"], "cpu", 6, 2
+    a.max_prompt, a.max_output, a.max_seqs, a.max_batch_tokens, a.max_seq_len = 48, 8, 4, 64, 128
+  return a
+
+
+def main(argv=None):
+  a = parse_args(argv)
+  budget = Budget(a.budget_s)
+  path = os.path.join(a.out, "serve.jsonl")
   os.makedirs(a.out, exist_ok=True)
+  open(path, "w").close()  # a new run starts a new file (its rows are appended as they come)
+  cfg = llama.preset(a.preset)
+  dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+  params = llama.init_params(cfg, dtype, a.device)
+  reqs = workload(a.requests, a.seed, cfg.vocab_size, a.max_prompt, a.max_output)
+  warm = workload(a.warmup_requests, a.seed + 1, cfg.vocab_size, a.max_prompt, a.max_output)
+  info = {"kind": "info", "part": "serve", "device": device_name(a.device), "torch": torch.__version__,
+          "preset": a.preset, **describe(reqs), "warmup_requests": len(warm), "max_seqs": a.max_seqs,
+          "max_batch_tokens": a.max_batch_tokens, "seed": a.seed,
+          "command": "python3 -m benchmarks.serve_bench " + " ".join(sys.argv[1:] if argv is None else argv)}
+  emit(path, info)
+  rows, est = [info], a.run_est_s
+  for backend in a.backends:
+    first = None
+    for mode in a.modes:
+      row = {"kind": "serve", "model": a.preset, "backend": backend, "mode": mode, "requests": len(reqs)}
+      why = budget.why_not(est)
+      if why:
+        row["skipped"] = why
+      else:
+        t0 = time.perf_counter()
+        try:
+          res, tokens = run(cfg, params, backend, mode, reqs, warm, a)
+          row.update(res)
+          first = first or (mode, tokens)
+          row["mismatched_requests"], row["first_mismatch"] = mismatches(first[1], tokens)
+          row["compared_with"] = first[0]
+        except Exception as e:  # one failing run is a result; the others still run
+          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        est = max(est, 1.2 * (time.perf_counter() - t0))
+      emit(path, row)
+      rows.append(row)
   with open(os.path.join(a.out, "serve.json"), "w") as fh:
-    json.dump({"info": info, "rows": rows}, fh, indent=1)
-  print(f"\n{info['gpu']}; {info['requests']} requests, {info['prompt_tokens']} prompt tokens; {info['command']}")
-  print("backend | mode | setup s | tok/s | TTFT p50 ms | TPOT p50 ms | identical tokens | vs PIECEWISE")
-  for r in rows:
-    base = next(x for x in rows if x["backend"] == r["backend"] and x["mode"] == "PIECEWISE")
-    print(f"{r['backend']} | {r['mode']} | {r['setup_s']:.1f} | {r['throughput_tok_s']:.0f} | "
-          f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.2f} | {r['tokens_identical_across_modes']} | "
-          f"{r['throughput_tok_s'] / base['throughput_tok_s'] - 1:+.1%}")
+    json.dump({"info": info, "rows": rows[1:]}, fh, indent=1, default=str)
+  print(f"\n{info['device']}; {info['requests']} requests ({info['prompt_tokens']} prompt tokens, prompt p50/max "
+        f"{info['prompt_len_p50_max']}, output p50/max {info['output_len_p50_max']}), {budget.elapsed():.0f} s; "
+        f"{info['command']}")
+  print(summarize.report(rows))
 
 
 if __name__ == "__main__":
