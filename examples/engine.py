@@ -71,7 +71,8 @@ class BlockAllocator:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, generator=None) -> torch.Tensor:
-  """logits [S, V] float32, temperature/top_p [S] -> tokens [S] int64. Rows with temperature 0 are greedy."""
+  """logits [S, V], temperature/top_p [S] -> tokens [S] int64. Rows with temperature 0 are greedy."""
+  logits = logits.float()
   greedy = logits.argmax(-1)
   probs = torch.softmax(logits / temperature.clamp_min(1e-5)[:, None], dim=-1)
   sorted_p, idx = probs.sort(-1, descending=True)

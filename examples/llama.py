@@ -114,7 +114,7 @@ def init_cache(cfg: LlamaConfig, num_pages: int, page_size: int, dtype, device) 
 
 def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, routine: str = "mixed",
             backend: str = "torch", max_seq_len: int | None = None, mlp=None, tp=None):
-  """One step over N new tokens of S sequences -> (logits [N, V] float32, cache with their k/v written).
+  """One step over N new tokens of S sequences -> (logits [N, V] in the model dtype, cache with their k/v written).
 
   mlp: None for the dense gated MLP of `layer.w13`/`layer.w2`, or `(i, layer, h [N, dim]) -> [N, dim]` for
     layer i (examples/qwen2_moe.py's MoE block); the attention block is the same for every model.

@@ -68,7 +68,7 @@ class TP:
     # x: [N, dim], w: [Vl, dim] -> this rank's logits [N, Vl] -> gathered [W*N, Vl] (rank-major) -> [N, V] fp32
     N = x.shape[0]
     y = _all_gather(linear(x, w), 0, self.group)
-    return y.view(self.world, N, -1).transpose(0, 1).reshape(N, -1)[:, :vocab_size].float()
+    return y.view(self.world, N, -1).transpose(0, 1).reshape(N, -1)[:, :vocab_size]
 
 
 def init(rank: int | None = None, world: int | None = None, init_method: str = "env://", backend: str | None = None,
