@@ -264,7 +264,8 @@ class PieceRunner(torch.nn.Module):
 
   def __init__(self, piece, module, Graph, pool):
     super().__init__()
-    self.piece, self.module, self.graph, self.out = piece, module, None, None
+    self.piece, self.graph, self.out = piece, None, None
+    self.module = _direct(module) if piece.is_break else module
     self._Graph, self._pool = Graph, pool
 
   def forward(self, *args):
@@ -281,6 +282,20 @@ class PieceRunner(torch.nn.Module):
       self.graph = self._Graph(self._pool)
       return self.graph.capture(self.module, *args)
     return self.graph.replay()
+
+
+def _direct(module: fx.GraphModule) -> fx.GraphModule:
+  """A break piece that calls its primitives' eager rules as plain Python functions: the same call, minus the
+  dispatcher and torch.library's wrapper around it (tens of µs per break, paid by every eager break of every
+  PIECEWISE step). Only for running outside a graph: under capture the op goes through the dispatcher."""
+  graph = fx.Graph()
+  env = {}
+  for node in module.graph.nodes:
+    env[node] = new = graph.node_copy(node, lambda n: env[n])
+    p = P.primitive_of(node)
+    if p is not None:
+      new.target = P.eager_rules[p]
+  return fx.GraphModule(module, graph)
 
 
 def _plan_sites(gm, ph_pos, tensor_ix, specs):

@@ -131,33 +131,46 @@ def moe(_cfg, _params):
     dist.init_process_group("nccl", init_method=f"file://{d}/store", rank=0, world_size=1,
                             timeout=timedelta(seconds=60), device_id=torch.device(DEV, 0))
     runs = {}
-    for backend in ("local", "all2all"):
+    combos = [(b, m, "auto") for b in ("local", "all2all") for m in ("eager", "NONE", "FULL")]
+    combos += [(b, "eager", a) for b in ("local", "all2all") for a in ("torch", "flash_attn")]
+    for backend, mode, attn in combos:
       cfg = qwen2_moe.preset("tiny-moe", moe_backend=backend, mlp_only_layers=(1,), n_layers=3)
       params = qwen2_moe.init_params(cfg, torch.bfloat16, DEV, seed=0)
-      for mode in ("eager", "NONE", "FULL"):
-        eng = qwen2_moe.build(cfg, params, backend="auto", mode=mode, max_seqs=8, max_seq_len=96,
-                              max_batch_tokens=64, capture=mode not in ("eager", "NONE"))
-        logs = []
-        run_batch = eng.run_batch
-        def rec(batch, routine, run_batch=run_batch, logs=logs):
-          out = run_batch(batch, routine)
-          logs.append((routine, out.float().clone()))
-          return out
-        eng.run_batch = rec
-        g = torch.Generator().manual_seed(0)
-        for n in (5, 17, 1, 33, 9, 2, 40, 12):
-          eng.add(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), max_new_tokens=12)
-        runs[backend, mode] = (eng.run(progress=False).tokens, logs)
-        del eng
-        torch.cuda.synchronize()
-    ref_tokens, ref = runs["local", "eager"]
+      eng = qwen2_moe.build(cfg, params, backend=attn, mode=mode, max_seqs=8, max_seq_len=96,
+                            max_batch_tokens=64, capture=mode not in ("eager", "NONE"))
+      logs = []
+      run_batch = eng.run_batch
+      def rec(batch, routine, run_batch=run_batch, logs=logs):
+        out = run_batch(batch, routine)
+        logs.append((routine, out.float().clone()))
+        return out
+      eng.run_batch = rec
+      g = torch.Generator().manual_seed(0)
+      for n in (5, 17, 1, 33, 9, 2, 40, 12):
+        eng.add(torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist(), max_new_tokens=12)
+      runs[backend, mode, attn] = (eng.run(progress=False).tokens, logs)
+      del eng
+      torch.cuda.synchronize()
+    # the op alone, eager, on decode-like and prefill-like inputs: all2all at world 1 against local
+    from fgraph.ops import moe as M
+    w = M.MoEWeights.random(16, 256, 128, 256, top_k=4, dtype=torch.bfloat16, device=DEV, renormalize=True,
+                            generator=torch.Generator().manual_seed(0))
+    for n in (1, 8, 64):
+      x = torch.randn(n, 256, dtype=torch.bfloat16, device=DEV)
+      a, b = M.moe(x, w, "local"), M.moe(x, w, "all2all")
+      say(f"moe op n={n}: max|all2all - local| = {(a.float() - b.float()).abs().max().item():.2e}")
+    for attn in ("auto", "torch", "flash_attn"):
+      key = ("local", "eager", attn)
+      if key not in runs:
+        continue
+      ref_tokens, ref = runs[key]
+      for other in ("local", "all2all"):
+        tokens, logs = runs[other, "eager", attn]
+        say(f"attention={attn}: eager {other} vs eager local: tokens equal {tokens == ref_tokens}; "
+            f"max|dlogits| per step {' '.join(_diff(a, b) for (_, a), (_, b) in zip(logs, ref))}")
+    ref_tokens, ref = runs["local", "eager", "auto"]
     for key, (tokens, logs) in runs.items():
-      diffs = [_diff(a, b) for (_, a), (_, b) in zip(logs, ref)]
-      say(f"moe {key}: tokens equal local/eager: {tokens == ref_tokens}; steps {len(logs)}; max|dlogits| per step "
-          f"vs local/eager: {' '.join(diffs)}")
-    for a, b in (("all2all", "eager"), ("all2all", "NONE")):
-      d = [_diff(x, y) for (_, x), (_, y) in zip(runs[a, b][1], runs[a, "FULL"][1])]
-      say(f"moe all2all FULL(piecewise) vs {a}/{b}: {' '.join(d)}")
+      say(f"moe {key}: tokens equal local/eager/auto: {tokens == ref_tokens}; steps {[r for r, _ in logs]}")
     dist.destroy_process_group()
 
 
