@@ -61,6 +61,16 @@ def test_warmup_and_capture_run_the_function_on_padding():
   assert state["calls"].item() == 4  # replays are exact
 
 
+def test_warmup_runs_once_per_trace_capture_once_per_signature():
+  def bump(x, state):
+    state["calls"].add_(1)
+    return x + 1, state
+  f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4, 8, 16])
+  state = {"calls": torch.zeros(())}
+  f.capture(torch.ones(3), state, progress=False)
+  assert state["calls"].item() == 1 + 3  # one warm-up (buckets >= 2 share a trace), one capture run per bucket
+
+
 def test_python_side_effects_run_once_at_trace():
   log = []
   def f(x):
