@@ -8,8 +8,14 @@ replayed inside a CUDA graph, against the bytes it must read over the copy bandw
              capturable and runs eagerly (graph = no: its time includes Python launch overhead)
   floor      K and V bytes of the batch / copy bandwidth (read+write bytes of a 2 GiB copy per second)
   plan_us    flashinfer: host time of the plan hook per step (host metadata + plan()), hook = what
-             fgraph.jit runs before every replay; stock_us = flashinfer's plan() fed CPU page ids (it
-             then copies them with a blocking copy: a stream sync, cheap here only because the GPU is idle)
+             fgraph.jit runs before every replay, on the same metadata every step (so the plan is skipped);
+             stock_us = flashinfer's plan() fed CPU page ids (it then copies them with a blocking copy: a
+             stream sync, cheap here only because the GPU is idle)
+  step_us    flashinfer decode: the hook over consecutive decode steps, lengths +1 a step from staggered
+             offsets in their pages (as in serving: at larger batches some sequence enters a new page most
+             steps, so most steps re-plan); skip_us: +1 a step inside one page (every plan skipped, only
+             host metadata + upload); new_us: the page counts change every step (every step re-plans through
+             the module's plan call); step_skipped: the share of steps step_us skipped
 
 usage (device): source .gpu/activate.sh; python3 -m benchmarks.attention_bench [--quick] [--backends ...]
 Prints a table; writes benchmarks/results/attention.json (or under --out / $OUT).
@@ -17,6 +23,7 @@ Prints a table; writes benchmarks/results/attention.json (or under --out / $OUT)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -40,10 +47,38 @@ def host_us(fn, iters: int = 200) -> float:
   return (time.perf_counter() - t0) / iters * 1e6
 
 
+def decode_steps(batch: int, ctx: int, page: int, max_pages: int, pages, kind: str, steps: int = 64):
+  """Host metadata (padded as fgraph pads it) of `steps` consecutive decode steps, lengths around ctx.
+  grow: sequence b at ctx + (5 b mod page), +1 a step; same: page-aligned + 1, +1 a step inside one page
+  (wraps within the page); new: page counts alternate every step."""
+  base = max(0, ctx // page * page - 5 * page)  # room for 64 steps of growth within max_pages (page 16)
+  def lens(i):
+    if kind == "grow":
+      return [base + (5 * b) % page + 1 + i for b in range(batch)]
+    if kind == "same":
+      return [base + 1 + i % (page - 1)] * batch
+    return [base + 1 + (page if i % 2 else 0)] * batch
+  return [A.pad_metadata(A.build_metadata([1] * batch, lens(i), pages, page, max_pages), batch) for i in range(steps)]
+
+
+def plan_steps_us(metas, page: int, d: int, iters: int = 200) -> tuple[float, float]:
+  """Host us per step of the plan hook cycling over `metas`, and the share of plans it skipped."""
+  from fgraph.ops import _attn_flashinfer as FI
+  it = itertools.cycle(metas)
+  fn = lambda: A.plan_attention(next(it), backend="flashinfer", routine="decode", page_size=page, scale=d ** -0.5)
+  for _ in range(len(metas)):
+    fn()
+  before = FI.stats()
+  us = host_us(fn, iters)
+  after = FI.stats()
+  made = {k: after[k] - before[k] for k in after}
+  return us, made["skip"] / max(1, sum(made.values()))
+
+
 def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, bw: float) -> dict:
   hq, hkv, d = shape
   page = A.page_size_for(backend)
-  max_pages = math.ceil(ctx / page)
+  max_pages = math.ceil(ctx / page) + 1  # + 1: room for the growing lengths of the plan-step timings
   g = torch.Generator().manual_seed(0)
   num_pages = 1 + batch * max_pages
   k_cache = torch.randn(num_pages, page, hkv, d, dtype=BF, device=DEV)
@@ -79,8 +114,14 @@ def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, b
     if routine == "decode":
       h = FI.host_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, page)
       w = next(w for key, w in FI._wrappers.items() if key[0] == "decode" and key[1] == batch)
-      row["stock_us"] = host_us(lambda: w.fi.plan(h.indptr, h.indices, h.last, hq, hkv, d, page, q_data_type=BF,
-                                                  kv_data_type=BF, sm_scale=d ** -0.5))
+      row["stock_us"] = host_us(lambda: w.fi.plan(h.t("indptr"), h.t("indices"), h.t("last"), hq, hkv, d, page,
+                                                  q_data_type=BF, kv_data_type=BF, sm_scale=d ** -0.5))
+      w.planned = None  # plan() above replaced its plan behind our back
+      for kind, key in (("grow", "step_us"), ("same", "skip_us"), ("new", "new_us")):
+        us, skipped = plan_steps_us(decode_steps(batch, ctx, page, max_pages, pages, kind), page, d)
+        row[key] = us
+        if kind == "grow":
+          row["step_skipped"] = skipped
       plan()  # leave it planned our way
   del fn, k_cache, v_cache
   if graphed:
@@ -94,7 +135,7 @@ def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, b
 
 def table(rows) -> str:
   head = f"{'model':<13}{'backend':<11}{'routine':<8}{'B':>5}{'ctx':>6}{'graph':>6}{'us':>10}{'floor':>9}" \
-         f"{'x floor':>9}{'plan_us':>9}{'stock_us':>9}"
+         f"{'x floor':>9}{'plan_us':>9}{'stock_us':>9}{'step_us':>9}{'skip_us':>9}{'new_us':>9}{'skipped':>9}"
   lines = [head, "-" * len(head)]
   for r in rows:
     if "skipped" in r:
@@ -104,7 +145,7 @@ def table(rows) -> str:
     f = lambda k: f"{r[k]:>9.1f}" if k in r else f"{'':>9}"
     lines.append(f"{r['model']:<13}{r['backend']:<11}{r['routine']:<8}{r['batch']:>5}{r['ctx']:>6}"
                  f"{'yes' if r['graph'] else 'no':>6}{r['us']:>10.1f}{r['floor_us']:>9.1f}{r['x_floor']:>9.2f}"
-                 f"{f('plan_us')}{f('stock_us')}")
+                 f"{f('plan_us')}{f('stock_us')}{f('step_us')}{f('skip_us')}{f('new_us')}{f('step_skipped')}")
   return "\n".join(lines)
 
 

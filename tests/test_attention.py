@@ -8,12 +8,13 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
-from fgraph import Support
+from fgraph import Support, _trace
 from fgraph._primitives import support_rules
 from fgraph.ops import _attn_flash, _attn_flashinfer as FI
 from fgraph.ops import attention as A
@@ -240,8 +241,10 @@ def test_flash_attn_split_count_depends_on_shapes_only():
     assert 1 <= _attn_flash.decode_num_splits(b, 2, 7, 64, 1 << 17, 132) <= _attn_flash.MAX_SPLITS
 
 
-def test_trace_is_kv_write_then_one_break():
-  """Under fgraph's tracer the KV write is two index_copy_ (inside the piece) and attention one break node."""
+def test_trace_is_one_break_that_writes_the_cache():
+  """Under fgraph's tracer attention is one break node that does the KV write itself: no index_copy_ or
+  index_put_ outside it (Inductor would turn such a write into a copy of the cache layer), and the op's schema
+  declares both caches written, so the trace's in-place checks see the mutation."""
   case = Case(*MIXED, 4, 2, dtype=torch.float32)
   meta = A.pad_metadata(case.meta, 24)
   pad = lambda x: torch.cat([x, x.new_zeros(24 - x.shape[0], *x.shape[1:])])
@@ -253,10 +256,13 @@ def test_trace_is_kv_write_then_one_break():
                                        *(getattr(meta, n) for n in ("query_start_loc", "seq_lens", "block_table",
                                                                     "slot_mapping")))
   ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-  assert ops.count(torch.ops.aten.index_copy_.default) == 2
+  assert not {torch.ops.aten.index_copy_.default, torch.ops.aten.index_put_.default} & set(ops), ops
   assert ops.count(torch.ops.fgraph.attention.default) == 1
   node = next(n for n in gm.graph.nodes if n.target is torch.ops.fgraph.attention.default)
-  assert node.args[7:] == ("torch", "mixed", D ** -0.5, 8 * PAGE, PAGE)
+  assert node.args[10:] == ("torch", "mixed", D ** -0.5, 8 * PAGE, PAGE)
+  names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+  written = {names.index(t.name) if t.op == "placeholder" else str(t.target) for t in _trace._write_targets(node)}
+  assert written == {3, 4, "aten.empty.memory_format"}, written  # kc, vc and out (allocated in the function)
 
 
 def toy_step(cache, batch, routine="mixed", backend="torch"):
@@ -298,8 +304,53 @@ def test_jit_matches_eager(routine, lens, backend, fake_flashinfer):
   stats = step.stats()["total"]
   assert stats["traces"] == 1 and stats["calls"] == 2
   if backend == "flashinfer":  # one plan per execution, from the hook: warm-up, then each call (the eager
-    jitted = [b for _, b in fake_flashinfer.plans if b > 5]  # oracle plans its own 5 unpadded sequences)
-    assert len(jitted) == 3
+    # oracle plans its own 5 unpadded sequences); decode plans may be made by the module call or skipped
+    if routine == "decode":
+      counts = [w.counts for key, w in FI._wrappers.items() if key[1] == 8]
+      assert len(counts) == 1 and sum(counts[0].values()) == 3, counts
+    else:
+      assert len([b for _, b in fake_flashinfer.plans if b > 5]) == 3
+
+
+CACHE_WRITES = {"index_copy", "index_copy_", "index_put", "index_put_", "copy_", "scatter", "scatter_"}
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_jit_pieces_never_write_the_cache(compile):
+  """The KV write lives in the break: the graph pieces between breaks hold no write into the cache (under
+  Inductor, `compile=True`, such a write became a copy of the whole cache layer), and after a call the cache
+  holds the new k/v at their slots (from the break), equal to the eager run's, with Inductor-compiled pieces
+  too."""
+  step = fgraph.jit(toy_step, static=["routine", "backend"], donate=["cache"],
+                    batch={"batch": {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(),
+                                     "meta": A.metadata_batching()}},
+                    buckets=[32], mode="PIECEWISE", compile=compile)
+  case = Case(*MIXED, 4, 2, dtype=torch.float32)
+  cache, batch = toy_inputs(case)
+  jcache = A.KVCache(tuple(t.clone() for t in cache.k), tuple(t.clone() for t in cache.v))
+  want, cache = toy_step(cache, batch)
+  got, jcache = step(jcache, batch, routine="mixed", backend="torch")
+  torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jcache.k + jcache.v, cache.k + cache.v):
+    same(a[1:], b[1:])
+  (e,) = step.entries.values()
+  pieces = e.program.pieces
+  assert [p.ops for p in pieces if p.is_break] == [("attention",), ("attention",)]
+  for p in pieces:
+    if not p.is_break:
+      assert not CACHE_WRITES & set(p.ops), p.ops
+      assert not any(i.startswith("cache.") for i in p.inputs), p.inputs  # pieces never even see the cache
+
+
+def test_jit_rejects_a_cache_that_is_not_donated():
+  """The break writes the cache (its schema says so), so fgraph's trace check still names the missing donation."""
+  step = fgraph.jit(toy_step, static=["routine", "backend"],
+                    batch={"batch": {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(),
+                                     "meta": A.metadata_batching()}}, buckets=[32], mode="PIECEWISE")
+  cache, batch = toy_inputs(Case(*MIXED, 4, 2, dtype=torch.float32))
+  with pytest.raises(fgraph.FgraphError, match=r"fgraph\.attention.* writes in place into cache\.k\[0\], "
+                                               r"which is not donated"):
+    step(cache, batch, routine="mixed", backend="torch")
 
 
 # ------------------------------------------------------------------------------------------ flashinfer logic
@@ -309,8 +360,9 @@ def test_flashinfer_host_plan_layout():
   assert h.indptr.tolist() == [0, 2, 3, 4, 5]                  # padded rows: one (scratch) page each
   assert h.indices.tolist() == [7, 3, 2, 0, 0]
   assert h.last.tolist() == [1, 4, 1, 1]                       # never 0 (flashinfer: 0 is a full page)
-  assert h.qo_indptr.tolist() == [0, 1, 2, 3, 4]
-  assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in (h.indptr, h.indices, h.last))
+  assert h.qo_indptr.tolist() == [0, 1, 2, 3, 4] and h.lens.tolist() == [5, 4, 1, 1]
+  assert all(a.dtype == np.int32 for a in (h.qo_indptr, h.indptr, h.indices, h.last, h.lens))
+  assert h.t("indptr").dtype == torch.int32 and h.t("indptr").device.type == "cpu"
 
 
 def _attend(q, k, v, scale, causal_offset):
@@ -325,10 +377,15 @@ def _attend(q, k, v, scale, causal_offset):
 class FakeFlashInfer:
   """Stands in for flashinfer on the CPU. Its kernels read only what plan() stored (the decode wrapper: the
   caller's persistent buffers, as in CUDA-graph mode), so attention from a stale plan comes out wrong. Like
-  flashinfer's, the fast replan of decode wrappers copies nothing: the buffers must already hold the plan."""
+  flashinfer's, the fast replan of decode wrappers copies nothing: the buffers must already hold the plan.
+
+  Decode plans go through a JIT-module-like `_cached_module.plan(...)` with flashinfer's argument lists (the
+  CUDA-core one, or the tensor-core one with the host kv lengths), whose result (`_plan_info`) is the schedule:
+  here the host indptr it was made from. run() refuses a schedule that does not match the device buffers, as
+  the real kernels would silently compute garbage on one."""
 
   def __init__(self):
-    self.plans, self.fast = [], 0
+    self.plans, self.fast, self.module = [], 0, 0
     fake = self
 
     def kv_of(k_cache, v_cache, indptr, indices, last, b):
@@ -336,12 +393,25 @@ class FakeFlashInfer:
       L = (len(pages) - 1) * k_cache.shape[1] + int(last[b])
       return (c[pages].reshape(-1, *c.shape[2:])[:L] for c in (k_cache, v_cache))
 
+    def module_plan(*args):
+      """The C++ plan: the host indptr (CUDA cores: argument 3; tensor cores: 4, then the kv lengths)."""
+      tc = isinstance(args[4], torch.Tensor)
+      indptr = args[4] if tc else args[3]
+      assert indptr.device.type == "cpu" and indptr.dtype == torch.int32 and (indptr.diff() >= 0).all()
+      if tc:
+        lens, page = args[5], args[10]
+        assert lens.shape == (len(indptr) - 1,) and torch.equal((lens + page - 1) // page, indptr.diff()), \
+            (lens, indptr)
+      fake.module += 1
+      return indptr.clone()
+
     class BatchDecodeWithPagedKVCacheWrapper:
       def __init__(self, ws, layout, use_cuda_graph, use_tensor_cores, paged_kv_indptr_buffer,
                    paged_kv_indices_buffer, paged_kv_last_page_len_buffer):
         assert use_cuda_graph and layout == "NHD"
         self.indptr, self.indices, self.last = paged_kv_indptr_buffer, paged_kv_indices_buffer, \
             paged_kv_last_page_len_buffer
+        self.use_tensor_cores, self.ws, self.device = use_tensor_cores, ws, ws.device
 
       def plan(self, indptr, indices, last, hq, hkv, d, page, q_data_type, kv_data_type, sm_scale):
         assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (indptr, last))  # no sync
@@ -349,10 +419,13 @@ class FakeFlashInfer:
         self.indptr.copy_(indptr)
         self.last.copy_(last)
         self.indices[:len(indices)].copy_(indices)
-        self.scale = sm_scale
+        self._cached_module = type("module", (), {"plan": staticmethod(module_plan)})()
+        fast_decode_plan(self, indptr, indices, last, hq, hkv, d, page, q_data_type, kv_data_type, sm_scale,
+                         count=False)
         fake.plans.append(("decode", len(last)))
 
       def run(self, q, kv, out):
+        assert torch.equal(self._plan_info, self.indptr), "stale plan: its schedule is not the buffers' indptr"
         for b in range(q.shape[0]):
           k, v = kv_of(*kv, self.indptr, self.indices, self.last, b)
           out[b] = _attend(q[b:b + 1], k, v, self.scale, k.shape[0])[0].to(out.dtype)
@@ -377,13 +450,24 @@ class FakeFlashInfer:
           if n:
             out[rows] = _attend(q[rows], k, v, scale, k.shape[0] - n).to(out.dtype)
 
-    def fast_decode_plan(wrapper, indptr, indices, last, hq, hkv, d, page, q_data_type, kv_data_type, sm_scale):
-      """flashinfer's replan for CUDA-graph decode wrappers: it copies nothing into the buffers."""
+    def fast_decode_plan(wrapper, indptr, indices, last, hq, hkv, d, page, q_data_type, kv_data_type, sm_scale,
+                         count=True):
+      """flashinfer's replan for CUDA-graph decode wrappers: it copies nothing into the buffers; it makes
+      the module's plan call with flashinfer's argument lists."""
       assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (indptr, last))
       assert len(indices) <= len(wrapper.indices)
+      B, ws = len(last), wrapper.ws
+      if wrapper.use_tensor_cores:
+        lens = (indptr[1:] - indptr[:-1] - 1) * page + last  # get_seq_lens
+        args = (ws, ws, ws, torch.arange(B + 1, dtype=torch.int32), indptr.cpu(), lens, B, B, hq, hkv, page,
+                True, d, d, False, -1, -1, False, 0)
+      else:
+        args = (ws, ws, ws, indptr.cpu(), B, hq, hkv, page, True, -1, 0.0, d, d, torch.empty(0), torch.empty(0))
+      wrapper._plan_info = wrapper._cached_module.plan(*args)
       wrapper.scale = sm_scale
-      fake.plans.append(("decode", len(last)))
-      fake.fast += 1
+      if count:
+        fake.plans.append(("decode", len(last)))
+        fake.fast += 1
 
     self.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
     self.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
@@ -395,7 +479,7 @@ def fake_flashinfer(monkeypatch):
   fake = FakeFlashInfer()
   monkeypatch.setattr(FI, "_fi", lambda: fake)
   monkeypatch.setattr(FI, "WORKSPACE_BYTES", 64)
-  for name in ("_workspaces", "_decode_bufs", "_wrappers", "_states"):
+  for name in ("_workspaces", "_decode_bufs", "_wrappers", "_groups", "_states"):
     monkeypatch.setattr(FI, name, {})
   return fake
 
@@ -409,6 +493,12 @@ def _layers(case, meta, routine, bucket, n_layers=3):
   return out[:case.q.shape[0]]
 
 
+def plans_made(bucket=None) -> int:
+  """Plans the decode wrappers (of one bucket, or all) got, whichever way: plan(), fast, module, or skipped."""
+  return sum(sum(w.counts.values()) for key, w in FI._wrappers.items()
+             if key[0] == "decode" and bucket in (None, key[1]))
+
+
 @pytest.mark.parametrize("routine, lens", [("decode", DECODE), ("mixed", MIXED)])
 def test_flashinfer_plans_once_per_step_from_the_hook(routine, lens, fake_flashinfer):
   bucket = sum(lens[0]) + 3
@@ -418,9 +508,71 @@ def test_flashinfer_plans_once_per_step_from_the_hook(routine, lens, fake_flashi
     A.plan_attention(meta, backend="flashinfer", routine=routine, page_size=PAGE, scale=D ** -0.5)
     out = _layers(case, meta, routine, bucket)
     torch.testing.assert_close(out.double(), case.expected(), rtol=1e-5, atol=1e-5)
-    assert fake_flashinfer.plans == [(routine, bucket)] * (seed + 1)  # step 0: the new wrapper, by warm-up
-  if routine == "decode":  # replans after the first take flashinfer's fast path over our uploaded buffers
-    assert fake_flashinfer.fast == 2
+    if routine == "decode":  # step 0: the new wrapper, by warm-up
+      assert plans_made() == seed + 1
+    else:
+      assert fake_flashinfer.plans == [(routine, bucket)] * (seed + 1)
+  if routine == "decode":  # lengths 1, 4, 5, 9, 17, then +1 (new page counts), then +2 (the same: skipped)
+    assert FI.stats() == {"plan": 1, "fast": 1, "module": 0, "skip": 1}
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (8, 2)], ids=["cuda-cores", "tensor-cores"])
+def test_flashinfer_decode_replans_only_when_page_counts_change(hq, hkv, fake_flashinfer):
+  """Lengths grow by one a step (new pages each step: the page ids change, the page counts only when a
+  sequence enters a new page). flashinfer's plan is made from the page counts (the host indptr) alone: a step
+  with the same indptr skips it, the others call the module's plan directly after the first two (plan(), then
+  fast_decode_plan, recorded). The stand-in kernels refuse a schedule that is not the buffers' indptr."""
+  starts, bucket = [1, 5, 9, 13, 17], 8  # each at the start of a page of 4
+  for step, (grow, how) in enumerate([(0, "plan"), (1, "skip"), (4, "fast"), (5, "skip"), (8, "module"),
+                                      (9, "skip"), (12, "module")]):
+    case = Case([1] * 5, [n + grow for n in starts], hq, hkv, dtype=torch.float32, seed=step)
+    meta = A.pad_metadata(case.meta, bucket)
+    A.plan_attention(meta, backend="flashinfer", routine="decode", page_size=PAGE, scale=D ** -0.5)
+    before = FI.stats()
+    out = _layers(case, meta, "decode", bucket)
+    after = FI.stats()
+    assert {k for k in after if after[k] != before[k]} <= {how} and plans_made() == step + 1, (step, after)
+    torch.testing.assert_close(out.double(), case.expected(), rtol=1e-5, atol=1e-5)
+  assert FI.stats() == {"plan": 1, "fast": 1, "module": 2, "skip": 3}
+
+
+def test_flashinfer_decode_plan_falls_back_to_the_api(fake_flashinfer, monkeypatch):
+  """Without fast_decode_plan every plan is flashinfer's plan(); when the module call cannot be recorded (no
+  `_cached_module`), every plan keeps fast_decode_plan. Either way still skipped when unchanged."""
+  starts, bucket = [1, 5, 9, 13, 17], 8
+  steps = [0, 4, 8, 9]  # changed, changed, changed, unchanged
+
+  def run():
+    for step, grow in enumerate(steps):
+      case = Case([1] * 5, [n + grow for n in starts], 4, 2, dtype=torch.float32, seed=step)
+      meta = A.pad_metadata(case.meta, bucket)
+      A.plan_attention(meta, backend="flashinfer", routine="decode", page_size=PAGE, scale=D ** -0.5)
+      torch.testing.assert_close(_layers(case, meta, "decode", bucket).double(), case.expected(), rtol=1e-5,
+                                 atol=1e-5)
+
+  monkeypatch.setattr(fake_flashinfer, "decode", type("decode", (), {}))
+  run()
+  assert FI.stats() == {"plan": 3, "fast": 0, "module": 0, "skip": 1}
+  FI.reset()
+  W, fast = fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper, FakeFlashInfer().decode.fast_decode_plan
+
+  class Hidden(W):
+    """Keeps its module elsewhere than `_cached_module` (only fast_decode_plan knows where)."""
+    def plan(self, *a, **k):
+      W.plan(self, *a, **k)
+      self.mod = self.__dict__.pop("_cached_module")
+
+  def hidden_fast(w, *a, **k):
+    w._cached_module = w.mod
+    try:
+      fast(w, *a, **k)
+    finally:
+      del w._cached_module
+
+  monkeypatch.setattr(fake_flashinfer, "BatchDecodeWithPagedKVCacheWrapper", Hidden)
+  monkeypatch.setattr(fake_flashinfer, "decode", type("decode", (), {"fast_decode_plan": staticmethod(hidden_fast)}))
+  run()
+  assert FI.stats() == {"plan": 1, "fast": 2, "module": 0, "skip": 1}
 
 
 def test_flashinfer_replans_when_called_outside_jit(fake_flashinfer):
@@ -428,24 +580,25 @@ def test_flashinfer_replans_when_called_outside_jit(fake_flashinfer):
   case = Case(*DECODE, 4, 2, dtype=torch.float32)
   meta = A.pad_metadata(case.meta, 8)
   out = _layers(case, meta, "decode", 8)
-  assert len(fake_flashinfer.plans) == 1
+  assert plans_made() == 1
   torch.testing.assert_close(out.double(), case.expected(), rtol=1e-5, atol=1e-5)
   case2 = Case(DECODE[0], [n + 3 for n in DECODE[1]], 4, 2, dtype=torch.float32, seed=1)
   meta2 = A.pad_metadata(case2.meta, 8)  # new tensors
   torch.testing.assert_close(_layers(case2, meta2, "decode", 8).double(), case2.expected(), rtol=1e-5, atol=1e-5)
-  assert len(fake_flashinfer.plans) == 2
+  assert plans_made() == 2
   for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):  # same tensors, new values
     getattr(meta2, name).copy_(getattr(meta, name))
   torch.testing.assert_close(_layers(case, meta2, "decode", 8).double(), case.expected(), rtol=1e-5, atol=1e-5)
-  assert len(fake_flashinfer.plans) == 3
+  assert plans_made() == 3
 
 
 def test_flashinfer_buckets_share_buffers_without_stale_plans(fake_flashinfer):
-  """Decode wrappers of different buckets share the persistent buffers: the last plan owns them."""
+  """Decode wrappers of different buckets share the persistent buffers: the last plan owns them. Coming back
+  to bucket 8 re-uploads its metadata; its wrapper's own plan (page counts unchanged) is still good: skipped."""
   small, large = Case([1, 1], [3, 6], 4, 2, dtype=torch.float32), Case(*DECODE, 4, 2, dtype=torch.float32, seed=3)
   m_small, m_large = A.pad_metadata(small.meta, 2), A.pad_metadata(large.meta, 8)
   _layers(large, m_large, "decode", 8)
   _layers(small, m_small, "decode", 2)  # overwrites the shared buffers
-  out = _layers(large, m_large, "decode", 8)  # same tensors as before, but their plan is gone: re-plan
+  out = _layers(large, m_large, "decode", 8)  # same tensors as before, but the buffers are gone: re-upload
   torch.testing.assert_close(out.double(), large.expected(), rtol=1e-5, atol=1e-5)
-  assert [b for _, b in fake_flashinfer.plans] == [8, 2, 8]
+  assert [b for _, b in fake_flashinfer.plans] == [8, 2] and plans_made(8) == 2 and FI.stats()["skip"] == 1

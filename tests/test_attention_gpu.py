@@ -221,10 +221,39 @@ def test_flashinfer_plan_host_time():
     w = next(w for key, w in FI._wrappers.items() if key[0] == "decode" and key[1] == B)
     t = dict(meta=us(lambda: FI.host_plan(padded.query_start_loc, padded.seq_lens, padded.block_table, rig.page)),
              hook=us(lambda: rig.plan(padded)),
-             stock=us(lambda: w.fi.plan(h.indptr, h.indices, h.last, 14, 2, 64, rig.page, q_data_type=BF,
-                                        kv_data_type=BF, sm_scale=64 ** -0.5)))
+             stock=us(lambda: w.fi.plan(h.t("indptr"), h.t("indices"), h.t("last"), 14, 2, 64, rig.page,
+                                        q_data_type=BF, kv_data_type=BF, sm_scale=64 ** -0.5)))
+    w.planned = None  # the stock plan() above replaced the wrapper's plan behind our back
+    t["replan"] = us(lambda: (setattr(w, "planned", None), rig.plan(padded)))  # forced: the module's plan call
     print(f"flashinfer decode plan, batch {B}: " + ", ".join(f"{k} {v:.0f} us" for k, v in t.items()))
     assert t["hook"] < 5000
+
+
+@pytest.mark.parametrize("shape", [(14, 2, 64), (8, 4, 128)], ids=["tensor-cores", "cuda-cores"])
+def test_flashinfer_decode_plan_paths(shape):
+  """A captured decode graph replayed over steps whose lengths grow by one (page-aligned starts: most steps
+  keep every page count, so the plan is skipped; every page_size-th step re-plans through the module's plan
+  call) and then jump: every replay against the reference, and each plan path taken at least once."""
+  from fgraph.ops import _attn_flashinfer as FI
+  backend_or_skip("flashinfer")
+  FI.reset()
+  bucket, real = 8, 7
+  rig = Rig("flashinfer", "decode", shape, bucket)
+  rig.plan(rig.all_padding(), capturing=True)
+  rig.attend()
+  torch.cuda.synchronize()
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    outs = rig.attend()
+  starts = [rig.page * (3 + 2 * i) + 1 for i in range(real)]
+  for grow in list(range(2 * rig.page + 2)) + [300, 301, 700]:
+    meta, N = rig.new_batch([1] * real, [n + grow for n in starts])
+    rig.plan(rig.load(meta))
+    graph.replay()
+    rig.check(outs, meta, N)
+  counts = FI.stats()
+  print(f"flashinfer decode plans {shape}: {counts}")
+  assert counts["skip"] > 0 and counts["module"] > 0 and counts["fast"] == 1, counts
 
 
 def test_benchmark_runs(tmp_path):

@@ -7,7 +7,17 @@ Both routines are full-graph capturable (Support.ALWAYS), each with its own kern
   mixed   flash_attn_varlen_func over the paged cache (block_table), with upper bounds for the host-side grid
           arguments: max_seqlen_q = the bucket's token count, max_seqlen_k = the model's max length. The
           per-sequence query offsets and KV lengths come from device tensors.
-The KV write happened before the break (attention() does it), so no k/v are passed to the kernels here.
+The KV write happens here, inside the break:
+  decode  fused into flash_attn_with_kvcache: given k/v [B, 1, Hkv, D] and cache_seqlens = seq_lens - 1, the
+          kernel writes them at position cache_seqlens[b] of sequence b through the block table (page
+          block_table[b, p // page], row p % page), syncs the CTA, then attends over cache_seqlens[b] + 1 keys.
+          That position is the token's slot_mapping entry (build_metadata: page of position L - 1 of a sequence
+          of length L), and a padded row (seq_len 1, block-table row of page 0) writes page 0 slot 0, as its
+          slot_mapping 0 says. Read from flash-attn's source (flash_api.cpp mha_fwd_kvcache: k/v with a block
+          table take the split kernel; block_info.h: seqlen_k_cache = cache_seqlens[b], actual_seqlen_k =
+          seqlen_k_cache + seqlen_knew; flash_fwd_kernel.h: the Append_KV loop walks the block table from
+          n_block_copy_min = seqlen_k_cache / kBlockN; with split-KV only the split holding that block writes).
+  mixed   write_kv (index_copy_ into both caches), then flash_attn_varlen_func.
 flash_attn is imported on first use only.
 """
 from __future__ import annotations
@@ -16,6 +26,8 @@ import functools
 import math
 
 import torch
+
+from fgraph.ops._attn_torch import write_kv
 
 MAX_SPLITS = 128  # flash-attn's limit
 
@@ -60,18 +72,23 @@ def decode_num_splits(batch: int, num_kv_heads: int, group: int, head_dim: int, 
   return split_heuristic(batch * num_kv_heads * m_blocks, 2 * num_sms, n_blocks)
 
 
-def forward(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, routine, scale, max_seq_len):
-  """out, q: [N, Hq, D]; k_cache/v_cache: [P, page, Hkv, D] (page % 256 == 0); block_table: [S, max_pages]."""
+def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine,
+            scale, max_seq_len):
+  """out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (page % 256 == 0); block_table:
+  [S, max_pages]. Writes k/v into their slots, then out."""
   with_kvcache, varlen = _api()
   N, Hq, D = q.shape
   page, Hkv = k_cache.shape[1], k_cache.shape[2]
   L = block_table.shape[1] * page
   if routine == "decode":
+    del slot_mapping  # the kernel derives each slot from cache_seqlens and the block table (module docstring)
     splits = decode_num_splits(N, Hkv, Hq // Hkv, D, L, _num_sms(q.device.index or 0))
-    o = with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seq_lens, block_table=block_table,
-                     softmax_scale=scale, causal=True, num_splits=splits)                      # [N, 1, Hq, D]
+    o = with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
+                     cache_seqlens=seq_lens - 1, block_table=block_table, softmax_scale=scale, causal=True,
+                     num_splits=splits)                                                        # [N, 1, Hq, D]
     out.copy_(o.squeeze(1))
   else:
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
     # cu_seqlens_k: with a block table flash-attn reads each sequence's KV length as cu[s+1] - cu[s].
     cu_k = torch.nn.functional.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))   # [S+1]
     o = varlen(q, k_cache, v_cache, cu_seqlens_q=query_start_loc, cu_seqlens_k=cu_k, max_seqlen_q=N,

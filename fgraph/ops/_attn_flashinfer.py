@@ -11,6 +11,17 @@ calls `on_plan` with the call's host (CPU int32) metadata before every execution
 decode graphs replay on fresh plans without a device sync. Wrappers are created lazily by the first eager
 run of their signature (warm-up), which plans them from the hook's metadata.
 
+Decode plan cost (per step, host). The hook builds the host metadata with numpy (HostPlan), uploads it to the
+shared device buffers once (one pinned non-blocking copy), then, per decode wrapper of the bucket:
+  - skips flashinfer's plan when the host indptr equals the one the wrapper's last plan was made from (the
+    schedule depends on nothing else; lengths +1 a step change it only when a sequence enters a new page);
+  - else calls the wrapper's JIT module `plan` directly with an argument list recorded from one
+    fast_decode_plan call (_ModulePlan): the C++ DecodePlan/PrefillPlan (a few us) plus FFI argument passing;
+  - the first plan goes through flashinfer's plan(), the second through fast_decode_plan (recorded); where a
+    flashinfer lacks fast_decode_plan or the recording cannot be matched, every plan keeps that API path.
+Measured before this path (H200 host, fast_decode_plan every step): 164-202 us at batch 1-256, stock plan()
+67/90/239/718 us at 1/8/64/256. benchmarks/attention_bench.py (plan_step_us, plan_skip_us) measures it now.
+
 Freshness. All layers of one step share one plan. The eager rule treats the plan as current when the hook ran
 since the last execution (`pending`), or when it gets the very tensors (same objects, same version counter)
 the plan was made for (the later layers of a step). Anything else, e.g. the model called directly outside
@@ -23,9 +34,11 @@ import itertools
 import weakref
 
 import attrs
+import numpy as np  # a flashinfer dependency
 import torch
 
 from fgraph._errors import FgraphError
+from fgraph.ops._attn_torch import write_kv
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace (split-KV partial results)
 _gen = itertools.count(1)
@@ -40,15 +53,21 @@ def _fi():
 # ------------------------------------------------------------------------------------------- host metadata
 @attrs.frozen
 class HostPlan:
-  """flashinfer's paged-KV description of one padded batch, on the host (CPU int32).
+  """flashinfer's paged-KV description of one padded batch, on the host (numpy int32, contiguous).
 
-  qo_indptr [B+1] (= query_start_loc), indptr [B+1] page offsets, indices [indptr[-1]] page ids,
-  last [B] entries in each last page (in 1..page_size: flashinfer reads 0 as a full page).
+  qo_indptr [B+1] (= query_start_loc; None for decode), indptr [B+1] page offsets, indices [indptr[-1]] page ids,
+  last [B] entries in each last page (in 1..page_size: flashinfer reads 0 as a full page),
+  lens [B] KV lengths (= seq_lens: what flashinfer's tensor-core decode plan calls kv_lens).
   """
-  qo_indptr: torch.Tensor
-  indptr: torch.Tensor
-  indices: torch.Tensor
-  last: torch.Tensor
+  qo_indptr: np.ndarray | None
+  indptr: np.ndarray
+  indices: np.ndarray
+  last: np.ndarray
+  lens: np.ndarray
+
+  def t(self, name: str) -> torch.Tensor:
+    """A field as a CPU int32 tensor (shares memory), for flashinfer's own plan()."""
+    return torch.from_numpy(getattr(self, name))
 
 
 def _np(t: torch.Tensor):
@@ -56,29 +75,35 @@ def _np(t: torch.Tensor):
 
 
 def host_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-              page_size: int) -> HostPlan:
-  """Vectorized (no loop per sequence; numpy, ~10x cheaper than torch CPU ops at these sizes). Device inputs
-  are copied to the host first (a sync: only for calls outside fgraph.jit)."""
-  import numpy as np  # a flashinfer dependency
-  qsl, sl, bt = _np(query_start_loc), _np(seq_lens), _np(block_table)
+              page_size: int, with_qo: bool = True) -> HostPlan:
+  """Vectorized (no loop per sequence; numpy, ~10x cheaper than torch CPU ops at these sizes; about a dozen
+  numpy calls, ~1 us each: 10-25 us on a slow 2-core CPU at batch 1-256). Device inputs are copied to the
+  host first (a sync: only for calls outside fgraph.jit). with_qo=False (decode: its query offsets are a
+  constant range) leaves qo_indptr None."""
+  sl, bt = _np(seq_lens), _np(block_table)
   npg = (sl + (page_size - 1)) // page_size                                   # [B] pages in use
   indptr = np.zeros(sl.shape[0] + 1, dtype=np.int32)
   np.cumsum(npg, out=indptr[1:])
   used = bt[:, :max(int(npg.max(initial=0)), 1)]
-  indices = used[np.arange(used.shape[1], dtype=np.int32)[None, :] < npg[:, None]]  # row-major = per sequence
+  indices = used[_arange(used.shape[1])[None, :] < npg[:, None]]  # row-major = per sequence
   last = sl - (npg - 1) * page_size
   # (copies: the caller's host tensors are fgraph's input mirror, rewritten by the next call)
-  return HostPlan(torch.from_numpy(qsl.copy()), torch.from_numpy(indptr), torch.from_numpy(indices),
-                  torch.from_numpy(last))
+  return HostPlan(_np(query_start_loc).copy() if with_qo else None, indptr, indices, last, sl.copy())
+
+
+@functools.cache
+def _arange(n: int) -> np.ndarray:
+  return np.arange(n, dtype=np.int32)
 
 
 # ------------------------------------------------------------------------------------- wrappers and buffers
 class _DecodeBuffers:
   """The persistent device metadata that decode wrappers (and their graphs) read: one int32 array
   [indptr (batch+1) | last (batch) | indices], wrappers of smaller buckets use the heads of its parts. `owner`:
-  the plan generation whose metadata it holds. A plan fills it with one non-blocking copy from a pinned mirror
-  (two, alternating); flashinfer's own plan() copies page ids from pageable memory with a blocking copy,
-  which synchronizes the stream every step."""
+  the plan generation whose metadata it holds (uploaded once per generation, whatever the number of wrappers).
+  A plan fills it with one non-blocking copy from a pinned mirror (two, alternating, written through numpy
+  views: ~0.3 us a part instead of ~3 us a torch copy_); flashinfer's own plan() copies page ids from pageable
+  memory with a blocking copy, which synchronizes the stream every step."""
 
   def __init__(self, batch: int, num_indices: int, device):
     n = 2 * batch + 1 + num_indices
@@ -89,37 +114,101 @@ class _DecodeBuffers:
     self.cuda = torch.device(device).type == "cuda"
     if self.cuda:
       self.stage = [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-      self.copied, self.turn = [None, None], 0
+      self.stage_np = [st.numpy() for st in self.stage]
+      # two events made once (creating one per step costs a cudaEventCreate on its first record)
+      self.copied, self.events, self.turn = [False, False], [torch.cuda.Event(), torch.cuda.Event()], 0
 
-  def upload(self, host: HostPlan) -> torch.Tensor:
-    """indptr, last-page lengths and page ids -> the device, stream-ordered, no host sync. Returns the used
-    page-id slice: handed to plan() as `indices`, it makes plan's own copy of them a no-op (same memory)."""
-    B, nnz, o = host.last.numel(), host.indices.numel(), self.batch
+  def upload(self, host: HostPlan, gen: int) -> None:
+    """indptr, last-page lengths and page ids -> the device, stream-ordered, no host sync; a no-op when this
+    generation is already here."""
+    if self.owner == gen:
+      return
+    B, nnz, o = host.last.shape[0], host.indices.shape[0], self.batch
     if nnz > self.indices.numel():
       raise FgraphError(f"attention(backend='flashinfer'): {nnz} pages in use, the decode buffers hold "
                         f"{self.indices.numel()}", "keep block tables within max_pages")
     if not self.cuda:
-      self.indptr[:B + 1].copy_(host.indptr)
-      self.last[:B].copy_(host.last)
-      self.indices[:nnz].copy_(host.indices)
-      return self.indices[:nnz]
-    i, self.turn = self.turn, self.turn ^ 1
-    if self.copied[i] is not None:
-      self.copied[i].synchronize()  # the copy made from this mirror two plans ago must be done reading it
-    st, end = self.stage[i], 2 * o + 1 + nnz
-    st[:B + 1].copy_(host.indptr)
-    st[o + 1:o + 1 + B].copy_(host.last)
-    st[2 * o + 1:end].copy_(host.indices)
-    self.flat[:end].copy_(st[:end], non_blocking=True)
-    self.copied[i] = torch.cuda.Event()
-    self.copied[i].record()
-    return self.indices[:nnz]
+      self.indptr[:B + 1].copy_(host.t("indptr"))
+      self.last[:B].copy_(host.t("last"))
+      self.indices[:nnz].copy_(host.t("indices"))
+    else:
+      i, self.turn = self.turn, self.turn ^ 1
+      if self.copied[i]:
+        self.events[i].synchronize()  # the copy made from this mirror two plans ago must be done reading it
+      st, end = self.stage_np[i], 2 * o + 1 + nnz
+      st[:B + 1] = host.indptr
+      st[o + 1:o + 1 + B] = host.last
+      st[2 * o + 1:end] = host.indices
+      self.flat[:end].copy_(self.stage[i][:end], non_blocking=True)
+      self.events[i].record()
+      self.copied[i] = True
+    self.owner = gen
 
 
 def _fast_decode_plan():
   """flashinfer.decode.fast_decode_plan (what vLLM and sglang replan CUDA-graph decode wrappers with): plan()
   minus the buffer copies (`upload` made them) and minus plan's O(batch) Python work. None if absent."""
   return getattr(getattr(_fi(), "decode", None), "fast_decode_plan", None)
+
+
+class _Recorder:
+  """Stands in for a flashinfer wrapper's `_cached_module` during one fast_decode_plan call: records the
+  arguments of its module-level `plan` call (and forwards it), so later plans can make that call directly."""
+
+  def __init__(self, inner):
+    self.inner, self.call = inner, None
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def plan(self, *args, **kwargs):
+    self.call = (args, kwargs)
+    return self.inner.plan(*args, **kwargs)
+
+
+class _ModulePlan:
+  """A decode wrapper's replan as one call of its JIT module's `plan` (C++: DecodePlan, or PrefillPlan for the
+  tensor-core decode), with the argument list fast_decode_plan built on the first replan, in which only the
+  host indptr (and, tensor cores, the host kv lengths) change: they are persistent CPU tensors refilled in
+  place. What fast_decode_plan does per call besides this one call is constant for a wrapper of fixed
+  bucket and head config: dtype strings, two empty device tensors (dtype carriers), a range buffer, the
+  kv-length torch ops, a device context, the same attributes set again (~40-80 us of Python and torch ops).
+
+  What the plan computes, read from flashinfer's source (include/flashinfer/attention/scheduler.cuh
+  DecodePlan / PrefillPlan, csrc batch_decode.cu / batch_prefill.cu, flashinfer/decode.py): from the host
+  indptr alone (page counts per sequence; the tensor-core plan ignores kv_len_arr) and the static shapes, the
+  split-KV schedule (request / kv-tile indices, o_indptr, chunk size, valid mask) written to the wrapper's
+  own pinned buffer and copied (cudaMemcpyAsync) into the wrapper's own int workspace, and the plan info
+  (offsets, padded batch, split flag) returned to Python. The kernels read last-page lengths and page ids from
+  the device buffers at run time. So a plan is reusable as long as the host indptr is the same.
+  """
+
+  def __init__(self, fi_wrapper, call, indptr: torch.Tensor, batch: int):
+    args, self.kwargs = list(call[0]), call[1]
+    at = [i for i, a in enumerate(args) if a is indptr]
+    if len(at) != 1:
+      raise LookupError(f"the host indptr is argument {at} of the module's plan call")  # caught: no replay
+    self.indptr = torch.zeros(batch + 1, dtype=torch.int32)  # persistent: the argument list holds them
+    self.indptr_np = self.indptr.numpy()
+    args[at[0]] = self.indptr
+    self.lens_np = None
+    nxt = args[at[0] + 1] if at[0] + 1 < len(args) else None
+    if isinstance(nxt, torch.Tensor) and nxt.device.type == "cpu" and nxt.dtype == torch.int32 and \
+        nxt.shape == (batch,):  # the tensor-core plan's kv lengths (get_seq_lens of indptr and last)
+      lens = torch.zeros(batch, dtype=torch.int32)
+      self.lens_np, args[at[0] + 1] = lens.numpy(), lens
+    self.fi, self.fn, self.args = fi_wrapper, fi_wrapper._cached_module.plan, args
+    self.device = fi_wrapper.device
+
+  def __call__(self, host: HostPlan) -> None:
+    self.indptr_np[:] = host.indptr
+    if self.lens_np is not None:
+      self.lens_np[:] = host.lens
+    if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+      with torch.cuda.device(self.device):  # as fast_decode_plan (the usual case needs no switch)
+        self.fi._plan_info = self.fn(*self.args, **self.kwargs)
+    else:
+      self.fi._plan_info = self.fn(*self.args, **self.kwargs)
 
 
 @attrs.define(eq=False)
@@ -129,26 +218,67 @@ class _Wrapper:
   fi: object            # the flashinfer wrapper
   bufs: _DecodeBuffers | None = None
   gen: int | None = None  # generation of its last plan
+  planned: bytes | None = None  # decode: the host indptr its last plan was made from
+  replay: _ModulePlan | bool | None = None  # decode: the direct plan call; False: unavailable, use the API
+  counts: dict = attrs.Factory(lambda: {"plan": 0, "fast": 0, "module": 0, "skip": 0})
 
   def valid(self, gen: int) -> bool:
     return self.gen == gen and (self.bufs is None or self.bufs.owner == gen)
 
   def plan(self, host: HostPlan, gen: int) -> None:
-    hq, hkv, d, page, qdt, kvdt, scale = self.cfg
     if self.routine == "decode":
-      indices = self.bufs.upload(host)
-      fast = _fast_decode_plan() if self.gen is not None else None  # the first plan sets the wrapper up
-      if fast is None:
-        self.fi.plan(host.indptr, indices, host.last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt,
-                     sm_scale=scale)
-      else:
-        fast(self.fi, host.indptr, indices, host.last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt,
-             sm_scale=scale)
-      self.bufs.owner = gen
+      self._plan_decode(host, gen)
     else:
-      self.fi.plan(host.qo_indptr, host.indptr, host.indices, host.last, hq, hkv, d, page, causal=True,
-                   sm_scale=scale, q_data_type=qdt, kv_data_type=kvdt)
+      hq, hkv, d, page, qdt, kvdt, scale = self.cfg
+      self.fi.plan(host.t("qo_indptr"), host.t("indptr"), host.t("indices"), host.t("last"), hq, hkv, d, page,
+                   causal=True, sm_scale=scale, q_data_type=qdt, kv_data_type=kvdt)
+      self.counts["plan"] += 1
     self.gen = gen
+
+  def _plan_decode(self, host: HostPlan, gen: int) -> None:
+    """Upload the metadata (once per generation), then re-plan only if the host indptr changed since this
+    wrapper's last plan (its schedule depends on nothing else: see _ModulePlan): decode lengths grow by one a
+    step, so the page counts, hence the indptr, change only when a sequence crosses into a new page (every
+    page_size steps per sequence), or when the batch changes."""
+    self.bufs.upload(host, gen)
+    key = host.indptr.tobytes()  # ~0.2 us at batch 256; np.array_equal is ~2 us
+    if key == self.planned:
+      self.counts["skip"] += 1
+    elif isinstance(self.replay, _ModulePlan):
+      self.replay(host)
+      self.counts["module"] += 1
+    else:
+      self._plan_decode_api(host)
+    self.planned = key
+
+  def _plan_decode_api(self, host: HostPlan) -> None:
+    """flashinfer's own entry points: plan() the first time (it sets the wrapper up), fast_decode_plan after,
+    whose module call the second plan records for _ModulePlan (kept on fast_decode_plan if that fails).
+    `indices` is the uploaded page-id slice: it makes plan()'s own copy of them a no-op (same memory)."""
+    hq, hkv, d, page, qdt, kvdt, scale = self.cfg
+    indptr, last, indices = host.t("indptr"), host.t("last"), self.bufs.indices[:host.indices.shape[0]]
+    fast = _fast_decode_plan() if self.gen is not None else None
+    if fast is None:
+      self.fi.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt, sm_scale=scale)
+      self.counts["plan"] += 1
+      return
+    inner = getattr(self.fi, "_cached_module", None)
+    record = self.replay is None and inner is not None
+    if inner is None:
+      self.replay = False
+    if record:
+      self.fi._cached_module = rec = _Recorder(inner)
+    try:
+      fast(self.fi, indptr, indices, last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt, sm_scale=scale)
+    finally:
+      if record:
+        self.fi._cached_module = inner
+    self.counts["fast"] += 1
+    if record:
+      try:
+        self.replay = _ModulePlan(self.fi, rec.call, indptr, len(host.last)) if rec.call is not None else False
+      except (LookupError, AttributeError):  # not the module call we know: stay on fast_decode_plan
+        self.replay = False
 
 
 @attrs.define
@@ -163,6 +293,7 @@ class _State:
 _workspaces: dict[str, torch.Tensor] = {}
 _decode_bufs: dict[str, _DecodeBuffers] = {}
 _wrappers: dict[tuple, _Wrapper] = {}   # (routine, bucket or None, device, cfg) -> wrapper
+_groups: dict[tuple, list] = {}         # (routine, bucket or None, page_size, scale) -> its wrappers
 _states: dict[tuple, _State] = {}       # (routine, bucket, page_size) -> state
 
 
@@ -203,19 +334,34 @@ def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     else:
       w = _Wrapper(routine, cfg, fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2"))
     _wrappers[key] = w
+    _groups.setdefault(_group_key(routine, key[1], page, scale), []).append(w)
   return w
 
 
-def _group(routine: str, bucket: int, page_size: int, scale: float):
-  """The wrappers one plan serves: decode wrappers of this bucket, or every prefill wrapper (not bucketed)."""
-  return [w for (r, b, _, cfg), w in _wrappers.items()
-          if r == routine and (b == bucket or routine == "mixed") and cfg[3] == page_size and cfg[6] == scale]
+def _group_key(routine: str, bucket: int | None, page_size: int, scale: float) -> tuple:
+  return routine, bucket if routine == "decode" else None, page_size, scale
+
+
+def _group(routine: str, bucket: int, page_size: int, scale: float) -> list:
+  """The wrappers one plan serves: decode wrappers of this bucket, or every prefill wrapper (not bucketed).
+  A dict lookup: scanning every wrapper (a bucket each: ~100 with 51 buckets x 2 configs) was ~10 us a step."""
+  return _groups.get(_group_key(routine, bucket, page_size, scale), ())
 
 
 def reset() -> None:
   """Forget every wrapper, plan and buffer (frees their memory). Drop graphs captured over them first."""
-  for d in (_wrappers, _states, _decode_bufs, _workspaces):
+  for d in (_wrappers, _groups, _states, _decode_bufs, _workspaces):
     d.clear()
+
+
+def stats() -> dict:
+  """How each decode and prefill wrapper got its plans, summed: flashinfer's plan() ("plan"), its
+  fast_decode_plan ("fast"), the direct module call ("module"), skipped as unchanged ("skip")."""
+  out = {"plan": 0, "fast": 0, "module": 0, "skip": 0}
+  for w in _wrappers.values():
+    for k, v in w.counts.items():
+      out[k] += v
+  return out
 
 
 # --------------------------------------------------------------------------------------------- plan, run
@@ -227,7 +373,8 @@ def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs) -> 
                       "so it cannot plan the kernels before a graph replays",
                       "pass the AttentionMetadata leaves straight from the batch argument (declared Batched, "
                       "e.g. A.metadata_batching()) instead of computing them inside the function")
-  host = host_plan(inputs["query_start_loc"], inputs["seq_lens"], inputs["block_table"], page_size)
+  host = host_plan(inputs["query_start_loc"], inputs["seq_lens"], inputs["block_table"], page_size,
+                   with_qo=routine == "mixed")
   gen = next(_gen)
   _states[(routine, bucket, page_size)] = _State(gen, host, pending=True, ident=None)
   for w in _group(routine, bucket, page_size, scale):
@@ -249,9 +396,14 @@ def _same(ident, ts) -> bool:
   return ident is not None and all(r() is t and v is not None and v == _version(t) for (r, v), t in zip(ident, ts))
 
 
-def forward(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, routine, scale, max_seq_len):
-  """out, q: [B, Hq, D]; k_cache/v_cache: [P, page, Hkv, D]; metadata padded to B sequences."""
+def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine,
+            scale, max_seq_len):
+  """out, q: [B, Hq, D]; k/v: [B, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D]; metadata padded to B sequences.
+  Writes k/v into their slots, then out."""
   del max_seq_len  # flashinfer sizes its grid in plan(), from the actual lengths
+  # index_copy_, not flashinfer's append_paged_kv_cache: that needs batch indices and positions per token
+  # (more device metadata); this is one kernel per cache from the slot_mapping we already have.
+  write_kv(k, v, k_cache, v_cache, slot_mapping)
   B, page = q.shape[0], k_cache.shape[1]
   w = _wrapper(routine, q, k_cache, block_table, scale)
   key, ts = (routine, B, page), (query_start_loc, seq_lens, block_table)
@@ -273,7 +425,7 @@ def forward(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *,
     w.plan(st.host, st.gen)  # a wrapper created after the hook ran (first eager run of the signature)
   else:
     # Not planned for these inputs (called outside fgraph.jit, or the inputs changed): plan from the device.
-    host = host_plan(query_start_loc, seq_lens, block_table, page)  # device -> host copies: a sync
+    host = host_plan(query_start_loc, seq_lens, block_table, page, with_qo=routine == "mixed")  # a sync
     st = _states[key] = _State(next(_gen), host, pending=False, ident=_ident(ts))
     w.plan(host, st.gen)
   w.fi.run(q, (k_cache, v_cache), out=out)

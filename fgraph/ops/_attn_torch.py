@@ -5,6 +5,8 @@ routines (a decode batch is a mixed batch whose sequences have one query each). 
 sequence on the device (`searchsorted` over the query offsets), gathers that sequence's pages through the
 block table and attends to the keys at positions <= its own (causal, aligned to the sequence's tail).
 Memory: the gathered keys of `chunk` tokens at a time ([chunk, pages * page_size, Hkv, D]), not of the batch.
+
+`write_kv` (the KV write every backend but flash_attn decode uses) lives here: one index_copy_ per cache.
 """
 from __future__ import annotations
 
@@ -27,9 +29,19 @@ def token_layout(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, n_tokens
   return sid, pos
 
 
-def forward(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, routine, scale, max_seq_len):
-  """out, q: [N, Hq, D]; k_cache/v_cache: [P, page, Hkv, D]; block_table: [S, max_pages]. Writes out."""
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+  """k/v [N, Hkv, D] (the caches' dtype) -> slots slot_mapping [N] int64 of the caches [P, page, Hkv, D]."""
+  Hkv, D = k_cache.shape[2], k_cache.shape[3]
+  k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, k)
+  v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping, v)
+
+
+def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine,
+            scale, max_seq_len):
+  """out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D]; block_table: [S, max_pages].
+  Writes k/v into their slots, then out."""
   del routine, max_seq_len  # one path for both routines; the block table's width bounds the keys
+  write_kv(k, v, k_cache, v_cache, slot_mapping)
   N, Hq, D = q.shape
   page, Hkv = k_cache.shape[1], k_cache.shape[2]
   g = Hq // Hkv
@@ -41,14 +53,14 @@ def forward(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *,
   for c0 in range(0, N, chunk):  # a static loop: the same kernels every call
     c1 = min(N, c0 + chunk)
     pages = block_table[sid[c0:c1]].to(torch.int64)                             # [C, max_pages]
-    k = k_cache[pages].reshape(c1 - c0, L, Hkv, D)                              # [C, L, Hkv, D]
-    v = v_cache[pages].reshape(c1 - c0, L, Hkv, D)
+    kg = k_cache[pages].reshape(c1 - c0, L, Hkv, D)                             # [C, L, Hkv, D]
+    vg = v_cache[pages].reshape(c1 - c0, L, Hkv, D)
     visible = keys[None, :] <= pos[c0:c1, None]                                 # [C, L]
     qc = q[c0:c1].reshape(c1 - c0, Hkv, g, D).to(cdt)                           # [C, Hkv, g, D]
-    s = torch.einsum("chgd,clhd->chgl", qc, k.to(cdt)) * scale                 # [C, Hkv, g, L]
+    s = torch.einsum("chgd,clhd->chgl", qc, kg.to(cdt)) * scale                # [C, Hkv, g, L]
     s = s.masked_fill(~visible[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
     # Invisible slots may hold anything (NaN in a poisoned page): 0 * NaN is NaN, so zero them, not just p.
-    v = torch.where(visible[:, :, None, None], v.to(cdt), torch.zeros((), dtype=cdt, device=q.device))
-    o = torch.einsum("chgl,clhd->chgd", p, v)                                   # [C, Hkv, g, D]
+    vg = torch.where(visible[:, :, None, None], vg.to(cdt), torch.zeros((), dtype=cdt, device=q.device))
+    o = torch.einsum("chgl,clhd->chgd", p, vg)                                   # [C, Hkv, g, D]
     out[c0:c1] = o.reshape(c1 - c0, Hq, D).to(out.dtype)
