@@ -516,8 +516,7 @@ def test_flashinfer_plans_once_per_step_from_the_hook(routine, lens, fake_flashi
     assert FI.stats() == {"plan": 1, "fast": 1, "module": 0, "skip": 1}
 
 
-@pytest.mark.parametrize("hq, hkv", [(4, 2), (8, 2)], ids=["cuda-cores", "tensor-cores"])
-def test_flashinfer_decode_replans_only_when_page_counts_change(hq, hkv, fake_flashinfer):
+def test_flashinfer_decode_replans_only_when_page_counts_change(fake_flashinfer, hq=4, hkv=2):
   """Lengths grow by one a step (new pages each step: the page ids change, the page counts only when a
   sequence enters a new page). flashinfer's plan is made from the page counts (the host indptr) alone: a step
   with the same indptr skips it, the others call the module's plan directly after the first two (plan(), then
@@ -534,6 +533,19 @@ def test_flashinfer_decode_replans_only_when_page_counts_change(hq, hkv, fake_fl
     assert {k for k in after if after[k] != before[k]} <= {how} and plans_made() == step + 1, (step, after)
     torch.testing.assert_close(out.double(), case.expected(), rtol=1e-5, atol=1e-5)
   assert FI.stats() == {"plan": 1, "fast": 1, "module": 2, "skip": 3}
+
+
+def test_flashinfer_tensor_core_decode_replans_every_step_through_the_api(fake_flashinfer):
+  """Tensor-core wrappers (GQA groups > 2: Qwen2.5's 7, Llama-3's 4) plan with the prefill scheduler; the skip and
+  direct-module paths hit an illegal address there on the H200 (2026-11-29), so they re-plan every step with
+  plan() then fast_decode_plan, as verified on the GPU before."""
+  starts, bucket = [1, 5, 9, 13, 17], 8
+  for step, grow in enumerate([0, 1, 4, 5]):
+    case = Case([1] * 5, [n + grow for n in starts], 8, 2, dtype=torch.float32, seed=step)
+    meta = A.pad_metadata(case.meta, bucket)
+    A.plan_attention(meta, backend="flashinfer", routine="decode", page_size=PAGE, scale=D ** -0.5)
+    torch.testing.assert_close(_layers(case, meta, "decode", bucket).double(), case.expected(), rtol=1e-5, atol=1e-5)
+  assert FI.stats() == {"plan": 1, "fast": 3, "module": 0, "skip": 0}
 
 
 def test_flashinfer_decode_plan_falls_back_to_the_api(fake_flashinfer, monkeypatch):

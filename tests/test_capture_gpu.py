@@ -80,39 +80,53 @@ def test_donated_state_updates_in_place_across_replays():
   assert st["count"] is state["count"] and state["count"].item() == start + 5
 
 
-def wide(x):
-  return (x[:, :1] * torch.ones(1, 1 << 18, device=x.device),)  # [N, 256K] float32: 1 MiB per row
+def wide(x, w):
+  return (x[:, :1] * w,)  # [N, 256K] float32: 1 MiB per row
+
+
+W = None
+
+
+def jit_wide(mode, buckets):
+  """`wide` jitted: x comes from the host (Batched), w lives on the GPU (it makes the signature's device)."""
+  global W
+  W = torch.ones(1, 1 << 18, device="cuda") if W is None else W
+  f = fgraph.jit(wide, batch={"x": fgraph.Batched()}, mode=mode, buckets=buckets)
+  return lambda x: f(x, W), f
 
 
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
 def test_signatures_share_output_memory(mode):
   # Without weak outputs every signature would keep its own outputs alive in the pool: 1+2+...+64 MiB.
   buckets = [1, 2, 4, 8, 16, 32, 64]
-  f = fgraph.jit(wide, batch={"x": fgraph.Batched()}, mode=mode, buckets=buckets)
+  call, f = jit_wide(mode, buckets)
   torch.cuda.synchronize()
-  f.capture(torch.ones(1, 4, device="cuda"), progress=False)
+  f.capture(torch.ones(1, 4), W, progress=False)
   pool = sum(e.pool_bytes for e in f.entries.values())
   assert pool < 2 * 64 * 2**20 + 16 * 2**20, pool / 2**20  # ~ the largest signature's, not the sum (127 MiB)
   for n in (3, 50, 1, 64):
     x = torch.arange(n, dtype=torch.float32).view(n, 1).repeat(1, 4)
-    (out,) = f(x)
-    assert out.shape == (n, 1 << 18) and torch.equal(out[:, -1].cpu(), x[:, 0]), n
+    (out,) = call(x)
+    assert out.is_cuda and out.shape == (n, 1 << 18) and torch.equal(out[:, -1].cpu(), x[:, 0]), n
 
 
 def test_footgun_outputs_valid_until_the_next_call_of_any_signature():
-  f = fgraph.jit(wide, batch={"x": fgraph.Batched()}, mode="FULL", buckets=[8, 64])
-  f.capture(torch.ones(1, 4, device="cuda"), progress=False)
-  (a,) = f(torch.full((50, 4), 1.0))
-  (b,) = f(torch.full((8, 4), 2.0))        # another signature: it may (and here does) write over `a`'s memory
-  assert b.data_ptr() == a.data_ptr() and a[0, 0].item() == 2.0  # should be 1.0! clone what you keep
+  call, f = jit_wide("FULL", [8, 64])
+  f.capture(torch.ones(1, 4), W, progress=False)
+  (a,) = call(torch.full((50, 4), 1.0))
+  (b,) = call(torch.full((8, 4), 2.0))        # another signature: it may write over `a`'s memory
+  # the 8-bucket graph was captured after the 64-bucket one gave its output block back to the pool: the
+  # allocator hands the same block out again, so `a` now shows `b`'s values
+  assert b.data_ptr() == a.data_ptr(), "the pool did not reuse the block (allocator policy changed?)"
+  assert a[0, 0].item() == 2.0  # should be 1.0! clone what you keep (or copy_outputs=True)
 
 
 def test_reset_keeps_memory_of_outputs_still_held():
-  f = fgraph.jit(wide, batch={"x": fgraph.Batched()}, mode="FULL", buckets=[64])
-  (kept,) = f(torch.full((64, 4), 5.0))
+  call, f = jit_wide("FULL", [64])
+  (kept,) = call(torch.full((64, 4), 5.0))
   f.reset()                                 # the graph is retired, not freed: `kept` still points into its pool
   assert len(f._retired) == 1
-  (other,) = f(torch.full((64, 4), 7.0))    # a new capture in a new pool
+  (other,) = call(torch.full((64, 4), 7.0))  # a new capture in a new pool
   torch.cuda.empty_cache()
   assert kept.sum().item() == 5.0 * 64 * (1 << 18) and other[0, 0].item() == 7.0
   del kept
