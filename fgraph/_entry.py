@@ -155,9 +155,10 @@ class Entry:
       if check:
         self._check_addresses(leaves)
       st.replays += 1
-    if self.plans:
-      self._plan(dict(zip(self.batched_ix, host)), n, statics, capturing=False)
-    outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
+    with P.execution():
+      if self.plans:
+        self._plan(dict(zip(self.batched_ix, host)), n, statics, capturing=False)
+      outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
     return self._outputs(leaves, n, bound, outs, copy_outputs)
 
   def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
@@ -198,29 +199,30 @@ class Entry:
     host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
     args = self._args(call.leaves)
     self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
-    self._plan(dict(zip(self.batched_ix, host)), call.n, call.statics, capturing=True)
-    # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
-    # unless a break keeps host state per signature (a plan hook: flashinfer's per-bucket wrappers) or Inductor
-    # compiles each signature's pieces. An eager run costs as much as a step of the eager model (28 ms on 0.5B).
-    if self.traced.warmed and not self.plans and not compile:
-      warmups = 0
-    for _ in range(warmups):
-      self.module(*args)
-    self.traced.warmed = self.traced.warmed or warmups > 0
-    if self.device.startswith("cuda"):
-      torch.cuda.synchronize()
-    Graph = C.graph_class(self.device)
-    if self.mode is Mode.PIECEWISE:
-      runners = [PieceRunner(piece, getattr(self.module, piece.name), Graph, pool)
-                 for piece in self.program.pieces]
-      for r in runners:
-        setattr(self.module, r.piece.name, r)
-      self.module(*args)  # the runners capture on this first call, replay on later ones
-      self.graphs = [r.graph for r in runners if not r.piece.is_break]
-    elif self.mode is Mode.FULL:
-      self.full = Graph(pool)
-      self.full.capture(self.module, *args)
-      self.graphs.append(self.full)
+    with P.execution():  # one execution: the plan made here serves the warm-up and the capture
+      self._plan(dict(zip(self.batched_ix, host)), call.n, call.statics, capturing=True)
+      # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
+      # unless a break keeps host state per signature (a plan hook: flashinfer's per-bucket wrappers) or Inductor
+      # compiles each signature's pieces. An eager run costs as much as a step of the eager model (28 ms on 0.5B).
+      if self.traced.warmed and not self.plans and not compile:
+        warmups = 0
+      for _ in range(warmups):
+        self.module(*args)
+      self.traced.warmed = self.traced.warmed or warmups > 0
+      if self.device.startswith("cuda"):
+        torch.cuda.synchronize()
+      Graph = C.graph_class(self.device)
+      if self.mode is Mode.PIECEWISE:
+        runners = [PieceRunner(piece, getattr(self.module, piece.name), Graph, pool)
+                   for piece in self.program.pieces]
+        for r in runners:
+          setattr(self.module, r.piece.name, r)
+        self.module(*args)  # the runners capture on this first call, replay on later ones
+        self.graphs = [r.graph for r in runners if not r.piece.is_break]
+      elif self.mode is Mode.FULL:
+        self.full = Graph(pool)
+        self.full.capture(self.module, *args)
+        self.graphs.append(self.full)
     for g in self.graphs:  # only now: the pieces of this signature must not reuse each other's outputs
       g.weaken()
     self.stats.captures += len(self.graphs)

@@ -68,6 +68,29 @@ plan_filters: dict[Primitive, Callable[[Mapping[str, Any]], bool]] = {}
 registry: dict[str, Primitive] = {}
 
 
+_executing = [None]  # the token of the signature execution in progress (None outside fgraph.jit)
+
+
+def executing():
+  """A token for the execution of a jitted signature in progress (None outside one). fgraph sets it before the
+  plan hooks run and keeps it through the execution, so a break can tell whether host state its plan hook
+  made belongs to this very execution or is left over from an earlier one (then it must not be trusted)."""
+  return _executing[0]
+
+
+class execution:
+  """Context manager fgraph wraps each execution in (plan hooks, then replay or run)."""
+  __slots__ = ("token", "prev")
+
+  def __enter__(self):
+    self.prev, self.token = _executing[0], object()
+    _executing[0] = self.token
+    return self.token
+
+  def __exit__(self, *exc):
+    _executing[0] = self.prev
+
+
 def _as_support_rule(support) -> Callable[[Mapping[str, Any]], tuple[Support, str]]:
   if isinstance(support, Support):
     return lambda args: (support, f"declared {support.name}")

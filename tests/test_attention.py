@@ -614,3 +614,22 @@ def test_flashinfer_buckets_share_buffers_without_stale_plans(fake_flashinfer):
   out = _layers(large, m_large, "decode", 8)  # same tensors as before, but the buffers are gone: re-upload
   torch.testing.assert_close(out.double(), large.expected(), rtol=1e-5, atol=1e-5)
   assert [b for _, b in fake_flashinfer.plans] == [8, 2] and plans_made(8) == 2 and FI.stats()["skip"] == 1
+
+
+def test_flashinfer_plan_of_a_jitted_call_is_not_taken_by_a_later_direct_call(fake_flashinfer):
+  """The hook's plan belongs to the fgraph execution it was made for. A direct call afterwards (another model in
+  the same process, the eager oracle of a test) must plan from its own metadata: taking the leftover plan of a
+  CUDA-graph replay (which runs no Python, so nothing used the plan up) gave wrong attention, and an illegal
+  address on the H200 where the leftover page tables were smaller (2026-11-29)."""
+  from fgraph import _primitives as P
+  bucket = 8
+  a = Case([1] * 5, [1, 4, 5, 9, 17], 4, 2, dtype=torch.float32, seed=0)
+  b = Case([1] * 5, [3, 6, 7, 12, 20], 4, 2, dtype=torch.float32, seed=1)
+  _layers(a, A.pad_metadata(a.meta, bucket), "decode", bucket)  # creates the bucket's wrapper
+  with P.execution():  # what fgraph does for a FULL replay: the plan hook, then the graph (no eager rule runs)
+    A.plan_attention(A.pad_metadata(a.meta, bucket), backend="flashinfer", routine="decode", page_size=PAGE,
+                     scale=D ** -0.5)
+  before = plans_made(bucket)
+  out = _layers(b, A.pad_metadata(b.meta, bucket), "decode", bucket)  # outside fgraph: plans for itself, once
+  torch.testing.assert_close(out.double(), b.expected(), rtol=1e-5, atol=1e-5)
+  assert plans_made(bucket) == before + 1

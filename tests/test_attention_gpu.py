@@ -253,7 +253,10 @@ def test_flashinfer_decode_plan_paths(shape):
     rig.check(outs, meta, N)
   counts = FI.stats()
   print(f"flashinfer decode plans {shape}: {counts}")
-  assert counts["skip"] > 0 and counts["module"] > 0 and counts["fast"] == 1, counts
+  if shape[0] // shape[1] > 2:  # tensor cores: flashinfer's API every step (see _Wrapper._plan_decode)
+    assert counts["fast"] > 0 and counts["skip"] == counts["module"] == 0, counts
+  else:
+    assert counts["skip"] > 0 and counts["module"] > 0 and counts["fast"] == 1, counts
 
 
 def test_benchmark_runs(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from typing import Any, Callable
 
 import torch
@@ -23,12 +24,16 @@ class CudaGraph:
     (vLLM's weak_ref_tensors, Inductor's cudagraph trees). A replay still writes there, so outputs stay valid
     until the next call of the function, which may replay another signature over the same memory."""
     self.out = pytree.tree_map(_weak, self.out)
-    self.uses = [_uses(t) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)]
+    self.uses = self._uses()
+
+  def _uses(self) -> list[tuple[int, int]]:
+    # per output: views of its memory (storage use count) and references to the tensor itself (a call whose
+    # N is the bucket hands out the very tensor, no view)
+    return [(_uses(t), sys.getrefcount(t)) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)]
 
   def in_use(self) -> bool:
-    """Does anyone besides this graph hold a view of its outputs? (then its pool must outlive a reset)"""
-    live = [_uses(t) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)]
-    return any(a > b for a, b in zip(live, self.uses))
+    """Does anyone besides this graph hold its outputs or views of them? (then its pool must outlive a reset)"""
+    return any(a[0] > b[0] or a[1] > b[1] for a, b in zip(self._uses(), self.uses))
 
   def capture(self, fn: Callable, *args) -> Any:
     with torch.cuda.graph(self.graph, pool=self.pool):

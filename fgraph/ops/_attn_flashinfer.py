@@ -22,10 +22,14 @@ shared device buffers once (one pinned non-blocking copy), then, per decode wrap
 Measured before this path (H200 host, fast_decode_plan every step): 164-202 us at batch 1-256, stock plan()
 67/90/239/718 us at 1/8/64/256. benchmarks/attention_bench.py (plan_step_us, plan_skip_us) measures it now.
 
-Freshness. All layers of one step share one plan. The eager rule treats the plan as current when the hook ran
-since the last execution (`pending`), or when it gets the very tensors (same objects, same version counter)
-the plan was made for (the later layers of a step). Anything else, e.g. the model called directly outside
-fgraph.jit, re-plans from the device tensors (a host sync, refused during capture).
+Freshness. All layers of one step share one plan. The eager rule treats the plan as current when the hook made
+it for the execution in progress (`fgraph._primitives.executing()`: fgraph sets a token around each execution
+of a signature), or, for a direct call outside fgraph, when the plan was made by hand (A.plan_attention) and
+not used yet, or when it gets the very tensors (same objects, same version counter) its plan was made or
+first used for (the later layers of the step). Anything else, e.g. the model called directly outside fgraph.jit,
+re-plans from the device tensors (a host sync, refused during capture). (Before the token, a plan the hook
+made for one jitted call was taken as current by the next eager call of another model in the process: wrong
+attention, and an illegal address when its page tables were smaller: the H200 run of 2026-11-29.)
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import numpy as np  # a flashinfer dependency
 import torch
 
 from fgraph._errors import FgraphError
+from fgraph._primitives import executing
 from fgraph.ops._attn_torch import write_kv
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace (split-KV partial results)
@@ -294,10 +299,11 @@ class _State:
   """Per (routine, bucket, page size): the latest plan's host metadata and what it was made for."""
   gen: int
   host: HostPlan
-  pending: bool          # the hook planned it and no eager run has used it yet
+  token: object | None   # the execution the hook planned it for (fgraph._primitives.executing())
   ident: tuple | None    # (weakref, version) of (query_start_loc, seq_lens, block_table) it was used with
 
 
+_BY_HAND = object()  # the token of a plan made outside any fgraph execution (A.plan_attention)
 _workspaces: dict[str, torch.Tensor] = {}
 _decode_bufs: dict[str, _DecodeBuffers] = {}
 _wrappers: dict[tuple, _Wrapper] = {}   # (routine, bucket or None, device, cfg) -> wrapper
@@ -388,7 +394,7 @@ def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs) -> 
   host = host_plan(inputs["query_start_loc"], inputs["seq_lens"], inputs["block_table"], page_size,
                    with_qo=routine == "mixed")
   gen = next(_gen)
-  _states[(routine, bucket, page_size)] = _State(gen, host, pending=True, ident=None)
+  _states[(routine, bucket, page_size)] = _State(gen, host, token=executing() or _BY_HAND, ident=None)
   for w in _group(routine, bucket, page_size, scale):
     w.plan(host, gen)
 
@@ -421,9 +427,10 @@ def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_tab
   key, ts = (routine, B, page), (query_start_loc, seq_lens, block_table)
   st = _states.get(key)
   capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-  fresh = st is not None and (st.pending or _same(st.ident, ts))
-  if fresh and st.pending:
-    st.pending, st.ident = False, _ident(ts)
+  now = executing()
+  fresh = st is not None and (st.token is (now or _BY_HAND) or _same(st.ident, ts))
+  if fresh and st.token is _BY_HAND:  # a plan made by hand serves the next direct call (all its layers)
+    st.token, st.ident = None, _ident(ts)
   if fresh and w.valid(st.gen):
     pass
   elif capturing:
@@ -438,6 +445,6 @@ def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_tab
   else:
     # Not planned for these inputs (called outside fgraph.jit, or the inputs changed): plan from the device.
     host = host_plan(query_start_loc, seq_lens, block_table, page, with_qo=routine == "mixed")  # a sync
-    st = _states[key] = _State(next(_gen), host, pending=False, ident=_ident(ts))
+    st = _states[key] = _State(next(_gen), host, token=None, ident=_ident(ts))
     w.plan(host, st.gen)
   w.fi.run(q, (k_cache, v_cache), out=out)
