@@ -105,8 +105,7 @@ def decode_table(model, cells) -> list[str]:
       notes.append(f"ctx {c['ctx']} B {c['batch']}: {c['skipped']}")
       continue
     name, ms = best_peer(c)
-    fulls = [f"{SHORT.get(k.split('/')[0], k)} {ms / full_ms(c, k.split('/')[0]):.2f}x" for k in sorted(c)
-             if k.endswith("/FULL_ms") and ms and full_ms(c, k.split('/')[0])]
+    fulls = [f"{SHORT.get(b, b)} {ms / full_ms(c, b):.2f}x" for b in sorted(_backends(c)) if ms and full_ms(c, b)]
     floor = c.get("floor_ms")
     line = [str(c["ctx"]), str(c["batch"]), f"{floor:.2f}" if floor else "-"]
     line += [cell_text(c, col) for col in cols]
@@ -136,6 +135,10 @@ def verdict(ok: bool | None) -> str:
   return "not measured" if ok is None else ("met" if ok else "NOT met")
 
 
+def _backends(c) -> set:
+  return {k.split("/")[0] for k in c if k.endswith("/FULL_ms") or k.endswith("/FULL+C_ms")}
+
+
 def full_ms(c, b):
   """fgraph FULL of backend b in cell c: the faster of FULL and FULL+C (jit(compile=True) is FULL mode too)."""
   xs = [c[k] for k in (f"{b}/FULL_ms", f"{b}/FULL+C_ms") if isinstance(c.get(k), (int, float))]
@@ -145,7 +148,7 @@ def full_ms(c, b):
 def decode_targets(model, cells) -> list[str]:
   """FULL (the faster of FULL and FULL+C) vs floor, vs best peer, host time without plan: per target and backend."""
   out = []
-  backends = sorted({k.split("/")[0] for c in cells for k in c if k.endswith("/FULL_ms")})
+  backends = sorted({b for c in cells for b in _backends(c)})
   limit = FLOOR_TARGET.get(model)
   for b in backends:
     got = [c for c in cells if full_ms(c, b) is not None]
