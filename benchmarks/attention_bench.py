@@ -113,8 +113,11 @@ def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, b
     row["meta_us"] = host_us(lambda: FI.host_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, page))
     if routine == "decode":
       h = FI.host_plan(meta.query_start_loc, meta.seq_lens, meta.block_table, page)
-      w = next(w for key, w in FI._wrappers.items() if key[0] == "decode" and key[1] == batch)
-      try:  # a peer that fails is a result too (the H200 run of 2026-11-29 raised "Unsupported group_size: 7")
+      # this shape's wrapper: a wrapper of another head config at this batch (left by an earlier run in the
+      # process) planned with these heads raised "Unsupported group_size: 7" on the H200
+      w = next(w for key, w in FI._wrappers.items() if key[0] == "decode" and key[1] == batch
+               and key[3][:3] == (hq, hkv, d))
+      try:  # a peer that fails is a result too
         row["stock_us"] = host_us(lambda: w.fi.plan(h.t("indptr"), h.t("indices"), h.t("last"), hq, hkv, d,
                                                     page, q_data_type=BF, kv_data_type=BF, sm_scale=d ** -0.5))
       except RuntimeError as e:

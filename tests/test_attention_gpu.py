@@ -218,7 +218,7 @@ def test_flashinfer_plan_host_time():
     rig.attend()
     torch.cuda.synchronize()
     h = FI.host_plan(padded.query_start_loc, padded.seq_lens, padded.block_table, rig.page)
-    w = next(w for key, w in FI._wrappers.items() if key[0] == "decode" and key[1] == B)
+    w = next(w for key, w in FI._wrappers.items() if key[0] == "decode" and key[1] == B and key[3][:3] == (14, 2, 64))
     t = dict(meta=us(lambda: FI.host_plan(padded.query_start_loc, padded.seq_lens, padded.block_table, rig.page)),
              hook=us(lambda: rig.plan(padded)),
              stock=us(lambda: w.fi.plan(h.t("indptr"), h.t("indices"), h.t("last"), 14, 2, 64, rig.page,
