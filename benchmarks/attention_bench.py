@@ -163,8 +163,13 @@ def main(argv=None):
   ap.add_argument("--contexts", default="1024,8192")
   ap.add_argument("--iters", type=int, default=100)
   ap.add_argument("--quick", action="store_true", help="batches 1,8; context 1024; few iterations")
+  ap.add_argument("--tensor-core-plan-paths", action="store_true",
+                  help="let tensor-core decode wrappers skip / call the module's plan (FI.TENSOR_CORE_PLAN_PATHS)")
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
   a = ap.parse_args(argv)
+  if a.tensor_core_plan_paths:
+    from fgraph.ops import _attn_flashinfer as FI
+    FI.TENSOR_CORE_PLAN_PATHS = True
   if a.quick:
     a.contexts, a.iters = "1024", min(a.iters, 10)
     a.batches = "1,8" if a.batches == ap.get_default("batches") else a.batches
@@ -175,7 +180,8 @@ def main(argv=None):
     except Exception as e:
       print(f"skipping backend {b}: {e}")
   bw = copy_bandwidth()
-  info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_TBps=bw / 1e12)
+  info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_TBps=bw / 1e12,
+              tensor_core_plan_paths=a.tensor_core_plan_paths)
   for pkg in ("flash_attn", "flashinfer"):
     try:
       info[pkg] = __import__(pkg).__version__

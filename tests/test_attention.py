@@ -516,11 +516,14 @@ def test_flashinfer_plans_once_per_step_from_the_hook(routine, lens, fake_flashi
     assert FI.stats() == {"plan": 1, "fast": 1, "module": 0, "skip": 1}
 
 
-def test_flashinfer_decode_replans_only_when_page_counts_change(fake_flashinfer, hq=4, hkv=2):
+@pytest.mark.parametrize("hq, hkv", [(4, 2), (8, 2)], ids=["cuda-cores", "tensor-cores-switched-on"])
+def test_flashinfer_decode_replans_only_when_page_counts_change(hq, hkv, fake_flashinfer, monkeypatch):
   """Lengths grow by one a step (new pages each step: the page ids change, the page counts only when a
   sequence enters a new page). flashinfer's plan is made from the page counts (the host indptr) alone: a step
   with the same indptr skips it, the others call the module's plan directly after the first two (plan(), then
-  fast_decode_plan, recorded). The stand-in kernels refuse a schedule that is not the buffers' indptr."""
+  fast_decode_plan, recorded). The stand-in kernels refuse a schedule that is not the buffers' indptr.
+  Tensor-core wrappers take these paths only with FI.TENSOR_CORE_PLAN_PATHS (off until the device re-verifies)."""
+  monkeypatch.setattr(FI, "TENSOR_CORE_PLAN_PATHS", True)
   starts, bucket = [1, 5, 9, 13, 17], 8  # each at the start of a page of 4
   for step, (grow, how) in enumerate([(0, "plan"), (1, "skip"), (4, "fast"), (5, "skip"), (8, "module"),
                                       (9, "skip"), (12, "module")]):

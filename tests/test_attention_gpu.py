@@ -229,14 +229,16 @@ def test_flashinfer_plan_host_time():
     assert t["hook"] < 5000
 
 
-@pytest.mark.parametrize("shape", [(14, 2, 64), (8, 4, 128)], ids=["tensor-cores", "cuda-cores"])
-def test_flashinfer_decode_plan_paths(shape):
+@pytest.mark.parametrize("shape, paths_on", [((14, 2, 64), False), ((14, 2, 64), True), ((8, 4, 128), False)],
+                         ids=["tensor-cores", "tensor-cores-paths-on", "cuda-cores"])
+def test_flashinfer_decode_plan_paths(shape, paths_on, monkeypatch):
   """A captured decode graph replayed over steps whose lengths grow by one (page-aligned starts: most steps
   keep every page count, so the plan is skipped; every page_size-th step re-plans through the module's plan
   call) and then jump: every replay against the reference, and each plan path taken at least once."""
   from fgraph.ops import _attn_flashinfer as FI
   backend_or_skip("flashinfer")
   FI.reset()
+  monkeypatch.setattr(FI, "TENSOR_CORE_PLAN_PATHS", paths_on)
   bucket, real = 8, 7
   rig = Rig("flashinfer", "decode", shape, bucket)
   rig.plan(rig.all_padding(), capturing=True)
@@ -253,7 +255,7 @@ def test_flashinfer_decode_plan_paths(shape):
     rig.check(outs, meta, N)
   counts = FI.stats()
   print(f"flashinfer decode plans {shape}: {counts}")
-  if shape[0] // shape[1] > 2:  # tensor cores: flashinfer's API every step (see _Wrapper._plan_decode)
+  if shape[0] // shape[1] > 2 and not paths_on:  # tensor cores: the API every step (_Wrapper._plan_decode)
     assert counts["fast"] > 0 and counts["skip"] == counts["module"] == 0, counts
   else:
     assert counts["skip"] > 0 and counts["module"] > 0 and counts["fast"] == 1, counts

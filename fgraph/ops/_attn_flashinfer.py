@@ -246,11 +246,12 @@ class _Wrapper:
     step, so the page counts, hence the indptr, change only when a sequence crosses into a new page (every
     page_size steps per sequence), or when the batch changes."""
     self.bufs.upload(host, gen)
-    if _tensor_cores(self.cfg[0], self.cfg[1]):
-      # The tensor-core decode plans with the prefill scheduler (from the KV lengths in tokens too), and the H200
-      # run of 2026-11-29 hit an illegal address with the skip / direct-module paths on Qwen2.5's group of 7:
-      # until that is understood on the device, tensor-core wrappers re-plan every step through flashinfer's
-      # own entry points (what the session-1 GPU tests verified).
+    if _tensor_cores(self.cfg[0], self.cfg[1]) and not TENSOR_CORE_PLAN_PATHS:
+      # The tensor-core decode plans with the prefill scheduler. The models hit an illegal address on the H200
+      # (2026-11-29) while these wrappers took the skip / direct-module paths, which were turned off here; the
+      # cause proved to be the plan-freshness leak (fixed since), and the attention-level test of these paths
+      # on the tensor-core shape passed. Until a device run re-verifies the models with TENSOR_CORE_PLAN_PATHS,
+      # tensor-core wrappers re-plan every step through flashinfer's own entry points.
       self.replay = False
       self._plan_decode_api(host)
       return
@@ -303,6 +304,7 @@ class _State:
   ident: tuple | None    # (weakref, version) of (query_start_loc, seq_lens, block_table) it was used with
 
 
+TENSOR_CORE_PLAN_PATHS = False  # see _Wrapper._plan_decode: on once the device re-verifies it
 _BY_HAND = object()  # the token of a plan made outside any fgraph execution (A.plan_attention)
 _workspaces: dict[str, torch.Tensor] = {}
 _decode_bufs: dict[str, _DecodeBuffers] = {}
