@@ -73,15 +73,19 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-  # inv_freq: [D/2] float32, positions: [N] int64 -> cos, sin: [N, D] in `dtype`.
-  # Computed per step from positions (no table, so no max length); angles in float32 as in HF.
+  # inv_freq: [D/2] float32, positions: [N] int64 -> cos, signed sin: [N, 1, D] in `dtype`, once per step.
+  # Computed from positions (no table, so no max length); angles in float32 as in HF. The sin's first half is
+  # negated so that apply_rope's rotation is one roll (see there).
   freqs = positions[:, None].float() * inv_freq[None, :]  # [N, D/2]
   emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
-  return emb.cos().to(dtype), emb.sin().to(dtype)
+  sin = emb.sin()
+  signed = torch.cat((-sin[:, :freqs.shape[1]], sin[:, freqs.shape[1]:]), dim=-1)
+  return emb.cos().to(dtype)[:, None, :], signed.to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-  # x: [N, H, D]; cos/sin: [N, D]. HF's "rotate half" layout (checkpoints are stored permuted for it).
-  x1, x2 = x.chunk(2, dim=-1)
-  rotated = torch.cat((-x2, x1), dim=-1)
-  return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+  # x: [N, H, D]; cos/signed_sin: [N, 1, D] (rope_cos_sin). HF's "rotate half" layout (checkpoints are stored
+  # permuted for it): x * cos + cat(-x2, x1) * sin, written as x * cos + roll(x, D/2) * signed_sin, which is the
+  # same arithmetic (a sign flip is exact) in one op instead of chunk + neg + cat: half the nodes to trace
+  # (0.6 -> 0.3 s per 48 calls on the dev machine) and fewer eager kernels.
+  return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin

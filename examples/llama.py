@@ -127,7 +127,7 @@ def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, ro
   N, Hq, Hkv, D = tokens.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
   reduce = tp.all_reduce if tp is not None else (lambda y: y)
   x = embed(tokens, params.embed) if tp is None else tp.embed(tokens, params.embed)  # [N, dim]
-  cos, sin = rope_cos_sin(params.inv_freq, positions, x.dtype)  # [N, D] each
+  cos, sin = rope_cos_sin(params.inv_freq, positions, x.dtype)  # [N, 1, D] each (sin signed for apply_rope)
   for i, layer in enumerate(params.layers):
     qkv = linear(rms_norm(x, layer.attn_norm, cfg.norm_eps), layer.wqkv, layer.bqkv)  # [N, (Hq+2Hkv)*D]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
