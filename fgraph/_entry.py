@@ -119,6 +119,10 @@ class Entry:
       setattr(self, k, getattr(traced, k))
     self.out_recipe = getattr(traced, "out_recipe", None)
     self.unflatten = unflattener(self.out_spec)
+    # outputs that are inputs handed back, minus those inside a folded argument (the caller's own object is
+    # returned whole: a decode step's 48-64 cache tensors need no per-call copying into the output list)
+    used = set(range(len(traced.outs))) if self.out_recipe is None else {x for x in self.out_recipe if type(x) is int}
+    self.passthrough = [(j, i) for j, i in self.out_passthrough.items() if j in used]
     self.out_batched = traced.batched_outputs(call.sig.bucket)
     self.specs = [call.specs[i] for i in self.batched_ix]
     self.graphs: list = []
@@ -163,7 +167,7 @@ class Entry:
 
   def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
     outs = list(outs)
-    for j, i in self.out_passthrough.items():
+    for j, i in self.passthrough:
       outs[j] = leaves[i]
     if n is not None and n != self.sig.bucket:
       for j in self.out_batched:

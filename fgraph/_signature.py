@@ -28,6 +28,12 @@ class Batched:
   axis: int = 0
   pad: Any = 0
   extra: int = 0
+  # whether the pad rows depend only on the call's length (a fill value), not on the data ("ramp", callables)
+  fixed_tail: bool = attrs.field(init=False, eq=False, repr=False)
+
+  def __attrs_post_init__(self):
+    object.__setattr__(self, "fixed_tail", not callable(self.pad) and not (isinstance(self.pad, str)
+                                                                          and self.pad == "ramp"))
 
   def padded(self, x: torch.Tensor, size: int) -> torch.Tensor:
     if x.shape[self.axis] == size:
@@ -54,11 +60,6 @@ class Batched:
         tail.copy_(torch.clamp(last + steps, max=size - self.extra))
       else:
         tail.fill_(self.pad)
-
-  @property
-  def fixed_tail(self) -> bool:
-    """Whether the pad rows depend only on the call's length (a fill value), not on the data."""
-    return not callable(self.pad) and not (isinstance(self.pad, str) and self.pad == "ramp")
 
   def pad_into_numpy(self, x, dst, tail_valid: bool) -> bool:
     """pad_into through numpy views (the replay path: a few small rows cost far less than torch ops). With
