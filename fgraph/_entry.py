@@ -92,6 +92,15 @@ class Traced:
     self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
     self.bucket = call.sig.bucket
     self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
+    self._direct: dict[str, fx.GraphModule] = {}
+
+  def direct(self, piece) -> fx.GraphModule:
+    """The break piece as run between PIECEWISE graphs (see _direct); made once per trace, shared by every
+    signature (a break piece holds no state)."""
+    m = self._direct.get(piece.name)
+    if m is None:
+      m = self._direct[piece.name] = _direct(piece.module)
+    return m
 
   def fits(self, bucket: int | None) -> bool:
     return bucket == self.bucket if self.shapes is None else bucket > 1 and self.shapes.fits(bucket)
@@ -139,7 +148,9 @@ class Entry:
       args[i] = b
     return [args[i] for i in self.tensor_ix]
 
-  def _plan(self, host: dict[int, torch.Tensor], n: int | None, statics, capturing: bool):
+  def _plan(self, host: list[torch.Tensor], n: int | None, statics, capturing: bool):
+    """Run the plan hooks; host: the padded host-side views of the batched leaves (InputBuffers.write)."""
+    host = dict(zip(self.batched_ix, host))
     for p, args, inputs in self.plans:
       P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, self.sig.bucket,
                                  n or 0, statics, capturing))
@@ -161,7 +172,7 @@ class Entry:
       st.replays += 1
     with P.execution():
       if self.plans:
-        self._plan(dict(zip(self.batched_ix, host)), n, statics, capturing=False)
+        self._plan(host, n, statics, capturing=False)
       outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
     return self._outputs(leaves, n, bound, outs, copy_outputs)
 
@@ -204,7 +215,7 @@ class Entry:
     args = self._args(call.leaves)
     self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
     with P.execution():  # one execution: the plan made here serves the warm-up and the capture
-      self._plan(dict(zip(self.batched_ix, host)), call.n, call.statics, capturing=True)
+      self._plan(host, call.n, call.statics, capturing=True)
       # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
       # unless a break keeps host state per signature (a plan hook: flashinfer's per-bucket wrappers) or Inductor
       # compiles each signature's pieces. An eager run costs as much as a step of the eager model (28 ms on 0.5B).
@@ -217,8 +228,9 @@ class Entry:
         torch.cuda.synchronize()
       Graph = C.graph_class(self.device)
       if self.mode is Mode.PIECEWISE:
-        runners = [PieceRunner(piece, getattr(self.module, piece.name), Graph, pool)
-                   for piece in self.program.pieces]
+        pieces = self.program.pieces
+        runners = [PieceRunner(p, self.traced.direct(p) if p.is_break else getattr(self.module, p.name), Graph, pool)
+                   for p in pieces]
         for r in runners:
           setattr(self.module, r.piece.name, r)
         self.module(*args)  # the runners capture on this first call, replay on later ones
@@ -277,8 +289,7 @@ class PieceRunner(torch.nn.Module):
 
   def __init__(self, piece, module, Graph, pool):
     super().__init__()
-    self.piece, self.graph, self.out = piece, None, None
-    self.module = _direct(module) if piece.is_break else module
+    self.piece, self.module, self.graph, self.out = piece, module, None, None
     self._Graph, self._pool = Graph, pool
 
   def forward(self, *args):
