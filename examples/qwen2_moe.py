@@ -14,6 +14,8 @@ modeling_qwen2_moe.py / modeling_mixtral.py are the numerical references (tests/
 """
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 
@@ -120,8 +122,14 @@ def make_step(cfg: MoEConfig, backend: str = "torch", max_seq_len: int | None = 
   return step
 
 
-def build(cfg: MoEConfig, params: llama.Params, **kw) -> engine.Engine:
-  """examples.engine.build for this model (same cache sizing; the step is this module's)."""
+def build(cfg: MoEConfig, params: llama.Params, verify: bool = True, **kw) -> engine.Engine:
+  """examples.engine.build for this model (same cache sizing; the step is this module's). Under expert
+  parallelism (an EP backend in a process group of several ranks) each rank serves its own requests, but the
+  MoE collectives pair up every rank's steps: the engine checks each step that all ranks run the same N and
+  routine (the same bucket, so allgather's sizes and the graphs match; vLLM #25906) and raises otherwise."""
+  if _ep(cfg)[1] > 1:
+    from . import tp  # the lockstep engine; choices stay per rank
+    kw["cls"] = functools.partial(tp.TPEngine, tp=tp.init(), verify=verify, share_choices=False)
   return engine.build(cfg, params, make_step=make_step, **kw)
 
 

@@ -150,11 +150,13 @@ def make_step(cfg: llama.LlamaConfig, tp: TP, backend: str = "torch", max_seq_le
 
 # ------------------------------------------------------------------------------------------------ engine
 class TPEngine(engine.Engine):
-  """An Engine per rank, in lockstep: rank 0's tokens are every rank's, and (verify) each step checks first that
-  every rank runs the same N and routine, so the same signature (bucket, graphs, collectives) everywhere."""
+  """An Engine per rank, in lockstep: (verify) each step checks first that every rank runs the same N and
+  routine, so the same signature (bucket, graphs, collectives) everywhere; (share_choices) rank 0's tokens are
+  every rank's. Tensor parallelism shares choices (every rank serves the same requests); expert parallelism
+  (qwen2_moe with an EP backend) does not: each rank serves its own requests, of the same lengths."""
 
-  def __init__(self, *a, tp: TP, verify: bool = True, **kw):
-    self.tp, self.verify = tp, verify
+  def __init__(self, *a, tp: TP, verify: bool = True, share_choices: bool = True, **kw):
+    self.tp, self.verify, self.share_choices = tp, verify, share_choices
     super().__init__(*a, **kw)
 
   def run_batch(self, batch: llama.Batch, routine: str) -> torch.Tensor:
@@ -162,12 +164,14 @@ class TPEngine(engine.Engine):
       n, r = batch.tokens.shape[0], int(routine == "decode")
       got = funcol.all_reduce(torch.tensor([n, -n, r, -r], device=self.device), "max", self.tp.group).tolist()
       if got[0] != -got[1] or got[2] != -got[3]:
-        raise fgraph.FgraphError(f"tensor-parallel rank {self.tp.rank}: step {self.steps} runs {n} tokens "
+        raise fgraph.FgraphError(f"rank {self.tp.rank} of {self.tp.world}: step {self.steps} runs {n} tokens "
                                  f"({routine}), another rank's differs; its collectives would wait forever",
-                                 "give every rank the same requests in the same order (TPEngine.add on all)")
+                                 "give every rank requests of the same lengths in the same order")
     return super().run_batch(batch, routine)
 
   def choose(self, logits: torch.Tensor, ready) -> list[int]:
+    if not self.share_choices:
+      return super().choose(logits, ready)
     new = torch.tensor(super().choose(logits, ready), device=self.device)
     return funcol.broadcast(new, 0, self.tp.group).tolist()  # one choice, even if sampling diverged
 

@@ -100,3 +100,67 @@ def test_world_of_one_communicates_and_matches_local(tmp_path):
       torch.testing.assert_close(M.moe(x, w, backend), M.moe(x, w, "local"), rtol=0, atol=1e-12)
   finally:
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------ EP engine
+LENGTHS = (5, 17, 1, 33, 9, 2, 40, 12)
+
+
+def ep_engine_tokens(t, dtype_name: str, attn_backend: str, modes, lengths=LENGTHS):
+  """On every rank of examples.tp.launch: the tiny MoE model's greedy tokens for this rank's own requests (its own
+  token ids, the same lengths on every rank) with full weights and moe_backend="local", then with this rank's
+  experts under allgather and all2all, per fgraph mode -> every rank's {run: (tokens, capture modes used)}."""
+  import gc
+
+  from examples import qwen2_moe
+  dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+  cfg = qwen2_moe.preset("tiny-moe", mlp_only_layers=(1,), n_layers=3)
+  g = torch.Generator().manual_seed(100 + t.rank)
+  prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+  def run(moe_backend, mode):
+    c = qwen2_moe.preset("tiny-moe", mlp_only_layers=(1,), n_layers=3, moe_backend=moe_backend)
+    params = qwen2_moe.init_params(c, getattr(torch, dtype_name), dev, seed=0)  # EP: this rank's experts
+    eng = qwen2_moe.build(c, params, backend=attn_backend, mode=mode, max_seqs=8, max_seq_len=96,
+                          max_batch_tokens=64, buckets=(1, 8, 64))
+    for p in prompts:
+      eng.add(p, max_new_tokens=12)
+    tokens = eng.run(progress=False).tokens
+    used = sorted({e.mode.name for e in getattr(eng.step_fn, "entries", {}).values()})
+    del eng
+    gc.collect()  # graphs go before the next engine (and before the communicator, at the end)
+    return tokens, used
+
+  out = {"local": run("local", "eager")}
+  for backend in ("allgather", "all2all"):
+    for mode in modes:
+      out[backend, mode] = run(backend, mode)
+  everyone = [None] * t.world
+  dist.all_gather_object(everyone, out)
+  return everyone
+
+
+def _ep_mismatch(t):
+  from examples import qwen2_moe
+  cfg = qwen2_moe.preset("tiny-moe", n_layers=1, moe_backend="allgather")
+  eng = qwen2_moe.build(cfg, qwen2_moe.init_params(cfg, torch.float32), backend="torch", mode="eager",
+                        max_seqs=2, max_seq_len=32, max_batch_tokens=8)
+  eng.add(list(range(3 + t.rank)), max_new_tokens=2)
+  with pytest.raises(Exception, match="another rank's differs"):
+    eng.step()
+  return "ok"
+
+
+@pytest.mark.slow
+def test_expert_parallel_engine_equals_local_over_gloo():
+  """Each rank serves its own requests; allgather (inside FULL graphs) and all2all (piecewise around it) give the
+  tokens local gives with all the experts, and a rank whose step differs fails instead of hanging."""
+  from examples import tp
+  everyone = tp.launch(ep_engine_tokens, WORLD, "float32", "torch", ("eager", "FULL"), timeout_s=DEADLINE_S + 60)
+  assert everyone[0]["local"][0] != everyone[1]["local"][0]  # the ranks really served different requests
+  for rank, out in enumerate(everyone):
+    want = out["local"][0]
+    for backend, want_modes in (("allgather", ["FULL"]), ("all2all", ["PIECEWISE"])):
+      assert out[backend, "eager"][0] == want, (rank, backend)
+      assert out[backend, "FULL"] == (want, want_modes), (rank, backend)
+  assert tp.launch(_ep_mismatch, WORLD, timeout_s=DEADLINE_S) == "ok"
