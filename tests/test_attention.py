@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import attrs
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -522,7 +523,7 @@ def test_flashinfer_decode_replans_only_when_page_counts_change(hq, hkv, fake_fl
   sequence enters a new page). flashinfer's plan is made from the page counts (the host indptr) alone: a step
   with the same indptr skips it, the others call the module's plan directly after the first two (plan(), then
   fast_decode_plan, recorded). The stand-in kernels refuse a schedule that is not the buffers' indptr.
-  Tensor-core wrappers take these paths only with FI.TENSOR_CORE_PLAN_PATHS (off until the device re-verifies)."""
+  Tensor-core wrappers take these paths with FI.TENSOR_CORE_PLAN_PATHS (the default, verified on the H200)."""
   monkeypatch.setattr(FI, "TENSOR_CORE_PLAN_PATHS", True)
   starts, bucket = [1, 5, 9, 13, 17], 8  # each at the start of a page of 4
   for step, (grow, how) in enumerate([(0, "plan"), (1, "skip"), (4, "fast"), (5, "skip"), (8, "module"),
@@ -538,10 +539,11 @@ def test_flashinfer_decode_replans_only_when_page_counts_change(hq, hkv, fake_fl
   assert FI.stats() == {"plan": 1, "fast": 1, "module": 2, "skip": 3}
 
 
-def test_flashinfer_tensor_core_decode_replans_every_step_through_the_api(fake_flashinfer):
-  """Tensor-core wrappers (GQA groups > 2: Qwen2.5's 7, Llama-3's 4) plan with the prefill scheduler; the skip and
-  direct-module paths hit an illegal address there on the H200 (2026-11-29), so they re-plan every step with
-  plan() then fast_decode_plan, as verified on the GPU before."""
+def test_flashinfer_tensor_core_decode_replans_every_step_through_the_api_when_switched_off(fake_flashinfer,
+                                                                                            monkeypatch):
+  """Tensor-core wrappers (GQA groups > 2: Qwen2.5's 7, Llama-3's 4) plan with the prefill scheduler. With
+  FI.TENSOR_CORE_PLAN_PATHS off they skip nothing: every step plan() (first) or fast_decode_plan."""
+  monkeypatch.setattr(FI, "TENSOR_CORE_PLAN_PATHS", False)
   starts, bucket = [1, 5, 9, 13, 17], 8
   for step, grow in enumerate([0, 1, 4, 5]):
     case = Case([1] * 5, [n + grow for n in starts], 8, 2, dtype=torch.float32, seed=step)
@@ -617,6 +619,19 @@ def test_flashinfer_buckets_share_buffers_without_stale_plans(fake_flashinfer):
   out = _layers(large, m_large, "decode", 8)  # same tensors as before, but the buffers are gone: re-upload
   torch.testing.assert_close(out.double(), large.expected(), rtol=1e-5, atol=1e-5)
   assert [b for _, b in fake_flashinfer.plans] == [8, 2] and plans_made(8) == 2 and FI.stats()["skip"] == 1
+
+
+def test_flashinfer_wider_block_tables_get_their_own_decode_wrapper(fake_flashinfer):
+  """A second engine with longer sequences (a wider block table, same bucket) gets its own wrapper and larger
+  buffers, instead of the first wrapper's buffers overflowing ("pages in use"); the first still works."""
+  short, long = Case(*DECODE, 4, 2, dtype=torch.float32), Case([1] * 8, [29, 30, 31, 32, 25, 26, 27, 28], 4, 2,
+                                                                 dtype=torch.float32, num_pages=72, max_pages=8)
+  m_short = A.pad_metadata(short.meta, 8)
+  m_short = attrs.evolve(m_short, block_table=m_short.block_table[:, :5])  # 5 pages a row: buffers of 8 x 5
+  m_long = A.pad_metadata(long.meta, 8)                                    # 8 pages a row, 60 in use
+  for case, meta in ((short, m_short), (long, m_long), (short, m_short)):
+    torch.testing.assert_close(_layers(case, meta, "decode", 8).double(), case.expected(), rtol=1e-5, atol=1e-5)
+  assert sorted(key[-1] for key in FI._wrappers) == [5, 8]
 
 
 def test_flashinfer_plan_of_a_jitted_call_is_not_taken_by_a_later_direct_call(fake_flashinfer):

@@ -247,11 +247,10 @@ class _Wrapper:
     page_size steps per sequence), or when the batch changes."""
     self.bufs.upload(host, gen)
     if _tensor_cores(self.cfg[0], self.cfg[1]) and not TENSOR_CORE_PLAN_PATHS:
-      # The tensor-core decode plans with the prefill scheduler. The models hit an illegal address on the H200
-      # (2026-11-29) while these wrappers took the skip / direct-module paths, which were turned off here; the
-      # cause proved to be the plan-freshness leak (fixed since), and the attention-level test of these paths
-      # on the tensor-core shape passed. Until a device run re-verifies the models with TENSOR_CORE_PLAN_PATHS,
-      # tensor-core wrappers re-plan every step through flashinfer's own entry points.
+      # The switch off: tensor-core wrappers (their decode plans with the prefill scheduler) re-plan every step
+      # through flashinfer's own entry points. Their skip / direct-module paths once met an illegal address on
+      # the H200; the cause proved to be the plan-freshness leak (fixed), and the models with these paths on
+      # equal eager on the H200 (2026-11-29, session 3): on by default since.
       self.replay = False
       self._plan_decode_api(host)
       return
@@ -304,7 +303,7 @@ class _State:
   ident: tuple | None    # (weakref, version) of (query_start_loc, seq_lens, block_table) it was used with
 
 
-TENSOR_CORE_PLAN_PATHS = False  # see _Wrapper._plan_decode: on once the device re-verifies it
+TENSOR_CORE_PLAN_PATHS = True  # False: tensor-core decode wrappers re-plan through the API (see _Wrapper._plan_decode)
 _BY_HAND = object()  # the token of a plan made outside any fgraph execution (A.plan_attention)
 _workspaces: dict[str, torch.Tensor] = {}
 _decode_bufs: dict[str, _DecodeBuffers] = {}
@@ -340,7 +339,10 @@ def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: 
   B, hq, d = q.shape
   page, hkv = k_cache.shape[1], k_cache.shape[2]
   cfg = (hq, hkv, d, page, q.dtype, k_cache.dtype, scale)
-  key = (routine, B if routine == "decode" else None, str(q.device), cfg)
+  # decode: one wrapper per bucket and block-table width (its buffers hold bucket x width page ids; an engine
+  # with longer sequences gets its own, and graphs captured over the old buffers keep them)
+  key = (routine, B if routine == "decode" else None, str(q.device), cfg,
+         block_table.shape[1] if routine == "decode" else None)
   w = _wrappers.get(key)
   if w is None:
     fi, ws = _fi(), _workspace(q.device)
