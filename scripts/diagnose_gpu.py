@@ -1,5 +1,5 @@
 """Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
-logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|capture|moe ...]
+logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|moe ...]
 Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set."""
 from __future__ import annotations
 
@@ -87,6 +87,52 @@ def host(cfg, params):
       say(f"{backend} B={B} FULL decode host us: median {statistics.median(ts) * 1e6:.1f}")
       profile(call, 300)
       del f, cache
+      torch.cuda.synchronize()
+
+
+def stages(cfg, params):
+  """Host µs of one FULL decode call by stage (median of 300, GPU busy with a 3 ms spin before each call, as
+  benchmarks.decode_bench's host time): perf_counter stamps around the entry's stages, patched on this entry
+  only. dispatch = entry -> input write (bind, flatten, key lookup); write = pad into the pinned mirror, one H2D
+  copy, event; plan = execution token + plan hooks up to the replay; replay = CUDAGraph.replay; outputs = the
+  rest (slice, unflatten, return)."""
+  for backend in ("flash_attn", "flashinfer"):
+    ps = A.page_size_for(backend)
+    for B in (1, 64):
+      batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
+      cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
+      f = jitted(cfg, backend, "FULL", [B])
+      f(params, cache, batch, routine="decode")
+      (entry,) = f.entries.values()
+      st = {}
+      write, replay = entry.buffers.write, entry.full.replay
+
+      def timed_write(*a, _w=write):
+        st["w0"] = time.perf_counter()
+        out = _w(*a)
+        st["w1"] = time.perf_counter()
+        return out
+
+      def timed_replay(_r=replay):
+        st["r0"] = time.perf_counter()
+        out = _r()
+        st["r1"] = time.perf_counter()
+        return out
+
+      entry.buffers.write, entry.full.replay = timed_write, timed_replay
+      rows = []
+      for _ in range(300):
+        torch.cuda._sleep(3_000_000)
+        t0 = time.perf_counter()
+        f(params, cache, batch, routine="decode")
+        t1 = time.perf_counter()
+        rows.append((st["w0"] - t0, st["w1"] - st["w0"], st["r0"] - st["w1"], st["r1"] - st["r0"], t1 - st["r1"],
+                     t1 - t0))
+        torch.cuda.synchronize()
+      med = [statistics.median(c) * 1e6 for c in zip(*rows)]
+      say(f"{backend:10s} B={B:3d} us: dispatch {med[0]:6.1f}  write {med[1]:6.1f}  plan {med[2]:6.1f}  "
+          f"replay {med[3]:6.1f}  outputs {med[4]:6.1f}  total {med[5]:6.1f}")
+      del f, cache, entry
       torch.cuda.synchronize()
 
 
