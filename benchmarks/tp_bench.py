@@ -38,7 +38,8 @@ def measure(cfg, params, step, local_cfg, a) -> dict:
       on_dev = llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
       out[B, "eager"] = gpu_ms(lambda: step(params, cache, on_dev, "decode"))
       for mode in a.modes:  # a new jitted step per cell: its graphs go when the next one replaces it
-        f = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode, buckets=[B])
+        f = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode.split("+")[0],
+                       compile=mode.endswith("+C"), buckets=[B])  # "FULL+C": Inductor-compiled pieces
         f(params, cache, batch, routine="decode")  # trace + capture
         out[B, f"fg-{mode}"] = gpu_ms(lambda: f(params, cache, batch, routine="decode"))
   return out

@@ -114,10 +114,12 @@ def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor],
         mode = FakeTensorMode(shape_env=env)
         fakes, syms = [], []
         for t, ax in zip(example, batch_axes):  # ax: (axis, extra rows beyond the bucket) or None
-          dims = [DimDynamic.DYNAMIC if ax and i == ax[0] else DimDynamic.STATIC for i in range(t.dim())]
+          if ax is None:  # parameters, cache: plain static shapes (a symbolic context costs symbols per dim)
+            fakes.append(mode.from_tensor(t, static_shapes=True))
+            continue
+          dims = [DimDynamic.DYNAMIC if i == ax[0] else DimDynamic.STATIC for i in range(t.dim())]
           fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
-          if ax is not None:
-            syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
+          syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
         with mode:
           gm = make_fx(flat_fn, tracing_mode="symbolic")(*fakes)
         shapes = Shapes(env, syms)
