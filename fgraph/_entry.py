@@ -67,8 +67,9 @@ class Traced:
       return out_leaves
 
     t0 = time.perf_counter()
-    # batched inputs may come from the host but live on the device inside the program; bucket 1 is traced
-    # on its own (a size-1 dim broadcasts, so symbols assume >= 2)
+    # batched inputs may come from the host but live on the device inside the program. A first call at bucket 1
+    # is traced with static shapes (a symbol traced at 1 would be specialised to it); later buckets, 1 included,
+    # reuse a symbolic trace whose guards they satisfy (Shapes.fits)
     example = [call.leaves[i] if call.specs[i] is None else
                torch.empty(call.sig.leaves[i].shape, dtype=call.leaves[i].dtype, device=device)
                for i in tensor_ix]
@@ -103,7 +104,7 @@ class Traced:
     return m
 
   def fits(self, bucket: int | None) -> bool:
-    return bucket == self.bucket if self.shapes is None else bucket > 1 and self.shapes.fits(bucket)
+    return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
 
   def batched_outputs(self, bucket: int | None) -> list[int]:
     """Outputs whose first dim is the bucket (sliced back to N per call); the caller's own tensors never are."""

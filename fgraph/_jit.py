@@ -78,7 +78,7 @@ class Jitted:
     self._static_sorted = tuple(sorted(self.static))
     self._dynamic = [k for k in params if k not in self.static]
     self._flat, self._specs, self._flatteners, self._fast = {}, {}, {}, {}  # the fast path's caches (_fast_call)
-    self._traces: dict[tuple, list] = {}  # (statics, structure, bucket == 1, non-batch shapes) -> traces
+    self._traces: dict[tuple, list] = {}  # (statics, structure, non-batch shapes) -> traces
     self.sealed, self.pool, self.fallbacks, self._logged = False, None, {"unseen": 0, "oversize": 0}, set()
     self._retired: list[Entry] = []
     functools.update_wrapper(self, fn)
@@ -247,7 +247,7 @@ class Jitted:
     if config.explain_cache_misses and self.entries:
       log.warning("fgraph.jit(%s): new signature %s%s", self.name, call.sig.describe(), self._closest(call.sig))
     device = _device_of(self.name, call)
-    family = (call.sig.statics, call.sig.treespec, call.sig.bucket == 1,
+    family = (call.sig.statics, call.sig.treespec,
               tuple(leaf._replace(shape=None) if s is not None else leaf for leaf, s in zip(call.sig.leaves, call.specs)))
     traced = next((t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket)), None)
     new = traced is None

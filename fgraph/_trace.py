@@ -102,6 +102,14 @@ class Shapes:
     return d if isinstance(d, int) else int(d.node.expr.xreplace(self.values(bucket)))
 
 
+def _size_oblivious():
+  """Trace batch dims without assuming they are >= 2 (torch's 0/1 specialization): a size-1 check then becomes
+  a guard like any other, so a trace whose guards hold at 1 also serves bucket 1 (Shapes.fits). Where torch
+  lacks the switch, symbols keep their [2, inf] range and bucket 1 gets a trace of its own, as before."""
+  cfg = torch.fx.experimental._config
+  return cfg.patch(backed_size_oblivious=True) if hasattr(cfg, "backed_size_oblivious") else contextlib.nullcontext()
+
+
 def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor],
           batch_axes: list[tuple[int, int] | None]) -> tuple[fx.GraphModule, Shapes | None]:
   """make_fx over fake tensors: nothing runs and donated state is not touched. The batch axes are traced as
@@ -113,15 +121,16 @@ def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor],
         env = ShapeEnv()
         mode = FakeTensorMode(shape_env=env)
         fakes, syms = [], []
-        for t, ax in zip(example, batch_axes):  # ax: (axis, extra rows beyond the bucket) or None
-          if ax is None:  # parameters, cache: plain static shapes (a symbolic context costs symbols per dim)
-            fakes.append(mode.from_tensor(t, static_shapes=True))
-            continue
-          dims = [DimDynamic.DYNAMIC if i == ax[0] else DimDynamic.STATIC for i in range(t.dim())]
-          fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
-          syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
-        with mode:
-          gm = make_fx(flat_fn, tracing_mode="symbolic")(*fakes)
+        with _size_oblivious():  # the symbols are made here (their range) and reasoned about in make_fx
+          for t, ax in zip(example, batch_axes):  # ax: (axis, extra rows beyond the bucket) or None
+            if ax is None:  # parameters, cache: plain static shapes (a symbolic context costs symbols per dim)
+              fakes.append(mode.from_tensor(t, static_shapes=True))
+              continue
+            dims = [DimDynamic.DYNAMIC if i == ax[0] else DimDynamic.STATIC for i in range(t.dim())]
+            fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+            syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
+          with mode:
+            gm = make_fx(flat_fn, tracing_mode="symbolic")(*fakes)
         shapes = Shapes(env, syms)
       else:
         gm = make_fx(flat_fn, tracing_mode="fake")(*example)

@@ -48,6 +48,14 @@ def test_greedy_tokens_identical_across_modes(tiny, eager):
       assert total["replays"] > 0, mode  # later steps of a bucket replay the (host stand-in) graphs
 
 
+def test_captured_up_front_bucket_one_shares_the_routine_trace(tiny, eager):
+  """Capturing every bucket up front (largest first, as on the GPU) traces each routine once: the model's
+  symbolic trace holds at N = 1, so bucket 1 replays it, with the eager tokens."""
+  eng, got = run(tiny, "FULL_AND_PIECEWISE", buckets=(1, 2, 8), capture=True)
+  assert got.tokens == eager
+  assert eng.step_fn.stats()["total"]["traces"] == 2 and len(eng.step_fn.entries) == 6
+
+
 def test_continuous_batching_schedule(tiny):
   """A step mixes decodes with a prompt chunk; pure-decode steps use routine="decode"; pages come back."""
   cfg, params = tiny
