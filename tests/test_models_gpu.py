@@ -93,7 +93,6 @@ def test_greedy_tokens_identical_to_eager(backend, mode):
     diff = first_difference(want, got)
     assert diff is None, f"backend={backend} mode={mode}: {diff}"
     assert stats["fallbacks"] == {"unseen": 0, "oversize": 0}, stats["fallbacks"]
-    assert stats["total"]["traces"] == 2, stats["total"]  # one per routine: bucket 1 shares the symbolic trace
     if mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):  # every step replays graphs
       assert stats["total"]["replays"] == stats["total"]["calls"] > 0, stats["total"]
     else:  # FULL_DECODE_ONLY: decode steps replay, mixed ones run the traced program eagerly

@@ -292,10 +292,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.
   max_seq_len = cap if max_seq_len is None else min(int(max_seq_len), cap)
   # The break writes k/v into the cache itself (see the module docstring for why not here). Padded tokens hit
   # the scratch page. The casts are ordinary ops on [N, Hkv, D]: cheap, and they stay in the piece.
-  # (clone, not .contiguous(): asking whether k [N, Hkv, D], a strided view of a fused qkv, is contiguous
-  # depends on N == 1 and would keep a symbolic trace from serving bucket 1)
-  k = k.to(cache_k.dtype).clone(memory_format=torch.contiguous_format)
-  v = v.to(cache_v.dtype).clone(memory_format=torch.contiguous_format)
+  k, v = k.to(cache_k.dtype).contiguous(), v.to(cache_v.dtype).contiguous()
   out = torch.empty((N, Hq, D), dtype=q.dtype, device=q.device)
   attention_p(out, q.contiguous(), k, v, cache_k, cache_v, meta.query_start_loc, meta.seq_lens, meta.block_table,
               meta.slot_mapping, backend, routine, float(D ** -0.5 if scale is None else scale), max_seq_len, page)
