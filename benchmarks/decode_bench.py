@@ -256,7 +256,9 @@ def capture_cost(cfg, params, backend, a) -> dict:
   per = [{"routine": dict(e.sig.statics).get("routine"), "bucket": e.sig.bucket, "mode": e.mode.name,
           "traced": e.stats.traces, "graphs": len(e.graphs), "capture_s": e.capture_seconds,
           "pool_MiB": e.pool_bytes / 2**20} for e in f.entries.values()]
+  traces = {id(e.traced): e.traced.seconds for e in f.entries.values()}  # make_fx + split, once per trace
   out = {"backend": backend, "buckets": len(f.buckets), "capture_s": secs, "signatures": len(per),
+         "trace_s": sum(traces.values()), "graphs_s": sum(p["capture_s"] for p in per),
          "graphs": sum(p["graphs"] for p in per), "traces": sum(p["traced"] for p in per),
          "pool_GiB": sum(p["pool_MiB"] for p in per) / 1024,
          "reserved_GiB": ((torch.cuda.memory_reserved() if cuda else 0) - r0) / 2**30, "per_signature": per}
@@ -272,7 +274,9 @@ def capture_line(c: dict) -> str:
   slow = sorted(per, key=lambda p: -p["capture_s"])[:3]
   big = sorted(per, key=lambda p: -p["pool_MiB"])[:3]
   fmt = lambda p, v: f"{p['routine']}/{p['bucket']}({p['mode']}) {v}"
-  return (f"capture {c['model']} {c['backend']}: {c['capture_s']:.1f} s, {c['signatures']} signatures, "
+  split = (f" (traces {c['trace_s']:.1f} s, warm-up + graphs {c['graphs_s']:.1f} s, the rest "
+           f"{c['capture_s'] - c['trace_s'] - c['graphs_s']:.1f} s)") if "trace_s" in c else ""
+  return (f"capture {c['model']} {c['backend']}: {c['capture_s']:.1f} s{split}, {c['signatures']} signatures, "
           f"{c['graphs']} graphs, {c['traces']} traces, pool {c['pool_GiB']:.2f} GiB (reserved +"
           f"{c['reserved_GiB']:.2f}); slowest " + ", ".join(fmt(p, f"{p['capture_s']:.2f}s") for p in slow)
           + "; largest " + ", ".join(fmt(p, f"{p['pool_MiB']:.0f}MiB") for p in big))
