@@ -187,3 +187,31 @@ def test_presets_and_random_init():
   assert q.qkv_bias and q.tie_embeddings and llama.preset("llama3-8b").rope_scaling.type == "llama3"
   with pytest.raises(Exception, match="unknown preset"):
     llama.preset("gpt-5")
+
+
+@pytest.mark.parametrize("backend", A.BACKENDS)
+@pytest.mark.parametrize("routine", ["decode", "mixed"])
+def test_tracing_without_zero_one_specialisation_keeps_the_programs(backend, routine, monkeypatch):
+  """The symbolic trace is made without torch's 0/1 specialisation (so bucket 1 may share it); for every
+  backend's step the ops it records for buckets >= 2 are the ones the specialising trace records."""
+  import contextlib
+
+  import fgraph
+  from benchmarks.common import decode_batch
+  from fgraph import _entry, _trace
+  cfg = llama.preset("tiny")
+  params = llama.init_params(cfg, torch.float32, "cpu")
+  ps = A.page_size_for(backend)
+  cache = llama.init_cache(cfg, 1 + 8 * 2, ps, torch.float32, "cpu")
+  batch, _ = decode_batch(cfg.vocab_size, 8, ps, ps, 2 * ps)  # 8 sequences at position ps / 2
+  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+  traced = []
+  monkeypatch.setattr(_entry, "trace", lambda *a: traced.append(_trace.trace(*a)) or traced[-1])
+  for oblivious in (True, False):
+    if not oblivious:
+      monkeypatch.setattr(_trace, "_size_oblivious", contextlib.nullcontext)
+    f = fgraph.jit(llama.make_step(cfg, backend=backend, max_seq_len=2 * ps), static=["routine"], donate=["cache"],
+                   batch={"batch": spec}, buckets=[8])
+    fgraph.explain(f, params, cache, batch, routine=routine)
+  ops = [[str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm, _ in traced]
+  assert len(ops) == 2 and ops[0] == ops[1] and len(ops[0]) > 20
