@@ -187,8 +187,9 @@ class Engine:
       budget -= n
     return plan
 
-  def make_batch(self, plan: list[tuple[Request, int]]) -> llama.Batch:
-    """Host-side batch (CPU int tensors) for a plan: each request's next `n` tokens, back to back."""
+  def make_batch(self, plan: list[tuple[Request, int]], pad_to: int = 0) -> llama.Batch:
+    """Host-side batch (CPU int tensors) for a plan: each request's next `n` tokens, back to back; then, up to
+    `pad_to` tokens, one-token sequences on the scratch page (token 0 at position 0: their KV lands there)."""
     tokens, positions, qlens, seqlens, tables = [], [], [], [], []
     for r, n in plan:
       start = r.computed
@@ -198,6 +199,9 @@ class Engine:
       qlens.append(n)
       seqlens.append(start + n)
       tables.append(r.pages)
+    pad = max(0, pad_to - len(tokens))
+    tokens, positions = tokens + [0] * pad, positions + [0] * pad
+    qlens, seqlens, tables = qlens + [1] * pad, seqlens + [1] * pad, tables + [[0]] * pad
     meta = A.build_metadata(qlens, seqlens, tables, self.page_size, self.max_pages)
     return llama.Batch(tokens=torch.tensor(tokens, dtype=torch.int64),
                        positions=torch.tensor(positions, dtype=torch.int64), meta=meta)
@@ -236,7 +240,10 @@ class Engine:
     if not plan:
       return []
     routine = "decode" if all(n == 1 for _, n in plan) else "mixed"
-    logits = self.run_batch(self.make_batch(plan), routine)
+    return self.advance(plan, self.run_batch(self.make_batch(plan), routine))
+
+  def advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
+    """After the model ran `plan` (its rows first in `logits`): sample the ready requests, retire finished ones."""
     rows, ready, offset = [], [], 0
     for r, n in plan:
       offset += n
@@ -260,13 +267,16 @@ class Engine:
     self.steps += 1
     return finished
 
+  def busy(self) -> bool:
+    return bool(self.waiting or self.running)
+
   def run(self, progress: bool = True) -> Report:
     """Step until every request has finished; report tokens and TTFT / TPOT / throughput."""
     from tqdm import tqdm
     t0, steps0 = time.perf_counter(), self.steps
     todo = [r for r in self.requests if r.finish_reason is None]
     with tqdm(total=sum(r.max_new_tokens for r in todo), unit="tok", disable=not progress, leave=False) as bar:
-      while self.waiting or self.running:
+      while self.busy():
         before = sum(len(r.output) for r in todo)
         for r in self.step():
           bar.total -= r.max_new_tokens - len(r.output)  # stopped early at EOS

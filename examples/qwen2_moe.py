@@ -122,14 +122,13 @@ def make_step(cfg: MoEConfig, backend: str = "torch", max_seq_len: int | None = 
   return step
 
 
-def build(cfg: MoEConfig, params: llama.Params, verify: bool = True, **kw) -> engine.Engine:
+def build(cfg: MoEConfig, params: llama.Params, **kw) -> engine.Engine:
   """examples.engine.build for this model (same cache sizing; the step is this module's). Under expert
-  parallelism (an EP backend in a process group of several ranks) each rank serves its own requests, but the
-  MoE collectives pair up every rank's steps: the engine checks each step that all ranks run the same N and
-  routine (the same bucket, so allgather's sizes and the graphs match; vLLM #25906) and raises otherwise."""
+  parallelism (an EP backend in a process group of several ranks) each rank serves its own requests through
+  tp.EPEngine, which keeps the ranks' steps paired and their signatures equal (see there)."""
   if _ep(cfg)[1] > 1:
-    from . import tp  # the lockstep engine; choices stay per rank
-    kw["cls"] = functools.partial(tp.TPEngine, tp=tp.init(), verify=verify, share_choices=False)
+    from . import tp
+    kw["cls"] = functools.partial(tp.EPEngine, tp=tp.init())
   return engine.build(cfg, params, make_step=make_step, **kw)
 
 

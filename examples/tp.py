@@ -150,13 +150,12 @@ def make_step(cfg: llama.LlamaConfig, tp: TP, backend: str = "torch", max_seq_le
 
 # ------------------------------------------------------------------------------------------------ engine
 class TPEngine(engine.Engine):
-  """An Engine per rank, in lockstep: (verify) each step checks first that every rank runs the same N and
-  routine, so the same signature (bucket, graphs, collectives) everywhere; (share_choices) rank 0's tokens are
-  every rank's. Tensor parallelism shares choices (every rank serves the same requests); expert parallelism
-  (qwen2_moe with an EP backend) does not: each rank serves its own requests, of the same lengths."""
+  """An Engine per rank, in lockstep: every rank serves the same requests and takes rank 0's tokens, and
+  (verify) each step checks first that every rank runs the same N and routine, so the same signature (bucket,
+  graphs, collectives) everywhere."""
 
-  def __init__(self, *a, tp: TP, verify: bool = True, share_choices: bool = True, **kw):
-    self.tp, self.verify, self.share_choices = tp, verify, share_choices
+  def __init__(self, *a, tp: TP, verify: bool = True, **kw):
+    self.tp, self.verify = tp, verify
     super().__init__(*a, **kw)
 
   def run_batch(self, batch: llama.Batch, routine: str) -> torch.Tensor:
@@ -166,14 +165,41 @@ class TPEngine(engine.Engine):
       if got[0] != -got[1] or got[2] != -got[3]:
         raise fgraph.FgraphError(f"rank {self.tp.rank} of {self.tp.world}: step {self.steps} runs {n} tokens "
                                  f"({routine}), another rank's differs; its collectives would wait forever",
-                                 "give every rank requests of the same lengths in the same order")
+                                 "give every rank the same requests in the same order (TPEngine.add on all)")
     return super().run_batch(batch, routine)
 
   def choose(self, logits: torch.Tensor, ready) -> list[int]:
-    if not self.share_choices:
-      return super().choose(logits, ready)
     new = torch.tensor(super().choose(logits, ready), device=self.device)
     return funcol.broadcast(new, 0, self.tp.group).tolist()  # one choice, even if sampling diverged
+
+
+class EPEngine(engine.Engine):
+  """An Engine per rank for expert parallelism (data-parallel attention, experts sharded): each rank serves its
+  own requests, yet the MoE collectives pair every rank's steps, and allgather's sizes (inside the graphs) must
+  match. So every step the ranks agree, in one small all-reduce, on the token count N (the largest) and the
+  routine ("mixed" if any rank prefills); a rank pads its batch to N with one-token sequences on the scratch
+  page, or runs a step of padding alone when it has nothing to do, until no rank has work (vLLM pads
+  data-parallel ranks the same way: num_tokens_across_dp, dummy batches)."""
+
+  def __init__(self, *a, tp: TP, **kw):
+    self.tp = tp
+    super().__init__(*a, **kw)
+
+  def _agree(self, n: int, mixed: bool, busy: bool) -> list[int]:
+    t = torch.tensor([n, int(mixed), int(busy)], device=self.device)
+    return funcol.all_reduce(t, "max", self.tp.group).tolist()
+
+  def busy(self) -> bool:
+    return bool(self._agree(0, False, super().busy())[2])  # every rank steps until no rank has work
+
+  def step(self) -> list[engine.Request]:
+    plan = self.schedule()
+    n = sum(k for _, k in plan)
+    N, mixed, _ = self._agree(n, any(k != 1 for _, k in plan), True)
+    if N == 0:
+      return []
+    batch = self.make_batch(plan, pad_to=N)
+    return self.advance(plan, self.run_batch(batch, "mixed" if mixed else "decode"))
 
 
 def build(cfg: llama.LlamaConfig, params: llama.Params, tp: TP, verify: bool = True, **kw) -> TPEngine:

@@ -1,5 +1,6 @@
 """GPU: expert parallelism over NCCL on 2 GPUs, the tiny MoE model's engine on each rank serving its own requests
-(tests/test_moe_dist.py's ep_engine_tokens, the CPU/gloo test's rank function):
+(tests/test_moe_dist.py's ep_engine_tokens, the CPU/gloo test's rank function: each rank its own requests, of
+other counts and lengths, the ranks padded to one token count per step):
   - float32, torch attention: allgather and all2all, eager and every capture mode, give the greedy tokens of
     moe_backend="local" with all the experts on one GPU (float32 keeps the reordered expert sums far below the
     gaps between top logits);
@@ -29,7 +30,7 @@ def test_ep2_equals_local_on_one_gpu_fp32():
   everyone = launch("float32", "torch", MODES)
   assert everyone[0]["local"][0] != everyone[1]["local"][0]  # each rank served its own requests
   for rank, out in enumerate(everyone):
-    for (backend, mode), (tokens, used) in ((k, v) for k, v in out.items() if k != "local"):
+    for (backend, mode), (tokens, used, _) in ((k, v) for k, v in out.items() if k != "local"):
       assert tokens == out["local"][0], f"rank {rank}: {backend} {mode} vs local"
       assert used == EXPECTED.get((backend, mode), []), (rank, backend, mode, used)
 
@@ -40,7 +41,7 @@ def test_ep2_captured_equals_ep2_eager_bf16(attention):
   for rank, out in enumerate(everyone):
     for backend in ("allgather", "all2all"):
       for mode in MODES[1:]:
-        tokens, used = out[backend, mode]
+        tokens, used, _ = out[backend, mode]
         assert tokens == out[backend, "eager"][0], f"rank {rank}: {backend} {mode} vs {backend} eager ({attention})"
         if backend == "all2all" or mode == "PIECEWISE":
           assert used == ["PIECEWISE"], (rank, backend, mode, used)
