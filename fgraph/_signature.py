@@ -24,6 +24,8 @@ class Batched:
   pad: a scalar fill value; "ramp" for offset arrays (a [S+1] array of segment starts): each padded row
   continues the last value by one, clamped at the bucket, so offsets stay monotonic and end at the padded
   total; or a callable (tensor, size) -> tensor of `size` along `axis` for any other rule.
+  Outputs are sliced back to the call's N along their first dim (where it is the bucket): whatever the
+  inputs' axis, return per-token results token-first.
   """
   axis: int = 0
   pad: Any = 0
@@ -65,15 +67,17 @@ class Batched:
     """pad_into through numpy views (the replay path: a few small rows cost far less than torch ops). With
     tail_valid, the pad rows already in dst are right for this length and only scalar pads may skip them.
     Returns whether dst's pad rows stay valid for a next call of the same length ("ramp" depends on data)."""
-    have, lead = x.shape[self.axis], (slice(None),) * self.axis
-    dst[lead + (slice(0, have),)] = x
+    have = x.shape[self.axis]
+    if self.axis:  # a view with the batch axis first: the slicing below is then plain (and cheapest)
+      dst, x = np.moveaxis(dst, self.axis, 0), np.moveaxis(x, self.axis, 0)
+    dst[:have] = x
     if not self.fixed_tail:  # "ramp" offsets: continue the last one by one per padded row, up to the bucket
-      size = dst.shape[self.axis]
-      last = int(dst[lead + (have - 1,)]) if have else 0
-      dst[lead + (slice(have, None),)] = np.minimum(np.arange(last + 1, last + 1 + size - have), size - self.extra)
+      size = dst.shape[0]
+      last = int(dst[have - 1]) if have else 0
+      dst[have:] = np.minimum(np.arange(last + 1, last + 1 + size - have), size - self.extra)
       return False
     if not tail_valid:
-      dst[lead + (slice(have, None),)] = self.pad
+      dst[have:] = self.pad
     return True  # (callable pads never come here: they take the torch path)
 
   def padded_shape(self, x: torch.Tensor, bucket: int) -> tuple[int, ...]:

@@ -265,6 +265,20 @@ def test_pad_modes_scalar_ramp_and_callable(dtype):
   assert e.buffers.host[1].tolist() == [0, 3, 4, 5, 6, 7, 8, 8, 8]
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16])  # numpy host path, and the torch path
+def test_batch_axis_other_than_the_first_is_padded_along_it(dtype):
+  """Batched(axis=1): [2, N] leaves padded along N (fill 7); a shorter call after a longer one re-pads what the
+  longer one wrote. Outputs are sliced back to N along their first dim only, so the function puts N first."""
+  f = fgraph.jit(lambda x: x.T * 2, batch={"x": Batched(axis=1, pad=7)}, mode="FULL", buckets=[8])
+  for n in (5, 3, 3, 8):
+    x = torch.arange(2 * n, dtype=dtype).view(2, n)
+    out = f(x)
+    assert out.shape == (n, 2) and torch.equal(out, x.T * 2)
+    (e,) = f.entries.values()
+    want = torch.cat([x, torch.full((2, 8 - n), 7, dtype=dtype)], 1)
+    assert torch.equal(e.buffers.host[0], want)
+
+
 def test_a_function_returning_none_runs_once_per_call():
   def bump(x, state):
     state["n"].add_(x.sum())

@@ -149,7 +149,7 @@ class InputBuffers:
   def write(self, leaves: list[torch.Tensor], specs) -> list[torch.Tensor]:
     """Pad the leaves straight into the buffers; returns the padded views on the caller's side of the copy
     (the host mirror for host inputs: what plan hooks read without a device sync)."""
-    if self.cuda and all(x.device.type == "cpu" for x in leaves):
+    if self.cuda and all(x.is_cpu for x in leaves):
       m, self.turn = self.mirrors[self.turn], self.turn ^ 1
       if m.copied is not None:
         m.copied.synchronize()  # the copy made from this mirror two calls ago must be done reading it
@@ -187,7 +187,7 @@ def _pad_all(targets, targets_np, real, leaves, specs) -> None:
   still in place from the previous call is not written again."""
   for k, (t, x, s) in enumerate(zip(targets, leaves, specs)):
     have = x.shape[s.axis]
-    tn = targets_np[k] if x.device.type == "cpu" and not x.requires_grad else None
+    tn = targets_np[k] if x.is_cpu and not x.requires_grad else None  # (is_cpu: 0.1 us, device.type: 0.4)
     if callable(s.pad) or tn is None or x.dtype != t.dtype:
       if have == real[k] and s.fixed_tail:  # the padding already there is still right
         t.narrow(s.axis, 0, have).copy_(x)
