@@ -4,6 +4,7 @@ Prints cProfile tables and per-step logit differences; writes them to $OUT/diagn
 from __future__ import annotations
 
 import cProfile
+import functools
 import io
 import os
 import pstats
@@ -69,23 +70,31 @@ def host(cfg, params):
       fn()
       ts.append(time.perf_counter() - t0)
     say(f"  {name:32s} {statistics.median(ts) * 1e6:7.2f} us")
+  for backend, B, f, cache, batch in full_decode_cells(cfg):
+    call = functools.partial(f, params, cache, batch, routine="decode")
+    call()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(300):
+      torch.cuda.synchronize()
+      t0 = time.perf_counter()
+      call()
+      ts.append(time.perf_counter() - t0)
+    say(f"{backend} B={B} FULL decode host us: median {statistics.median(ts) * 1e6:.1f}")
+    profile(call, 300)
+    del call, f, cache  # (the cell's graphs go before the next cell's)
+
+
+def full_decode_cells(cfg):
+  """(backend, B, a FULL jit of the decode step for bucket B, its cache, a host batch) per attention backend and
+  B in (1, 64), ctx 1k; once the caller drops its references, the cell's graphs and cache go before the next."""
   for backend in ("flash_attn", "flashinfer"):
     ps = A.page_size_for(backend)
     for B in (1, 64):
       batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
       cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
       f = jitted(cfg, backend, "FULL", [B])
-      call = lambda: f(params, cache, batch, routine="decode")
-      call()
-      torch.cuda.synchronize()
-      ts = []
-      for _ in range(300):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        ts.append(time.perf_counter() - t0)
-      say(f"{backend} B={B} FULL decode host us: median {statistics.median(ts) * 1e6:.1f}")
-      profile(call, 300)
+      yield backend, B, f, cache, batch
       del f, cache
       torch.cuda.synchronize()
 
@@ -96,44 +105,38 @@ def stages(cfg, params):
   only. dispatch = entry -> input write (bind, flatten, key lookup); write = pad into the pinned mirror, one H2D
   copy, event; plan = execution token + plan hooks up to the replay; replay = CUDAGraph.replay; outputs = the
   rest (slice, unflatten, return)."""
-  for backend in ("flash_attn", "flashinfer"):
-    ps = A.page_size_for(backend)
-    for B in (1, 64):
-      batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
-      cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
-      f = jitted(cfg, backend, "FULL", [B])
+  for backend, B, f, cache, batch in full_decode_cells(cfg):
+    f(params, cache, batch, routine="decode")
+    (entry,) = f.entries.values()
+    st = {}
+    write, replay = entry.buffers.write, entry.full.replay
+
+    def timed_write(*a, _w=write):
+      st["w0"] = time.perf_counter()
+      out = _w(*a)
+      st["w1"] = time.perf_counter()
+      return out
+
+    def timed_replay(_r=replay):
+      st["r0"] = time.perf_counter()
+      out = _r()
+      st["r1"] = time.perf_counter()
+      return out
+
+    entry.buffers.write, entry.full.replay = timed_write, timed_replay
+    rows = []
+    for _ in range(300):
+      torch.cuda._sleep(3_000_000)
+      t0 = time.perf_counter()
       f(params, cache, batch, routine="decode")
-      (entry,) = f.entries.values()
-      st = {}
-      write, replay = entry.buffers.write, entry.full.replay
-
-      def timed_write(*a, _w=write):
-        st["w0"] = time.perf_counter()
-        out = _w(*a)
-        st["w1"] = time.perf_counter()
-        return out
-
-      def timed_replay(_r=replay):
-        st["r0"] = time.perf_counter()
-        out = _r()
-        st["r1"] = time.perf_counter()
-        return out
-
-      entry.buffers.write, entry.full.replay = timed_write, timed_replay
-      rows = []
-      for _ in range(300):
-        torch.cuda._sleep(3_000_000)
-        t0 = time.perf_counter()
-        f(params, cache, batch, routine="decode")
-        t1 = time.perf_counter()
-        rows.append((st["w0"] - t0, st["w1"] - st["w0"], st["r0"] - st["w1"], st["r1"] - st["r0"], t1 - st["r1"],
-                     t1 - t0))
-        torch.cuda.synchronize()
-      med = [statistics.median(c) * 1e6 for c in zip(*rows)]
-      say(f"{backend:10s} B={B:3d} us: dispatch {med[0]:6.1f}  write {med[1]:6.1f}  plan {med[2]:6.1f}  "
-          f"replay {med[3]:6.1f}  outputs {med[4]:6.1f}  total {med[5]:6.1f}")
-      del f, cache, entry
+      t1 = time.perf_counter()
+      rows.append((st["w0"] - t0, st["w1"] - st["w0"], st["r0"] - st["w1"], st["r1"] - st["r0"], t1 - st["r1"],
+                   t1 - t0))
       torch.cuda.synchronize()
+    med = [statistics.median(c) * 1e6 for c in zip(*rows)]
+    say(f"{backend:10s} B={B:3d} us: dispatch {med[0]:6.1f}  write {med[1]:6.1f}  plan {med[2]:6.1f}  "
+        f"replay {med[3]:6.1f}  outputs {med[4]:6.1f}  total {med[5]:6.1f}")
+    del f, cache, entry, write, replay, timed_write, timed_replay
 
 
 def capture(cfg, params):
