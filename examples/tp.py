@@ -183,19 +183,26 @@ class EPEngine(engine.Engine):
 
   def __init__(self, *a, tp: TP, **kw):
     self.tp = tp
+    self._anyone_busy = None  # what the last step's agreement said, for the run loop's next busy()
     super().__init__(*a, **kw)
 
   def _agree(self, n: int, mixed: bool, busy: bool) -> list[int]:
     t = torch.tensor([n, int(mixed), int(busy)], device=self.device)
-    return funcol.all_reduce(t, "max", self.tp.group).tolist()
+    return funcol.all_reduce(t, "max", self.tp.group).tolist()  # (a host sync: one per step, not two)
 
   def busy(self) -> bool:
-    return bool(self._agree(0, False, super().busy())[2])  # every rank steps until no rank has work
+    """Whether any rank has work: every rank steps until none has. Right after a step, the answer that step's
+    agreement gave (any rank busy as it began: at worst one step of padding more at the end); otherwise (a new
+    run) an agreement of its own."""
+    anyone, self._anyone_busy = self._anyone_busy, None
+    return bool(self._agree(0, False, super().busy())[2]) if anyone is None else anyone
 
   def step(self) -> list[engine.Request]:
+    busy = super().busy()
     plan = self.schedule()
     n = sum(k for _, k in plan)
-    N, mixed, _ = self._agree(n, any(k != 1 for _, k in plan), True)
+    N, mixed, anyone = self._agree(n, any(k != 1 for _, k in plan), busy)
+    self._anyone_busy = bool(anyone)
     if N == 0:
       return []
     batch = self.make_batch(plan, pad_to=N)
