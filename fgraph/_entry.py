@@ -218,9 +218,10 @@ class Entry:
     with P.execution():  # one execution: the plan made here serves the warm-up and the capture
       self._plan(host, call.n, call.statics, capturing=True)
       # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
-      # unless a break keeps host state per signature (a plan hook: flashinfer's per-bucket wrappers) or Inductor
-      # compiles each signature's pieces. An eager run costs as much as a step of the eager model (28 ms on 0.5B).
-      if self.traced.warmed and not self.plans and not compile:
+      # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
+      # signature (a plan hook: flashinfer's per-bucket wrappers, made by an eager run). PIECEWISE runs its breaks
+      # eagerly in the capture pass itself. An eager run costs a step of the eager model (15-30 ms on 0.5B).
+      if self.traced.warmed and not compile and (not self.plans or self.mode is Mode.PIECEWISE):
         warmups = 0
       for _ in range(warmups):
         self.module(*args)

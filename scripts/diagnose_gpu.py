@@ -154,6 +154,10 @@ def capture(cfg, params):
     mem = sum(e.pool_bytes for e in f.entries.values()) / 2**30
     say(f"{backend}: capture {secs:.1f} s, {f.stats()['total']['captures']} graphs, {len(f.entries)} signatures, "
         f"pool {mem:.2f} GiB, reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB")
+    traces = {id(e.traced): e.traced.seconds for e in f.entries.values()}
+    say(f"   traces {len(traces)}: {sum(traces.values()):.1f} s; per-signature capture (warm-up + graphs): "
+        f"{sum(e.capture_seconds for e in f.entries.values()):.1f} s; the rest: "
+        f"{secs - sum(traces.values()) - sum(e.capture_seconds for e in f.entries.values()):.1f} s")
     for e in sorted(f.entries.values(), key=lambda e: (e.sig.statics, e.sig.bucket))[::10]:
       say(f"   {e.sig.describe():40s} {e.mode.name:9s} {e.capture_seconds * 1e3:7.1f} ms {e.pool_bytes / 2**20:8.1f} MiB")
     s = io.StringIO()

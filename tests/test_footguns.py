@@ -16,6 +16,8 @@ import torch
 import fgraph
 from fgraph import Batched
 
+from tests import toys
+
 
 def scale_fn():
   factor = {"value": 2.0}
@@ -69,6 +71,22 @@ def test_warmup_runs_once_per_trace_capture_once_per_signature():
   state = {"calls": torch.zeros(())}
   f.capture(torch.ones(3), state, progress=False)
   assert state["calls"].item() == 1 + 3  # one warm-up (buckets >= 2 share a trace), one capture run per bucket
+
+
+@pytest.mark.parametrize("mode, runs", [("PIECEWISE", 1 + 3), ("FULL", 3 + 3)])
+def test_a_planned_break_is_warmed_up_per_signature_only_inside_full_graphs(mode, runs):
+  """A break with a plan hook may keep host state per signature (flashinfer's per-bucket wrappers, made by an
+  eager run), so a FULL graph, which records the break, warms up every signature. PIECEWISE runs the break
+  eagerly in its capture pass anyway: one warm-up per trace, as without plans."""
+  def bump(x, lens, state):
+    state["calls"].add_(1)
+    o = torch.empty_like(x)
+    toys.toy_planned(o, x, lens)
+    return o + 1, state
+  f = fgraph.jit(bump, donate=["state"], batch={"x": Batched(), "lens": Batched()}, mode=mode, buckets=[4, 8, 16])
+  state = {"calls": torch.zeros(())}
+  f.capture(torch.ones(3, 2), torch.ones(3, dtype=torch.int32), state, progress=False)
+  assert state["calls"].item() == runs  # warm-ups + one capture run per bucket
 
 
 def test_python_side_effects_run_once_at_trace():

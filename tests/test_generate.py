@@ -48,14 +48,14 @@ def test_greedy_tokens_identical_across_modes(tiny, eager):
       assert total["replays"] > 0, mode  # later steps of a bucket replay the (host stand-in) graphs
 
 
-def test_captured_up_front_bucket_one_has_its_own_trace_in_the_models(tiny, eager):
-  """Capturing every bucket up front (largest first, as on the GPU): bucket 1 could reuse the routine's symbolic
-  trace, but the attention wrapper's `.contiguous()` of k/v (strided views of the fused qkv) asks whether N == 1,
-  so bucket 1 keeps a trace of its own (4 traces for 2 routines). Cloning k/v instead removes that guard (2
-  traces, verified on the H200) but adds two copies per layer at N = 1; see benchmarks/NOTES.md."""
+def test_captured_up_front_bucket_one_shares_the_routines_trace_in_the_models(tiny, eager):
+  """Capturing every bucket up front (largest first, as on the GPU): bucket 1 reuses each routine's symbolic trace
+  (2 traces for 2 routines, 6 signatures). It can because nothing in the models asks whether N == 1: attention()
+  passes k/v on as the strided views of the fused qkv they are, where a `.contiguous()` would record that guard
+  (and gave bucket 1 a trace of its own: 4 traces) -- test_jit's `asks-n-equals-1` case."""
   eng, got = run(tiny, "FULL_AND_PIECEWISE", buckets=(1, 2, 8), capture=True)
   assert got.tokens == eager
-  assert eng.step_fn.stats()["total"]["traces"] == 4 and len(eng.step_fn.entries) == 6
+  assert eng.step_fn.stats()["total"]["traces"] == 2 and len(eng.step_fn.entries) == 6
 
 
 def test_continuous_batching_schedule(tiny):

@@ -220,9 +220,10 @@ def attention_p(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                 v_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                 block_table: torch.Tensor, slot_mapping: torch.Tensor, backend: str, routine: str, scale: float,
                 max_seq_len: int, page_size: int) -> None:
-  """Write k/v [N, Hkv, D] (cache dtype, contiguous) into their slots of k_cache/v_cache, then out [N, Hq, D] =
-  causal paged attention of q [N, Hq, D] over the cache."""
+  """Write k/v [N, Hkv, D] (cache dtype, any row stride, unit stride in D) into their slots of k_cache/v_cache,
+  then out [N, Hq, D] = causal paged attention of q [N, Hq, D] over the cache."""
   assert k_cache.shape[1] == page_size, (k_cache.shape, page_size)
+  q = q.contiguous()  # (at run time, inside the break: a no-op for the usual q, fresh from RoPE)
   _module(backend).forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
                            routine=routine, scale=scale, max_seq_len=max_seq_len)
 
@@ -291,9 +292,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.
   cap = meta.block_table.shape[1] * page
   max_seq_len = cap if max_seq_len is None else min(int(max_seq_len), cap)
   # The break writes k/v into the cache itself (see the module docstring for why not here). Padded tokens hit
-  # the scratch page. The casts are ordinary ops on [N, Hkv, D]: cheap, and they stay in the piece.
-  k, v = k.to(cache_k.dtype).contiguous(), v.to(cache_v.dtype).contiguous()
+  # the scratch page. The casts are ordinary ops on [N, Hkv, D]: cheap, and they stay in the piece. No
+  # .contiguous() here: k/v are often strided views of a fused qkv, contiguous only when N == 1, so asking would
+  # record an N == 1 guard and cost bucket 1 a trace of its own; the backends take rows of any stride.
+  k, v = k.to(cache_k.dtype), v.to(cache_v.dtype)
   out = torch.empty((N, Hq, D), dtype=q.dtype, device=q.device)
-  attention_p(out, q.contiguous(), k, v, cache_k, cache_v, meta.query_start_loc, meta.seq_lens, meta.block_table,
+  attention_p(out, q, k, v, cache_k, cache_v, meta.query_start_loc, meta.seq_lens, meta.block_table,
               meta.slot_mapping, backend, routine, float(D ** -0.5 if scale is None else scale), max_seq_len, page)
   return out
