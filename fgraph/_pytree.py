@@ -29,6 +29,9 @@ def _fields(cls):
   return [(f.name, bool(f.metadata.get("static"))) for f in dataclasses.fields(cls)]
 
 
+_RECORDS: dict[type, tuple[list[str], list[str]]] = {}  # registered record class -> (dynamic, static) fields
+
+
 def register(cls: type) -> type:
   """Register an attrs class or dataclass as a pytree node (usable as a class decorator)."""
   if cls in pytree.SUPPORTED_NODES:
@@ -36,6 +39,7 @@ def register(cls: type) -> type:
   names = _fields(cls)
   dynamic = [n for n, s in names if not s]
   static = [n for n, s in names if s]
+  _RECORDS[cls] = (dynamic, static)
 
   def flatten(x):
     return [getattr(x, n) for n in dynamic], tuple(getattr(x, n) for n in static)
@@ -72,14 +76,52 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple[KeyPath, Any]], pytree.Tre
 
 def flattener(spec: pytree.TreeSpec):
   """`tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and
-  contexts: dict keys, attrs static fields). torch's tree_flatten minus building a TreeSpec: the replay path
-  flattens the batch argument on every call, and building the spec was most of its cost."""
-  walk = _walker(spec)
+  contexts: dict keys, attrs static fields, sequence lengths). torch's tree_flatten minus building a TreeSpec:
+  the replay path flattens the batch argument on every call. Generated as straight-line Python per structure
+  (one attribute or item read and one type check per node, no recursion): ~1 us for a batch of 6 leaves, a
+  third of a recursive walk."""
+  env, lines, leaves = {"_nodes": pytree.SUPPORTED_NODES, "_tuple": tuple}, [], []
 
-  def flatten(tree):
-    out = []
-    return out if walk(tree, out) else None
-  return flatten
+  def const(v):
+    env[f"c{len(env)}"] = v
+    return f"c{len(env) - 1}"
+
+  def emit(sp, var):
+    if sp.is_leaf():  # a container (NamedTuples are tuples) where a leaf was: another structure
+      lines.append(f"if type({var}) in _nodes or isinstance({var}, _tuple): return None")
+      leaves.append(var)
+      return
+    typ, ctx, kids = sp.type, sp.context, _children(sp)
+    names = [f"{var}_{i}" for i in range(len(kids))]
+    if typ in _RECORDS:
+      dynamic, static = _RECORDS[typ]
+      lines.append(f"if type({var}) is not {const(typ)}: return None")
+      if static:
+        lines.append(f"if ({''.join(f'{var}.{n}, ' for n in static)}) != {const(ctx)}: return None")
+      reads = [f"{var}.{n}" for n in dynamic]
+    elif typ is dict:
+      lines.append(f"if type({var}) is not dict or list({var}) != {const(list(ctx))}: return None")
+      reads = [f"{var}[{const(k)}]" for k in ctx]
+    elif typ in (list, tuple) or pytree.is_namedtuple_class(typ):
+      lines.append(f"if type({var}) is not {const(typ)} or len({var}) != {len(kids)}: return None")
+      reads = [f"{var}[{i}]" for i in range(len(kids))]
+    elif typ is type(None):
+      lines.append(f"if {var} is not None: return None")
+      reads = []
+    else:  # another registered node type: torch's own flatten of it, checked like the rest
+      walk = const(_walker(sp))
+      lines.append(f"{var}_l = []")
+      lines.append(f"if not {walk}({var}, {var}_l): return None")
+      leaves.append(f"*{var}_l")
+      return
+    for n, r, k in zip(names, reads, kids):
+      lines.append(f"{n} = {r}")
+      emit(k, n)
+
+  emit(spec, "x")
+  src = "def flatten(x):\n" + "".join(f"  {ln}\n" for ln in lines) + f"  return [{', '.join(leaves)}]\n"
+  exec(compile(src, f"<fgraph flattener {spec.type.__name__ if spec.type else 'leaf'}>", "exec"), env)
+  return env["flatten"]
 
 
 def _walker(spec):

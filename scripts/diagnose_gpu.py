@@ -1,5 +1,5 @@
 """Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
-logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|moe ...]
+logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|kernels|moe ...]
 Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+import torch.utils._pytree as pytree
 
 import fgraph
 from examples import llama
@@ -169,6 +170,53 @@ def capture(cfg, params):
     del f, cache
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def kernels(cfg, params):
+  """The kernels of one decode step (0.5B, ctx 1k, B = 1 and 64) under fgraph FULL+C per backend and under
+  torch.compile(reduce-overhead) of the same step (FA2 attention): per kernel name, launches and GPU us per
+  step (torch.profiler over 20 replays), to see where a step's time goes and what each side fuses."""
+  from torch.profiler import ProfilerActivity, profile as tprofile
+  from benchmarks.decode_bench import make_jitted, on_device
+
+  def table(label, fn, steps=20):
+    for _ in range(3):
+      fn()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+      for _ in range(steps):
+        fn()
+      torch.cuda.synchronize()
+    rows = [(e.key, e.count / steps, e.device_time_total / steps) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[2])
+    say(f"--- {label}: {sum(r[1] for r in rows):.0f} kernels, {sum(r[2] for r in rows):.1f} us GPU per step")
+    for name, n, us in rows[:25]:
+      say(f"  {us:8.1f} us {n:6.1f}x  {name[:110]}")
+
+  for B in (1, 64):
+    for backend in ("flashinfer", "flash_attn"):
+      ps = A.page_size_for(backend)
+      batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
+      cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
+      f = make_jitted(cfg, backend, "FULL+C", 4096, [B])
+      table(f"fgraph FULL+C {backend} B={B}", lambda: f(params, cache, batch, routine="decode"))
+      if backend == "flash_attn":
+        import torch._dynamo
+        for t in [*pytree.tree_leaves(params), *pytree.tree_leaves(cache)]:  # as benchmarks.decode_bench
+          torch._dynamo.mark_static_address(t)
+        comp = torch.compile(llama.make_step(cfg, backend=backend, max_seq_len=4096), mode="reduce-overhead",
+                             fullgraph=True, dynamic=False)
+        b = on_device(batch, DEV)
+
+        def call():
+          torch.compiler.cudagraph_mark_step_begin()
+          comp(params, cache, b, "decode")
+        table(f"torch.compile {backend} B={B}", call)
+        del comp
+        torch._dynamo.reset()
+      del f, cache
+      torch.cuda.synchronize()
 
 
 def moe(_cfg, _params):

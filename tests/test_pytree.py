@@ -90,6 +90,8 @@ def test_flattener_is_tree_flatten_or_none_on_another_structure():
                 Rec(t, {"k": [t, None, NT(t, [t])], "j": (t,)}),    # a list where a leaf was
                 Rec(t, {"k": [t, None], "j": (t,)}),                # a shorter list
                 Rec(t, {"k": [t, None, NT(t, t)], "j": (t,)}, tag="y"),  # another static field
+                Rec(t, {"j": (t,), "k": [t, None, NT(t, t)]}),      # the keys in another order
+                Rec(t, {"k": [t, None, NT(t, t)], "j": [t]}),       # a list where a tuple was
                 {"a": t}):
     assert flat(other) is None, other
   back = unflattener(spec)(iter(leaves))

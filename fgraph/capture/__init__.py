@@ -132,6 +132,7 @@ class InputBuffers:
     self.dev_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
     self.dev = self._views(self.dev_bytes, offsets, shapes)
     self.real_dev = [-1] * len(shapes)  # rows last written per leaf: the pad rows after them are still in place
+    self.heads = {}  # (leaf, rows) -> view of the first rows of its device buffer (see _pad_all)
     self.mirrors = [_Mirror(total, offsets, shapes) for _ in range(2)] if self.cuda else []
     self.turn = 0
     # on the CPU the "device" buffers are host memory: written through numpy like a mirror
@@ -153,13 +154,13 @@ class InputBuffers:
       m, self.turn = self.mirrors[self.turn], self.turn ^ 1
       if m.copied is not None:
         m.copied.synchronize()  # the copy made from this mirror two calls ago must be done reading it
-      _pad_all(m.host, m.host_np, m.real, leaves, specs)
+      _pad_all(m.host, m.host_np, m.real, leaves, specs, m.heads)
       self.real_dev[:] = m.real  # the whole mirror goes over, padding included
       self.dev_bytes.copy_(m.bytes, non_blocking=True)
       m.copied = m.copied or torch.cuda.Event()
       m.copied.record()
       return m.host
-    _pad_all(self.dev, self.dev_np or [None] * len(self.dev), self.real_dev, leaves, specs)
+    _pad_all(self.dev, self.dev_np or [None] * len(self.dev), self.real_dev, leaves, specs, self.heads)
     for m in self.mirrors:
       m.real[:] = [-1] * len(m.real)  # the device side changed behind the mirrors' backs
     return self.dev
@@ -173,6 +174,7 @@ class _Mirror:
     self.host = InputBuffers._views(self.bytes, offsets, shapes)
     self.host_np = [_numpy(h) for h in self.host]
     self.real = [-1] * len(shapes)
+    self.heads = {}
     self.copied = None
 
 
@@ -182,11 +184,23 @@ def _numpy(t: torch.Tensor):
   return t.numpy() if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES else None
 
 
-def _pad_all(targets, targets_np, real, leaves, specs) -> None:
+def _pad_all(targets, targets_np, real, leaves, specs, heads: dict) -> None:
   """Pad each leaf into its target; `real` holds the rows last written per target (-1: unknown), so padding
-  still in place from the previous call is not written again."""
+  still in place from the previous call is not written again. The usual call (every leaf as long as the last
+  call's, or filling its target) is one `_foreach_copy_` into cached views of the targets' heads: a single C++
+  call for all leaves (~4 us for 6 leaves on a slow CPU, against ~9 us for a loop of numpy slice writes)."""
+  dst, src = [], []
   for k, (t, x, s) in enumerate(zip(targets, leaves, specs)):
     have = x.shape[s.axis]
+    full = have == t.shape[s.axis]
+    if x.dtype == t.dtype and (full or (have == real[k] and s.fixed_tail)):
+      h = heads.get((k, have))
+      if h is None:
+        h = heads[k, have] = t.narrow(s.axis, 0, have)
+      dst.append(h)
+      src.append(x)
+      real[k] = have
+      continue
     tn = targets_np[k] if x.is_cpu and not x.requires_grad else None  # (is_cpu: 0.1 us, device.type: 0.4)
     if callable(s.pad) or tn is None or x.dtype != t.dtype:
       if have == real[k] and s.fixed_tail:  # the padding already there is still right
@@ -197,3 +211,5 @@ def _pad_all(targets, targets_np, real, leaves, specs) -> None:
       continue
     valid = s.pad_into_numpy(x.numpy(), tn, tail_valid=have == real[k])
     real[k] = have if valid else -1
+  if dst:
+    torch._foreach_copy_(dst, src)
