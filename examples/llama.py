@@ -132,8 +132,11 @@ def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, ro
     qkv = linear(rms_norm(x, layer.attn_norm, cfg.norm_eps), layer.wqkv, layer.bqkv)  # [N, (Hq+2Hkv)*D]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     q = apply_rope(q.view(N, Hq, D), cos, sin)  # [N, Hq, D]
-    k = apply_rope(k.view(N, Hkv, D), cos, sin)  # [N, Hkv, D]
-    o = A.attention(q, k, v.view(N, Hkv, D), cache.k[i], cache.v[i], batch.meta, scale=D ** -0.5,
+    # k (roped) and v in one fresh tensor (one kernel under Inductor): attention takes them as strided views of
+    # it. Views of qkv itself would keep all of qkv alive between PIECEWISE pieces (9x v's size on 0.5B: large
+    # blocks that fragment the graph pool), and a .contiguous() would ask whether N == 1 (a trace per bucket 1).
+    kv = torch.cat([apply_rope(k.view(N, Hkv, D), cos, sin), v.view(N, Hkv, D)], dim=1)  # [N, 2 Hkv, D]
+    o = A.attention(q, kv[:, :Hkv], kv[:, Hkv:], cache.k[i], cache.v[i], batch.meta, scale=D ** -0.5,
                     backend=backend, routine=routine, max_seq_len=max_seq_len or cfg.max_seq_len)  # [N, Hq, D]
     x = x + reduce(linear(o.reshape(N, Hq * D), layer.wo))
     h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # [N, dim]

@@ -1,5 +1,5 @@
 """Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
-logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|kernels|moe ...]
+logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|kernels|pool|moe ...]
 Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set."""
 from __future__ import annotations
 
@@ -175,7 +175,8 @@ def capture(cfg, params):
 def kernels(cfg, params):
   """The kernels of one decode step (0.5B, ctx 1k, B = 1 and 64) under fgraph FULL+C per backend and under
   torch.compile(reduce-overhead) of the same step (FA2 attention): per kernel name, launches and GPU us per
-  step (torch.profiler over 20 replays), to see where a step's time goes and what each side fuses."""
+  step (torch.profiler over 20 replays), to see where a step's time goes and what each side fuses.
+  KERNELS_B="1 64" and KERNELS_SIDES="flashinfer flash_attn compile" pick the cells."""
   from torch.profiler import ProfilerActivity, profile as tprofile
   from benchmarks.decode_bench import make_jitted, on_device
 
@@ -194,17 +195,22 @@ def kernels(cfg, params):
     for name, n, us in rows[:25]:
       say(f"  {us:8.1f} us {n:6.1f}x  {name[:110]}")
 
-  for B in (1, 64):
-    for backend in ("flashinfer", "flash_attn"):
+  sides = os.environ.get("KERNELS_SIDES", "flashinfer flash_attn compile").split()  # compile: its FA2 peer
+  for B in map(int, os.environ.get("KERNELS_B", "1 64").split()):
+    for side in sides:
+      backend = "flash_attn" if side == "compile" else side
       ps = A.page_size_for(backend)
       batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
       cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
-      f = make_jitted(cfg, backend, "FULL+C", 4096, [B])
-      table(f"fgraph FULL+C {backend} B={B}", lambda: f(params, cache, batch, routine="decode"))
-      if backend == "flash_attn":
-        import torch._dynamo
+      if side != "compile":
+        f = make_jitted(cfg, backend, "FULL+C", 4096, [B])
+        table(f"fgraph FULL+C {backend} B={B}", lambda: f(params, cache, batch, routine="decode"))
+        del f
+      else:
+        from torch import _dynamo
         for t in [*pytree.tree_leaves(params), *pytree.tree_leaves(cache)]:  # as benchmarks.decode_bench
-          torch._dynamo.mark_static_address(t)
+          if isinstance(t, torch.Tensor):
+            _dynamo.mark_static_address(t)
         comp = torch.compile(llama.make_step(cfg, backend=backend, max_seq_len=4096), mode="reduce-overhead",
                              fullgraph=True, dynamic=False)
         b = on_device(batch, DEV)
@@ -214,9 +220,30 @@ def kernels(cfg, params):
           comp(params, cache, b, "decode")
         table(f"torch.compile {backend} B={B}", call)
         del comp
-        torch._dynamo.reset()
-      del f, cache
+        _dynamo.reset()
+      del cache
       torch.cuda.synchronize()
+
+
+def pool(cfg, params):
+  """Capture cost (benchmarks.decode_bench.capture_cost, FA2) with attention() as it is, then with k/v made
+  contiguous in the traced program (the attention() of session 3: an N == 1 guard, 4 traces): pool and time."""
+  import argparse
+
+  from benchmarks.decode_bench import capture_cost
+  a = argparse.Namespace(device=DEV, dtype=torch.bfloat16, capture_max_bucket=512)
+  orig = A.attention
+
+  def contiguous_kv(q, k, v, *args, **kw):
+    return orig(q.contiguous(), k.contiguous(), v.contiguous(), *args, **kw)
+  for label, fn in (("as is", orig), ("k/v contiguous in the trace", contiguous_kv), ("as is, again", orig)):
+    A.attention = fn
+    c = capture_cost(cfg, params, "flash_attn", a)
+    top = sorted(c["per_signature"], key=lambda p: -p["pool_MiB"])[:4]
+    say(f"{label:30s} {c['capture_s']:5.1f} s (traces {c['trace_s']:.1f}, graphs {c['graphs_s']:.1f}), "
+        f"{c['traces']} traces, pool {c['pool_GiB']:.3f} GiB, reserved {c['reserved_GiB']:.3f} GiB; largest "
+        + ", ".join(f"{p['routine']}/{p['bucket']} {p['pool_MiB']:.0f} MiB" for p in top))
+  A.attention = orig
 
 
 def moe(_cfg, _params):
