@@ -132,3 +132,32 @@ def test_checkpoint_loads_straight_to_gpu(tmp_path):
   with torch.no_grad():
     want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0)
   assert eng.run(progress=False).tokens == [want[0, len(prompt):].tolist()]
+
+
+@pytest.mark.parametrize("backend", ("flash_attn", "flashinfer"))
+def test_inductor_pieces_close_to_eager(backend):
+  """FULL+C: jit(compile=True) puts Inductor-compiled pieces (with fgraph's post-grad pass that keeps residual
+  adds out of the GEMMs) around the breaks. Other kernels than eager's, so close, not bitwise: logits of both
+  routines at the padded sizes 7 and 25 against the eager step on the same cache."""
+  import fgraph
+  from benchmarks.common import decode_batch
+  backend = backend_or_skip(backend)
+  cfg, params = model()
+  ps = A.page_size_for(backend)
+  step = llama.make_step(cfg, backend=backend, max_seq_len=1024)
+  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+  f = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, compile=True, buckets=[8, 32])
+  g = torch.Generator(device="cuda").manual_seed(0)
+  for n in (7, 25):
+    batch, pages = decode_batch(cfg.vocab_size, n, 300, ps, 1024)  # n sequences at position 300
+    cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, "cuda")
+    for t in [*cache.k, *cache.v]:
+      t.normal_(generator=g)
+    dev = llama.Batch(batch.tokens.cuda(), batch.positions.cuda(), batch.meta.to("cuda"))
+    for routine in ("decode", "mixed"):
+      want = step(params, cache, dev, routine)[0].float()
+      got = f(params, cache, batch, routine=routine)[0].float()
+      assert got.shape == want.shape == (n, cfg.vocab_size)
+      torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=lambda m: f"{backend} {routine} n={n}: {m}")
+      assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9, (backend, routine, n)
+  assert f.stats()["total"]["replays"] == 4 and f.stats()["fallbacks"] == {"unseen": 0, "oversize": 0}
