@@ -1,5 +1,5 @@
 """Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
-logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|kernels|pool|moe ...]
+logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|kernels|pool|inductor|moe ...]
 Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set."""
 from __future__ import annotations
 
@@ -244,6 +244,34 @@ def pool(cfg, params):
         f"{c['traces']} traces, pool {c['pool_GiB']:.3f} GiB, reserved {c['reserved_GiB']:.3f} GiB; largest "
         + ", ".join(f"{p['routine']}/{p['bucket']} {p['pool_MiB']:.0f} MiB" for p in top))
   A.attention = orig
+
+
+def inductor(cfg, params):
+  """How far Inductor-compiled steps are from the eager step (bf16, FA2, 7 sequences at position 300, both
+  routines): fgraph FULL+C with and without its residual-add pass, and torch.compile of the same step, each as
+  max |d| / max |logit| and argmax agreement (the scale tests/test_models_gpu.py's FULL+C tolerance is set by)."""
+  from fgraph import _entry
+  from benchmarks.decode_bench import make_jitted, on_device
+  ps = A.page_size_for("flash_attn")
+  batch, pages = decode_batch(cfg.vocab_size, 7, 300, ps, 1024)
+  g = torch.Generator(device=DEV).manual_seed(0)
+  step = llama.make_step(cfg, backend="flash_attn", max_seq_len=1024)
+  comp = torch.compile(step, fullgraph=True, dynamic=False)
+  real_pass = _entry._residual_adds_out_of_gemms
+  for label in ("FULL+C", "FULL+C without the pass", "torch.compile", "FULL"):
+    cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
+    for t in [*cache.k, *cache.v]:
+      t.normal_(generator=g)
+    _entry._residual_adds_out_of_gemms = real_pass if label == "FULL+C" else (lambda: None)
+    f = make_jitted(cfg, "flash_attn", label.split()[0] if label != "torch.compile" else "FULL", 1024, [8])
+    for routine in ("decode", "mixed"):
+      want = step(params, cache, on_device(batch, DEV), routine)[0].float()
+      got = (comp(params, cache, on_device(batch, DEV), routine) if label == "torch.compile" else
+             f(params, cache, batch, routine=routine))[0].float()
+      err = ((got - want).abs().max() / want.abs().max()).item()
+      agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+      say(f"{label:26s} {routine:6s}: max |d| / max |logit| = {err:.2e}, argmax agreement {agree:.2f}")
+  _entry._residual_adds_out_of_gemms = real_pass
 
 
 def moe(_cfg, _params):

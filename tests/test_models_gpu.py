@@ -135,16 +135,18 @@ def test_checkpoint_loads_straight_to_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ("flash_attn", "flashinfer"))
-def test_inductor_pieces_close_to_eager(backend):
+def test_inductor_pieces_as_close_to_eager_as_torch_compile(backend):
   """FULL+C: jit(compile=True) puts Inductor-compiled pieces (with fgraph's post-grad pass that keeps residual
-  adds out of the GEMMs) around the breaks. Other kernels than eager's, so close, not bitwise: logits of both
-  routines at the padded sizes 7 and 25 against the eager step on the same cache."""
+  adds out of the GEMMs) around the breaks. Other kernels than eager's, so not bitwise: the oracle's tolerance is
+  how far torch.compile of the same step lands from eager (bf16 through 24 random layers: ~4-5 % of the largest
+  logit on the H200, scripts/diagnose_gpu.py inductor). Both routines, padded sizes 7 and 25."""
   import fgraph
   from benchmarks.common import decode_batch
   backend = backend_or_skip(backend)
   cfg, params = model()
   ps = A.page_size_for(backend)
   step = llama.make_step(cfg, backend=backend, max_seq_len=1024)
+  comp = torch.compile(step, fullgraph=True, dynamic=False)
   spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
   f = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, compile=True, buckets=[8, 32])
   g = torch.Generator(device="cuda").manual_seed(0)
@@ -156,8 +158,11 @@ def test_inductor_pieces_close_to_eager(backend):
     dev = llama.Batch(batch.tokens.cuda(), batch.positions.cuda(), batch.meta.to("cuda"))
     for routine in ("decode", "mixed"):
       want = step(params, cache, dev, routine)[0].float()
+      ref = comp(params, cache, dev, routine)[0].float()
       got = f(params, cache, batch, routine=routine)[0].float()
       assert got.shape == want.shape == (n, cfg.vocab_size)
-      torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=lambda m: f"{backend} {routine} n={n}: {m}")
-      assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9, (backend, routine, n)
+      scale = want.abs().max()
+      err, ref_err = ((got - want).abs().max() / scale).item(), ((ref - want).abs().max() / scale).item()
+      print(f"{backend} {routine} n={n}: max |d| / max |logit|: fgraph FULL+C {err:.2e}, torch.compile {ref_err:.2e}")
+      assert err <= max(2 * ref_err, 2e-2) and err < 0.1, (backend, routine, n, err, ref_err)
   assert f.stats()["total"]["replays"] == 4 and f.stats()["fallbacks"] == {"unseen": 0, "oversize": 0}
