@@ -239,6 +239,29 @@ def test_inductor_compiled_pieces_equal_eager():
              if not p.is_break)
 
 
+def test_compiled_pieces_keep_residual_adds_out_of_the_gemms():
+  """Inductor folds `x + a @ b` into addmm(x, a, b) when the sum leaves the piece, and cuBLAS's addmm copies x
+  into its output first (2 device copies per layer on the H200). fgraph's post-grad pass turns such addmms back
+  into mm + add; a bias (a 1-D addend) keeps its addmm (a GEMM epilogue, no copy)."""
+  import torch.fx as fx
+
+  from fgraph._entry import _residual_adds_out_of_gemms
+  aten = torch.ops.aten
+  x, a, b, bias = torch.randn(4, 8), torch.randn(4, 16), torch.randn(16, 8), torch.randn(8)
+  g = fx.Graph()
+  px, pa, pb, pbias = (g.placeholder(n) for n in ("x", "a", "b", "bias"))
+  res = g.call_function(aten.addmm.default, (px, pa, pb))
+  biased = g.call_function(aten.addmm.default, (pbias, pa, pb))
+  for node, val in ((px, x), (pa, a), (pb, b), (pbias, bias), (res, x + a @ b), (biased, bias + a @ b)):
+    node.meta["val"] = val
+  g.output((res, biased))
+  _residual_adds_out_of_gemms()(g)
+  targets = [n.target for n in g.nodes if n.op == "call_function"]
+  assert targets.count(aten.addmm.default) == 1 and aten.mm.default in targets and aten.add.Tensor in targets
+  got = fx.GraphModule(torch.nn.Module(), g)(x, a, b, bias)
+  torch.testing.assert_close(got, (x + a @ b, bias + a @ b))
+
+
 def repeat_last(t, size):  # a callable pad must accept the empty leaf of capture's all-padding dummy
   return torch.cat([t, torch.full((size - len(t),), t[-1].item() if len(t) else 0, dtype=t.dtype)])
 

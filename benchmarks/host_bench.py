@@ -1,0 +1,79 @@
+"""Host time of fgraph's replay path on the CPU: what a FULL decode call costs in Python before and after the
+graph launch, with the launch itself stubbed (no GPU needed, so any machine can repeat it).
+
+The model has the leaf layout of a preset (its layer count: 24 for Qwen2.5-0.5B, 32 for Llama-3-8B) with tiny
+dims, so the call does no real work; the CPU has no pinned mirror or H2D copy, so this times bind + flatten +
+key lookup (dispatch), padding into the input buffers (write) and output slicing (outputs). On the H200's host the
+same Python ran ~3x slower in session 4 (benchmarks/NOTES.md); this is the dev-loop number, not the target's.
+
+usage: python3 -m benchmarks.host_bench [--presets qwen2.5-0.5b llama3-8b] [--batches 1 64] [--calls 5000]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import attrs
+import torch
+
+import fgraph
+from examples import llama
+from fgraph.ops import attention as A
+
+from .common import decode_batch, device_name
+
+
+def median_us(fn, calls: int) -> float:
+  for _ in range(min(calls, 500)):
+    fn()
+  ts = []
+  for _ in range(calls):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts) * 1e6
+
+
+def cell(preset: str, B: int, calls: int) -> dict:
+  cfg = llama.preset(preset)
+  cfg = attrs.evolve(cfg, dim=64, intermediate=128, vocab_size=256, n_heads=2, n_kv_heads=1, head_dim=32)
+  params = llama.init_params(cfg, torch.float32, "cpu")
+  ps = A.page_size_for("flashinfer")
+  batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
+  cache = llama.init_cache(cfg, pages + 1, ps, torch.float32, "cpu")
+  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+  f = fgraph.jit(llama.make_step(cfg, backend="torch", max_seq_len=4096), static=["routine"], donate=["cache"],
+                 batch={"batch": spec}, mode="FULL", buckets=[B])
+  f(params, cache, batch, routine="decode")
+  (entry,) = f.entries.values()
+  out = entry.full.out
+  entry.full.replay = lambda: out  # the launch, stubbed: everything else is the real replay path
+  call = lambda: f(params, cache, batch, routine="decode")  # noqa: E731
+  total = median_us(call, calls)
+  leaves = [batch.tokens, batch.positions, *(getattr(batch.meta, k) for k in
+            ("query_start_loc", "seq_lens", "block_table", "slot_mapping"))]
+  write = median_us(lambda: entry.buffers.write(leaves, entry.specs), calls)
+  return {"preset": preset, "batch": B, "leaves": len(entry.tensor_ix), "call_us": total, "write_us": write,
+          "rest_us": total - write}
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
+  ap.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+  ap.add_argument("--calls", type=int, default=5000)
+  a = ap.parse_args(argv)
+  rows = [cell(p, B, a.calls) for p in a.presets for B in a.batches]
+  print(f"fgraph replay path on {device_name('cpu')}, torch {torch.__version__}: us per FULL decode call, the "
+        "launch stubbed (median)\n")
+  print("| preset (leaf layout) | B | leaves | call | write (pad into buffers) | rest (dispatch, outputs) |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['preset']} | {r['batch']} | {r['leaves']} | {r['call_us']:.1f} | {r['write_us']:.1f} | "
+          f"{r['rest_us']:.1f} |")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
