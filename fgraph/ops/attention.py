@@ -294,7 +294,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.
   # The break writes k/v into the cache itself (see the module docstring for why not here). Padded tokens hit
   # the scratch page. The casts are ordinary ops on [N, Hkv, D]: cheap, and they stay in the piece. No
   # .contiguous() here: k/v are often strided views of a fused qkv, contiguous only when N == 1, so asking would
-  # record an N == 1 guard and cost bucket 1 a trace of its own; the backends take rows of any stride.
+  # record an N == 1 guard and cost bucket 1 a trace of its own; the backends take rows of any stride. (A view
+  # keeps its whole base alive between PIECEWISE pieces: pass views of a small fresh tensor, as the example
+  # models do with their roped k and v, not of a wide one such as qkv, whose large blocks fragment the pool.)
   k, v = k.to(cache_k.dtype), v.to(cache_v.dtype)
   out = torch.empty((N, Hq, D), dtype=q.dtype, device=q.device)
   attention_p(out, q, k, v, cache_k, cache_v, meta.query_start_loc, meta.seq_lens, meta.block_table,
