@@ -121,6 +121,7 @@ class Entry:
 
   def __init__(self, traced: Traced, call: Call, device: str, new_trace: bool):
     self.traced, self.sig, self.stats, self.device = traced, call.sig, Stats(), device
+    self.statics = dict(call.statics)  # what plan hooks see on the fast path (the signature's static values)
     self.stats.traces = int(new_trace)
     self.program, self.mode, self.reason = traced.program, traced.mode, traced.reason
     self.module = _own_top_level(traced.program.module)

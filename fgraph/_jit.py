@@ -77,7 +77,7 @@ class Jitted:
     self._defaults = {k: p.default for k, p in params.items()}
     self._static_sorted = tuple(sorted(self.static))
     self._dynamic = [k for k in params if k not in self.static]
-    self._flat, self._specs, self._flatteners, self._fast = {}, {}, {}, {}  # the fast path's caches (_fast_call)
+    self._flat, self._specs, self._readers, self._fast = {}, {}, {}, {}  # the fast path's caches (_fast_call)
     self._traces: dict[tuple, list] = {}  # (statics, structure, non-batch shapes) -> traces
     self.sealed, self.pool, self.fallbacks, self._logged = False, None, {"unseen": 0, "oversize": 0}, set()
     self._retired: list[Entry] = []
@@ -134,27 +134,27 @@ class Jitted:
       hash(statics)
     except TypeError:
       return _MISS
-    parts, leaves, n = [], [], None
+    parts, leaves, held, n = [], [], [], None
     for name in self._dynamic:
       v = bound[name]
       if name in self.batch:
-        for flatten, specs, spec in self._flatteners.get(name, ()):  # known structures of this argument
-          lv = flatten(v)
-          if lv is not None:
+        for read in self._readers.get(name, ()):  # known structures of this argument
+          got = read(v)
+          if got is not None:
             break
         else:
           return _MISS
-        for x, s in zip(lv, specs):
-          if s is not None:
-            r = x.shape[s.axis] - s.extra
-            n = r if n is None or r > n else n
-        parts.append(_batched_key(spec, lv))
+        lv, key, m = got
+        if m is not None and (n is None or m > n):
+          n = m
+        parts.append(key)
         leaves.extend(lv)
       else:
         c = self._flat.get(name)
         if c is None or c[0] is not v:
           return _MISS
         parts.append(c[2])
+        held.append(c[2])  # the identity-cached containers (not the batched args)
         leaves.extend(c[1])
     bucket = bucket_for(self.buckets, n if n > 1 else 1) if n is not None else None
     if n is not None and bucket is None:
@@ -162,10 +162,9 @@ class Jitted:
     entry = self._fast.get((statics, bucket, tuple(parts)))
     if entry is None:
       return _MISS
-    held = [p for p in parts if type(p) is _Key]  # the identity-cached containers (not the batched args)
     check = entry.verified is None or len(held) != len(entry.verified) or \
         any(a is not b for a, b in zip(held, entry.verified))
-    out = entry.run(leaves, n, dict(zip(self._static_sorted, statics)), bound, self.copy_outputs, check)
+    out = entry.run(leaves, n, entry.statics, bound, self.copy_outputs, check)
     entry.verified = held
     return out
 
@@ -177,12 +176,13 @@ class Jitted:
       v = call.bound[name]
       lv, spec = pytree.tree_flatten(v)
       if name in self.batch:
-        specs = batch_specs(self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1],
-                            len(lv))
-        if (name, spec) not in self._specs:
-          self._specs[name, spec] = len(self._specs)
-          self._flatteners.setdefault(name, []).append((flattener(spec), specs, self._specs[name, spec]))
-        parts.append(_batched_key(self._specs[name, spec], lv))
+        read = self._specs.get((name, spec))
+        if read is None:
+          specs = batch_specs(self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1],
+                              len(lv))
+          read = self._specs[name, spec] = _reader(flattener(spec), specs, len(self._specs))
+          self._readers.setdefault(name, []).append(read)
+        parts.append(read(v)[1])
       else:
         key = _Key((spec, tuple(leaf_of(x) for x in lv)))
         c = self._flat.get(name)
@@ -339,17 +339,28 @@ class Jitted:
     caller still holds keep their memory (retired, not freed) until a later reset finds them unused."""
     self._retired = [e for e in [*self._retired, *self.entries.values()] if any(g.in_use() for g in e.graphs)]
     self.entries.clear()
-    self._flat.clear(), self._specs.clear(), self._flatteners.clear(), self._fast.clear(), self._traces.clear()
+    self._flat.clear(), self._specs.clear(), self._readers.clear(), self._fast.clear(), self._traces.clear()
     self.sealed, self.pool = False, None
 
 
 _MISS = object()  # the fast path's "not here": a jitted function may itself return None
 
 
-def _batched_key(spec: int, leaves):
-  """A batched argument's part of the fast path's key: its structure and its leaves' dtypes, devices and shapes
-  as passed (unpadded: each token count met gets its own key, after one call down the slow path)."""
-  return spec, tuple((x.dtype, x.device, x.shape) if isinstance(x, torch.Tensor) else leaf_of(x) for x in leaves)
+def _reader(flatten, specs, spec_id: int):
+  """A batched argument's reader for the fast path: `tree -> (leaves, key, n)`, or None for another structure.
+  key: the structure's id and each leaf's (dtype, device, shape) as passed (unpadded: each token count met gets its
+  own key, after one call down the slow path; Python leaves by value); n: the largest real token count among its
+  Batched leaves (None if none). Generated per structure as one tuple display (a loop of small tuples cost ~2 us)."""
+  env = {"flatten": flatten, "_T": torch.Tensor, "_leaf": leaf_of}
+  names = [f"a{i}" for i in range(len(specs))]
+  key = "".join(f"({a}.dtype, {a}.device, {a}.shape) if isinstance({a}, _T) else _leaf({a}), " for a in names)
+  rows = [f"{a}.shape[{s.axis}] - {s.extra}" for a, s in zip(names, specs) if s is not None]
+  n = "None" if not rows else rows[0] if len(rows) == 1 else f"max({', '.join(rows)})"
+  unpack = f"  {''.join(a + ', ' for a in names)}= lv\n" if names else ""
+  src = (f"def read(x):\n  lv = flatten(x)\n  if lv is None:\n    return None\n{unpack}"
+         f"  return lv, ({spec_id}, {key}), {n}\n")
+  exec(compile(src, "<fgraph batched reader>", "exec"), env)
+  return env["read"]
 
 
 class _Key:
