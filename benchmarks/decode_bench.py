@@ -161,12 +161,11 @@ def peers_cell(step, params, cache, batch, dev) -> dict:
   return row
 
 
-def compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, est_s, base):
-  """torch.compile(reduce-overhead) of the same step: one compile per batch size (dynamic=False; the contexts
-  share shapes), measured on each context of that size while the budget lasts, else a row saying why not.
-  Params and cache are marked static addresses, so cudagraph trees accept the in-place cache write."""
+def compile_peer(cfg, params, cache, backend, max_ctx):
+  """`call(batch on the device)`: one decode step of torch.compile(step, mode="reduce-overhead", fullgraph=True,
+  dynamic=False). Params and cache are marked static addresses, so cudagraph trees accept the in-place cache
+  write. Caller: torch._dynamo.reset() when done."""
   import torch._dynamo
-  from torch._dynamo.utils import counters
   for t in pytree.tree_leaves(params) + pytree.tree_leaves(cache):
     if isinstance(t, torch.Tensor):
       torch._dynamo.mark_static_address(t)
@@ -176,7 +175,15 @@ def compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget,
   def call(b):
     torch.compiler.cudagraph_mark_step_begin()
     comp(params, cache, b, "decode")
+  return call
 
+
+def compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, est_s, base):
+  """The torch.compile peer (compile_peer): one compile per batch size (dynamic=False; the contexts share
+  shapes), measured on each context of that size while the budget lasts, else a row saying why not."""
+  import torch._dynamo
+  from torch._dynamo.utils import counters
+  call = compile_peer(cfg, params, cache, backend, max_ctx)
   error = None
   for B in sorted({B for _, B in cells}):
     ctxs = [ctx for ctx, b in cells if b == B]
@@ -203,7 +210,7 @@ def compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget,
       error = f"compile failed at B={B}: {type(e).__name__}: {str(e)[:300]}"
       for ctx in ctxs:
         rec({**base, "ctx": ctx, "batch": B, "compile_error": error})
-  del comp
+  del call
   torch._dynamo.reset()
 
 

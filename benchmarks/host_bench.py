@@ -17,11 +17,11 @@ import time
 import attrs
 import torch
 
-import fgraph
 from examples import llama
 from fgraph.ops import attention as A
 
 from .common import decode_batch, device_name
+from .decode_bench import make_jitted
 
 
 def median_us(fn, calls: int) -> float:
@@ -42,9 +42,7 @@ def cell(preset: str, B: int, calls: int) -> dict:
   ps = A.page_size_for("flashinfer")
   batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
   cache = llama.init_cache(cfg, pages + 1, ps, torch.float32, "cpu")
-  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-  f = fgraph.jit(llama.make_step(cfg, backend="torch", max_seq_len=4096), static=["routine"], donate=["cache"],
-                 batch={"batch": spec}, mode="FULL", buckets=[B])
+  f = make_jitted(cfg, "torch", "FULL", 4096, [B])
   f(params, cache, batch, routine="decode")
   (entry,) = f.entries.values()
   out = entry.full.out

@@ -13,14 +13,13 @@ import sys
 import time
 
 import torch
-import torch.utils._pytree as pytree
 
-import fgraph
 from examples import llama
 from fgraph.ops import attention as A
 
 sys.path.insert(0, os.getcwd())
 from benchmarks.common import decode_batch  # noqa: E402
+from benchmarks.decode_bench import compile_peer, make_jitted, on_device  # noqa: E402
 
 DEV = "cuda"
 LOG = io.StringIO()
@@ -41,12 +40,6 @@ def profile(fn, n, top=18, sort="tottime"):
   s = io.StringIO()
   pstats.Stats(pr, stream=s).sort_stats(sort).print_stats(top)
   say(s.getvalue())
-
-
-def jitted(cfg, backend, mode, buckets=None):
-  step = llama.make_step(cfg, backend=backend, max_seq_len=4096)
-  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-  return fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode, buckets=buckets)
 
 
 def host(cfg, params):
@@ -94,7 +87,7 @@ def full_decode_cells(cfg):
     for B in (1, 64):
       batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
       cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
-      f = jitted(cfg, backend, "FULL", [B])
+      f = make_jitted(cfg, backend, "FULL", 4096, [B])
       yield backend, B, f, cache, batch
       del f, cache
       torch.cuda.synchronize()
@@ -145,7 +138,7 @@ def capture(cfg, params):
     ps = A.page_size_for(backend)
     batch, _ = decode_batch(cfg.vocab_size, 1, 1024, ps)
     cache = llama.init_cache(cfg, 2 + 512 * (-(-1024 // ps)), ps, torch.bfloat16, DEV)
-    f = jitted(cfg, backend, "FULL_AND_PIECEWISE")
+    f = make_jitted(cfg, backend, "FULL_AND_PIECEWISE", 4096, None)
     t0 = time.perf_counter()
     pr = cProfile.Profile()
     pr.enable()
@@ -178,7 +171,6 @@ def kernels(cfg, params):
   step (torch.profiler over 20 replays), to see where a step's time goes and what each side fuses.
   KERNELS_B="1 64" and KERNELS_SIDES="flashinfer flash_attn compile" pick the cells."""
   from torch.profiler import ProfilerActivity, profile as tprofile
-  from benchmarks.decode_bench import make_jitted, on_device
 
   def table(label, fn, steps=20):
     for _ in range(3):
@@ -208,18 +200,9 @@ def kernels(cfg, params):
         del f
       else:
         from torch import _dynamo
-        for t in [*pytree.tree_leaves(params), *pytree.tree_leaves(cache)]:  # as benchmarks.decode_bench
-          if isinstance(t, torch.Tensor):
-            _dynamo.mark_static_address(t)
-        comp = torch.compile(llama.make_step(cfg, backend=backend, max_seq_len=4096), mode="reduce-overhead",
-                             fullgraph=True, dynamic=False)
-        b = on_device(batch, DEV)
-
-        def call():
-          torch.compiler.cudagraph_mark_step_begin()
-          comp(params, cache, b, "decode")
-        table(f"torch.compile {backend} B={B}", call)
-        del comp
+        call, b = compile_peer(cfg, params, cache, backend, 4096), on_device(batch, DEV)
+        table(f"torch.compile {backend} B={B}", lambda: call(b))
+        del call
         _dynamo.reset()
       del cache
       torch.cuda.synchronize()
@@ -251,7 +234,6 @@ def inductor(cfg, params):
   routines): fgraph FULL+C with and without its residual-add pass, and torch.compile of the same step, each as
   max |d| / max |logit| and argmax agreement (the scale tests/test_models_gpu.py's FULL+C tolerance is set by)."""
   from fgraph import _entry
-  from benchmarks.decode_bench import make_jitted, on_device
   ps = A.page_size_for("flash_attn")
   batch, pages = decode_batch(cfg.vocab_size, 7, 300, ps, 1024)
   g = torch.Generator(device=DEV).manual_seed(0)
@@ -276,7 +258,6 @@ def inductor(cfg, params):
 
 def moe(_cfg, _params):
   """Per-step logits of the tiny MoE model under eager (hand-padded), NONE, PIECEWISE, for local and all2all."""
-  import contextlib
   import tempfile
   from datetime import timedelta
 
@@ -345,7 +326,7 @@ def main():
     t0 = time.perf_counter()
     try:
       globals()[p](cfg, params)
-    except Exception as e:  # keep going: the other parts still tell something
+    except Exception:  # keep going: the other parts still tell something
       import traceback
       say(traceback.format_exc())
     say(f"==== {p} took {time.perf_counter() - t0:.1f} s")
