@@ -121,7 +121,7 @@ class Entry:
 
   def __init__(self, traced: Traced, call: Call, device: str, new_trace: bool):
     self.traced, self.sig, self.stats, self.device = traced, call.sig, Stats(), device
-    self.statics = dict(call.statics)  # what plan hooks see on the fast path (the signature's static values)
+    self.statics = dict(call.statics)  # the signature's static values (what plan hooks see)
     self.stats.traces = int(new_trace)
     self.program, self.mode, self.reason = traced.program, traced.mode, traced.reason
     self.module = _own_top_level(traced.program.module)
@@ -157,7 +157,7 @@ class Entry:
       P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, self.sig.bucket,
                                  n or 0, statics, capturing))
 
-  def run(self, leaves: list, n: int | None, statics: dict, bound: dict, copy_outputs: bool, check: bool):
+  def run(self, leaves: list, n: int | None, bound: dict, copy_outputs: bool, check: bool):
     """One call: inputs in, plan, replay (or run the program), outputs out. `check`: verify the tensors
     captured by address (skipped when dispatch knows these are the very containers already verified)."""
     st = self.stats
@@ -174,7 +174,7 @@ class Entry:
       st.replays += 1
     with P.execution():
       if self.plans:
-        self._plan(host, n, statics, capturing=False)
+        self._plan(host, n, self.statics, capturing=False)
       outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
     return self._outputs(leaves, n, bound, outs, copy_outputs)
 

@@ -164,7 +164,7 @@ class Jitted:
       return _MISS
     check = entry.verified is None or len(held) != len(entry.verified) or \
         any(a is not b for a, b in zip(held, entry.verified))
-    out = entry.run(leaves, n, entry.statics, bound, self.copy_outputs, check)
+    out = entry.run(leaves, n, bound, self.copy_outputs, check)
     entry.verified = held
     return out
 
@@ -209,7 +209,7 @@ class Jitted:
                               + self._closest(call.sig), f"add it to {self.name}.capture(...)")
       entry = self._new_entry(call)
       self._capture(entry, self._dummy(call, call.sig.bucket) if call.n is not None else call)
-    out = entry.run(call.leaves, call.n, call.statics, call.bound, self.copy_outputs, check=True)
+    out = entry.run(call.leaves, call.n, call.bound, self.copy_outputs, check=True)
     self._remember(call, entry)
     entry.verified = None
     return out
