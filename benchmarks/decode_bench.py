@@ -60,12 +60,13 @@ def cache_pages(cells, ps) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ fgraph
-def make_jitted(cfg, backend, mode, max_ctx, buckets):
-  """mode "FULL+C": the same mode with Inductor-compiled pieces (jit(compile=True))."""
+def make_jitted(cfg, backend, mode, max_ctx, buckets, inductor=None):
+  """mode "FULL+C": the same mode with Inductor-compiled pieces (jit(compile=...): `inductor`, Inductor's
+  options, or its defaults)."""
   step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
   spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
   return fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode.split("+")[0],
-                    compile=mode.endswith("+C"), buckets=buckets)
+                    compile=dict(inductor or {}) if mode.endswith("+C") else False, buckets=buckets)
 
 
 def decode_entry(f, B):
@@ -161,16 +162,18 @@ def peers_cell(step, params, cache, batch, dev) -> dict:
   return row
 
 
-def compile_peer(cfg, params, cache, backend, max_ctx):
+def compile_peer(cfg, params, cache, backend, max_ctx, inductor=None):
   """`call(batch on the device)`: one decode step of torch.compile(step, mode="reduce-overhead", fullgraph=True,
-  dynamic=False). Params and cache are marked static addresses, so cudagraph trees accept the in-place cache
-  write. Caller: torch._dynamo.reset() when done."""
+  dynamic=False); with `inductor` (options), the same with these options added (reduce-overhead is
+  {"triton.cudagraphs": True}). Params and cache are marked static addresses, so cudagraph trees accept the
+  in-place cache write. Caller: torch._dynamo.reset() when done."""
   import torch._dynamo
   for t in pytree.tree_leaves(params) + pytree.tree_leaves(cache):
     if isinstance(t, torch.Tensor):
       torch._dynamo.mark_static_address(t)
-  comp = torch.compile(llama.make_step(cfg, backend=backend, max_seq_len=max_ctx), mode="reduce-overhead",
-                       fullgraph=True, dynamic=False)
+  how = {"options": {"triton.cudagraphs": True, **inductor}} if inductor else {"mode": "reduce-overhead"}
+  comp = torch.compile(llama.make_step(cfg, backend=backend, max_seq_len=max_ctx), fullgraph=True, dynamic=False,
+                       **how)
 
   def call(b):
     torch.compiler.cudagraph_mark_step_begin()

@@ -202,15 +202,15 @@ class Entry:
                            "or call .reset() to drop the graphs after replacing them")
 
   # -- capturing -------------------------------------------------------------------------------------------
-  def capture(self, call: Call, pool, warmups: int, compile: bool = False):
+  def capture(self, call: Call, pool, warmups: int, compile: dict | None = None):
     """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
-    With `compile`, Inductor compiles each graph piece first (fusing norms, RoPE, activations, residuals);
-    breaks stay as they are."""
+    With `compile` (Inductor config options; {}: the defaults), Inductor compiles each graph piece first
+    (fusing norms, RoPE, activations, residuals); breaks stay as they are."""
     t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
-    if compile:
+    if compile is not None:
       for piece in self.program.pieces:
         if not piece.is_break:
-          setattr(self.module, piece.name, Compiled(piece.module))
+          setattr(self.module, piece.name, Compiled(piece.module, compile))
     self.buffers = C.InputBuffers([(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
                                   self.device)
     host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
@@ -222,7 +222,7 @@ class Entry:
       # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
       # signature (a plan hook: flashinfer's per-bucket wrappers, made by an eager run). PIECEWISE runs its breaks
       # eagerly in the capture pass itself. An eager run costs a step of the eager model (15-30 ms on 0.5B).
-      if self.traced.warmed and not compile and (not self.plans or self.mode is Mode.PIECEWISE):
+      if self.traced.warmed and compile is None and (not self.plans or self.mode is Mode.PIECEWISE):
         warmups = 0
       for _ in range(warmups):
         self.module(*args)
@@ -275,15 +275,15 @@ def _fold_arguments(out: tuple, out_args: dict[int, str]):
 class Compiled(torch.nn.Module):
   """A graph piece compiled by Inductor on its first call (for the shapes of that call: one signature)."""
 
-  def __init__(self, module: fx.GraphModule):
+  def __init__(self, module: fx.GraphModule, options: dict):
     super().__init__()
-    self.module, self.fn = module, None
+    self.module, self.options, self.fn = module, options, None
 
   def forward(self, *args):
     if self.fn is None:
       from torch._inductor import config
       from torch._inductor.compile_fx import compile_fx
-      with config.patch(post_grad_custom_post_pass=_residual_adds_out_of_gemms()):
+      with config.patch({**self.options, "post_grad_custom_post_pass": _residual_adds_out_of_gemms()}):
         self.fn = compile_fx(self.module, list(args))
     return self.fn(*args)
 

@@ -71,7 +71,7 @@ class Jitted:
         raise SignatureError(f"fgraph.jit({self.name}): breaks= names unknown primitives {unknown}",
                              f"registered primitives are {sorted(P.registry)}")
     self.breaks, self.strict, self.copy_outputs = breaks, strict, copy_outputs
-    self.routine, self.warmups, self.compile = routine, warmups, compile
+    self.routine, self.warmups, self.compile = routine, warmups, _inductor_options(self.name, compile)
     self.entries: dict[Signature, Entry] = {}
     self._names = list(params)
     self._defaults = {k: p.default for k, p in params.items()}
@@ -228,7 +228,7 @@ class Jitted:
   def _capture(self, entry: Entry, call: Call):
     graphed = entry.mode is not Mode.NONE
     entry.capture(call, self._pool(entry.device) if graphed else None, self.warmups if graphed else 0,
-                  self.compile and graphed)
+                  self.compile if graphed else None)
     if config.log_captures and graphed:
       log.warning("fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB", self.name,
                   len(entry.graphs), entry.mode.name, entry.sig.describe(), entry.capture_seconds,
@@ -377,6 +377,24 @@ class _Key:
     return self is other or (isinstance(other, _Key) and self.hash == other.hash and self.key == other.key)
 
 
+def _inductor_options(fname: str, compile) -> dict | None:
+  """jit(compile=...) -> None (no Inductor) or the Inductor config options to compile the pieces under."""
+  if compile is False or compile is None:
+    return None
+  if compile is True:
+    return {}
+  if not isinstance(compile, dict):
+    raise SignatureError(f"fgraph.jit({fname}): compile={compile!r} is neither a bool nor a dict of Inductor "
+                         "options", "pass compile=True, or e.g. compile={'coordinate_descent_tuning': True}")
+  from torch._inductor import config as inductor_config
+  unknown = [k for k in compile if not isinstance(k, str) or not hasattr(inductor_config, k)]
+  if unknown:
+    raise SignatureError(f"fgraph.jit({fname}): compile= names {unknown}, which are not Inductor config "
+                         "options (torch._inductor.config)", "check the spelling against "
+                         "torch._inductor.list_options()")
+  return dict(compile)
+
+
 def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], Jitted]:
   """Trace `fn` once per signature and capture CUDA graphs for it.
 
@@ -391,7 +409,9 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
   copy_outputs: return copies; by default outputs live in graph memory until the next call of this function
     (every signature's graphs share one pool, so any later replay may write over them).
   compile: compile the graph pieces with Inductor before capturing them (fuses elementwise work between
-    matmuls; costs compile time per signature, so capture fewer buckets with it).
+    matmuls; costs compile time per signature, so capture fewer buckets with it). True, or a dict of Inductor
+    config options as torch.compile(options=...) takes them, e.g. {"coordinate_descent_tuning": True}: with it,
+    Inductor turns one-row matmuls (decode at batch 1) into tuned Triton reductions with the norm fused in.
   """
   if fn is None:
     return lambda f: Jitted(f, **options)

@@ -1,5 +1,5 @@
 """Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
-logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|kernels|pool|inductor|moe ...]
+logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|kernels|pool|inductor|gemv|moe ...]
 Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set."""
 from __future__ import annotations
 
@@ -169,7 +169,8 @@ def kernels(cfg, params):
   """The kernels of one decode step (0.5B, ctx 1k, B = 1 and 64) under fgraph FULL+C per backend and under
   torch.compile(reduce-overhead) of the same step (FA2 attention): per kernel name, launches and GPU us per
   step (torch.profiler over 20 replays), to see where a step's time goes and what each side fuses.
-  KERNELS_B="1 64" and KERNELS_SIDES="flashinfer flash_attn compile" pick the cells."""
+  KERNELS_B="1 64" and KERNELS_SIDES="flashinfer flash_attn compile" pick the cells; KERNELS_CDT=1 compiles
+  fgraph's pieces with coordinate-descent tuning (see gemv)."""
   from torch.profiler import ProfilerActivity, profile as tprofile
 
   def table(label, fn, steps=20):
@@ -195,8 +196,9 @@ def kernels(cfg, params):
       batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
       cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
       if side != "compile":
-        f = make_jitted(cfg, backend, "FULL+C", 4096, [B])
-        table(f"fgraph FULL+C {backend} B={B}", lambda: f(params, cache, batch, routine="decode"))
+        cdt = os.environ.get("KERNELS_CDT") == "1"
+        f = make_jitted(cfg, backend, "FULL+C", 4096, [B], {"coordinate_descent_tuning": True} if cdt else None)
+        table(f"fgraph FULL+C{' (coordinate descent)' if cdt else ''} {backend} B={B}", lambda: f(params, cache, batch, routine="decode"))
         del f
       else:
         from torch import _dynamo
@@ -254,6 +256,52 @@ def inductor(cfg, params):
       agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
       say(f"{label:26s} {routine:6s}: max |d| / max |logit| = {err:.2e}, argmax agreement {agree:.2f}")
   _entry._residual_adds_out_of_gemms = real_pass
+
+
+def gemv(_cfg, _params):
+  """Inductor's coordinate-descent tuning (gpt-fast's setting): with it, Inductor rewrites a one-row matmul
+  (decode at B = 1) as a Triton reduction, tuned, with the RMSNorm scaling fused in, instead of cuBLAS's GEMV.
+  Per model and B (ctx 1k), in one process: fgraph FULL+C per backend with Inductor's defaults and with
+  {"coordinate_descent_tuning": True}, and torch.compile (FA2 step) both ways. GEMV_MODELS, GEMV_B,
+  GEMV_BACKENDS pick the cells."""
+  from torch import _dynamo
+
+  from benchmarks.common import time_ms
+  from benchmarks.decode_bench import weight_bytes
+  tuned = {"coordinate_descent_tuning": True}
+  for name in os.environ.get("GEMV_MODELS", "qwen2.5-0.5b llama3-8b").split():
+    cfg = llama.preset(name)
+    params = llama.init_params(cfg, torch.bfloat16, DEV)
+    say(f"--- {name}: {weight_bytes(params) / 1e9:.2f} GB of weights")
+    for B in map(int, os.environ.get("GEMV_B", "1 64").split()):
+      for side in os.environ.get("GEMV_BACKENDS", "flashinfer flash_attn compile").split():
+        backend = "flash_attn" if side == "compile" else side
+        ps = A.page_size_for(backend)
+        batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
+        cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
+        for label, opts in (("defaults", None), ("coordinate descent", tuned)):
+          t0 = time.perf_counter()
+          if side == "compile":
+            call, b = compile_peer(cfg, params, cache, backend, 4096, opts), on_device(batch, DEV)
+            step = functools.partial(call, b)
+          else:
+            f = make_jitted(cfg, backend, "FULL+C", 4096, [B], opts)
+            step = functools.partial(f, params, cache, batch, routine="decode")
+          step()
+          torch.cuda.synchronize()
+          setup = time.perf_counter() - t0
+          ms = time_ms(step, DEV, rep_s=0.2, reps=7)
+          say(f"{name} B={B:3d} {side:10s} {label:18s}: {ms:.3f} ms/step (set-up {setup:.1f} s)")
+          del step
+          if side == "compile":
+            del call
+            _dynamo.reset()
+          else:
+            del f
+          torch.cuda.synchronize()
+        del cache
+    del params
+    torch.cuda.empty_cache()
 
 
 def moe(_cfg, _params):

@@ -239,6 +239,28 @@ def test_inductor_compiled_pieces_equal_eager():
              if not p.is_break)
 
 
+def test_compile_takes_inductor_options_for_the_pieces(monkeypatch):
+  """compile={...} are Inductor config options (as torch.compile(options=...)), in force while each piece
+  compiles; a misspelt option is refused when the function is jitted, not at the first capture."""
+  from torch._inductor import compile_fx as cfx, config as inductor_config
+  seen = []
+  real = cfx.compile_fx
+
+  def spy(*args, **kwargs):
+    seen.append(inductor_config.max_fusion_size)
+    return real(*args, **kwargs)
+  monkeypatch.setattr(cfx, "compile_fx", spy)
+  f = jitted(mode="PIECEWISE", buckets=[8], compile={"max_fusion_size": 7})
+  params, state, batch = make()
+  out, _ = f(params, state, batch, routine="decode")
+  torch.testing.assert_close(out, eager(params, batch, routine="decode"))
+  assert seen and set(seen) == {7} and inductor_config.max_fusion_size != 7
+  with pytest.raises(fgraph.SignatureError, match=r"compile= names \['max_fusion_sise'\].*Inductor config"):
+    jitted(compile={"max_fusion_sise": 7})
+  with pytest.raises(fgraph.SignatureError, match="neither a bool nor a dict"):
+    jitted(compile="max-autotune")
+
+
 def test_compiled_pieces_keep_residual_adds_out_of_the_gemms():
   """Inductor folds `x + a @ b` into addmm(x, a, b) when the sum leaves the piece, and cuBLAS's addmm copies x
   into its output first (2 device copies per layer on the H200). fgraph's post-grad pass turns such addmms back
