@@ -246,6 +246,16 @@ def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base
     torch.cuda.empty_cache()
 
 
+def first_trace_s(dev) -> float:
+  """The one-off cost of a process's first fgraph trace (make_fx's symbolic machinery imports torch._dynamo,
+  sympy...: 1-3 s on the H200's host), paid on a toy function before the captures so that each backend's capture
+  time is its own, whichever runs first; reported beside them."""
+  t0 = time.perf_counter()
+  f = fgraph.jit(lambda x: x * 2 + 1, batch={"x": fgraph.Batched()}, buckets=[4], mode="NONE")
+  f(torch.ones(3, 2, device=dev))
+  return time.perf_counter() - t0
+
+
 def capture_cost(cfg, params, backend, a) -> dict:
   """Capture of 2 routines x the default buckets, FULL_AND_PIECEWISE: seconds, graphs, pool GiB, per signature."""
   dev, ps = a.device, A.page_size_for(backend)
@@ -309,6 +319,9 @@ def run_model(name, a, rec, budget, bw):
   if not fits:
     return
   if a.capture:
+    one_off = first_trace_s(dev)
+    rec({"kind": "process", **base, "first_trace_s": one_off},
+        show=f"the process's first trace (one-off imports, before the captures): {one_off:.1f} s")
     for backend in a.backends:
       why = budget.why_not(a.capture_est_s)
       c = {"kind": "capture", **base, "backend": backend}

@@ -196,7 +196,7 @@ def host_lines(cells) -> list[str]:
   return out
 
 
-def capture_lines(caps) -> list[str]:
+def capture_lines(caps, firsts=()) -> list[str]:
   if not caps:
     return []
   out = ["### capture: 2 routines x default buckets, FULL_AND_PIECEWISE", "",
@@ -212,6 +212,8 @@ def capture_lines(caps) -> list[str]:
     out.append(f"| {c['model']} | {c['backend']} | {c['capture_s']:.1f} | {c['signatures']} | {c['graphs']} | "
                f"{c.get('traces', '-')} | {c['pool_GiB']:.2f} | {routine_cost(c, 'decode')} | "
                f"{routine_cost(c, 'mixed')} | {target} |")
+  out += [f"\nThe process's first trace ({f['model']} run), paid once before these captures: one-off imports of "
+          f"make_fx's symbolic machinery, {f['first_trace_s']:.1f} s." for f in firsts]
   return out + [""]
 
 
@@ -267,7 +269,7 @@ def report(rows) -> str:
   out.append("")
   for model in _dedupe([c["model"] for c in cells]):
     out += decode_table(model, [c for c in cells if c["model"] == model]) + [""]
-  out += capture_lines([r for r in rows if r.get("kind") == "capture"])
+  out += capture_lines([r for r in rows if r.get("kind") == "capture"], [r for r in rows if r.get("kind") == "process"])
   out += serve_lines([r for r in rows if r.get("kind") == "serve"])
   return "\n".join(out)
 

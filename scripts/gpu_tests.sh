@@ -4,8 +4,9 @@
 #   bash scripts/gpu_tests.sh             every GPU test, in separate processes (a CUDA error poisons a process,
 #                                         and FlashInfer keeps wrappers per process): the single-GPU tests but
 #                                         FlashInfer's, FlashInfer's, then FlashInfer's model tests with
-#                                         FI.TENSOR_CORE_PLAN_PATHS off (the fallback), and (2+ GPUs) the TP/EP tests (the TP bench: benchmarks/tp_bench.py). With 2+
-#                                         GPUs the lanes run side by side (timings are not what these check).
+#                                         FI.TENSOR_CORE_PLAN_PATHS off (the fallback), and (2+ GPUs) the TP/EP
+#                                         tests (the TP bench: benchmarks/tp_bench.py). The lanes run side by
+#                                         side, on one GPU too (timings are not what these check).
 #   bash scripts/gpu_tests.sh PYTEST_ARGS  one pytest process with those arguments
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,6 @@ n=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$n" -ge 2 ]; then
   lane_multi & CUDA_VISIBLE_DEVICES=1 lane_rest & CUDA_VISIBLE_DEVICES=0 lane_fi & wait
 else
-  lane_rest; lane_fi
+  lane_rest & lane_fi & wait
 fi
 for f in "$log"/gpu_tests-*.log; do echo "== $f"; tail -n 15 "$f" | grep -E "passed|failed|error|FAILED|ERROR"; done

@@ -517,6 +517,26 @@ def test_flashinfer_plans_once_per_step_from_the_hook(routine, lens, fake_flashi
     assert FI.stats() == {"plan": 1, "fast": 1, "module": 0, "skip": 1}
 
 
+def test_flashinfer_decode_steps_within_pages_upload_only_the_last_page_lengths(fake_flashinfer):
+  """A decode step that keeps every sequence in its last page (page_size - 1 steps in page_size) changes only the
+  last-page lengths: the hook reuses the previous plan's indptr and page ids and uploads the lengths alone (the
+  wrapper's plan is skipped); a sequence entering a new page, or other pages, upload everything again."""
+  lens = [1, 5, 9, 13, 17]  # 1..5 pages of 4
+  for step, (grow, seed, upload) in enumerate([(0, 0, "full"), (1, 0, "lengths"), (2, 0, "lengths"),
+                                               (4, 0, "full"), (4, 1, "full")]):  # +4: new pages; seed 1: others
+    case = Case([1] * 5, [n + grow for n in lens], 4, 2, dtype=torch.float32, seed=seed)
+    meta = A.pad_metadata(case.meta, 8)
+    bufs = FI._decode_bufs.get("cpu")
+    before = dict(bufs.uploads) if bufs is not None else {"full": 0, "lengths": 0}
+    A.plan_attention(meta, backend="flashinfer", routine="decode", page_size=PAGE, scale=D ** -0.5)
+    out = _layers(case, meta, "decode", 8)
+    torch.testing.assert_close(out.double(), case.expected(), rtol=1e-5, atol=1e-5)
+    after = FI._decode_bufs["cpu"].uploads
+    assert {k: after[k] - before[k] for k in after} == {"full": int(upload == "full"),
+                                                       "lengths": int(upload == "lengths")}, step
+  assert FI.stats()["skip"] == 3  # the schedule follows the page counts alone: steps 1, 2 and 4 keep it
+
+
 @pytest.mark.parametrize("hq, hkv", [(4, 2), (8, 2)], ids=["cuda-cores", "tensor-cores-switched-on"])
 def test_flashinfer_decode_replans_only_when_page_counts_change(hq, hkv, fake_flashinfer, monkeypatch):
   """Lengths grow by one a step (new pages each step: the page ids change, the page counts only when a
