@@ -14,7 +14,8 @@ replayed inside a CUDA graph, against the bytes it must read over the copy bandw
   step_us    flashinfer decode: the hook over consecutive decode steps, lengths +1 a step from staggered
              offsets in their pages (as in serving: at larger batches some sequence enters a new page most
              steps, so most steps re-plan); skip_us: +1 a step inside one page (every plan skipped, only
-             host metadata + upload); new_us: the page counts change every step (every step re-plans through
+             host metadata + upload; skip_full_us: the same without reusing the last step's indptr and page
+             ids, i.e. full host metadata + full upload); new_us: the page counts change every step (every step re-plans through
              the module's plan call); step_skipped: the share of steps step_us skipped
 
 usage (device): source .gpu/activate.sh; python3 -m benchmarks.attention_bench [--quick] [--backends ...]
@@ -128,6 +129,12 @@ def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, b
         row[key] = us
         if kind == "grow":
           row["step_skipped"] = skipped
+      real = FI.host_plan  # the same within-page steps without host_plan's reuse of the previous layout
+      FI.host_plan = lambda *a, prev=None, **k: real(*a, **k)
+      try:
+        row["skip_full_us"] = plan_steps_us(decode_steps(batch, ctx, page, max_pages, pages, "same"), page, d)[0]
+      finally:
+        FI.host_plan = real
       plan()  # leave it planned our way
   del fn, k_cache, v_cache
   if graphed:
@@ -141,7 +148,8 @@ def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, b
 
 def table(rows) -> str:
   head = f"{'model':<13}{'backend':<11}{'routine':<8}{'B':>5}{'ctx':>6}{'graph':>6}{'us':>10}{'floor':>9}" \
-         f"{'x floor':>9}{'plan_us':>9}{'stock_us':>9}{'step_us':>9}{'skip_us':>9}{'new_us':>9}{'skipped':>9}"
+         f"{'x floor':>9}{'plan_us':>9}{'stock_us':>9}{'step_us':>9}{'skip_us':>9}{'skip_full':>10}{'new_us':>9}" \
+         f"{'skipped':>9}"
   lines = [head, "-" * len(head)]
   for r in rows:
     if "skipped" in r:
@@ -151,7 +159,8 @@ def table(rows) -> str:
     f = lambda k: f"{r[k]:>9.1f}" if k in r else f"{'':>9}"
     lines.append(f"{r['model']:<13}{r['backend']:<11}{r['routine']:<8}{r['batch']:>5}{r['ctx']:>6}"
                  f"{'yes' if r['graph'] else 'no':>6}{r['us']:>10.1f}{r['floor_us']:>9.1f}{r['x_floor']:>9.2f}"
-                 f"{f('plan_us')}{f('stock_us')}{f('step_us')}{f('skip_us')}{f('new_us')}{f('step_skipped')}")
+                 f"{f('plan_us')}{f('stock_us')}{f('step_us')}{f('skip_us')} {f('skip_full_us')}{f('new_us')}"
+                 f"{f('step_skipped')}")
   return "\n".join(lines)
 
 
