@@ -3,7 +3,7 @@ call runs through it: copy inputs in, plan, replay (or run the program), hand ou
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -165,7 +165,7 @@ class Entry:
     if n is not None:
       st.padded += self.sig.bucket - n
     # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
-    host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs)
+    host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=self.full is not None)
     if self.full is None and not self.graphs:
       st.eager += 1
     else:
@@ -202,10 +202,11 @@ class Entry:
                            "or call .reset() to drop the graphs after replacing them")
 
   # -- capturing -------------------------------------------------------------------------------------------
-  def capture(self, call: Call, pool, warmups: int, compile: dict | None = None):
+  def capture(self, call: Call, pool, warmups: int, compile: dict | None = None, inputs_in_graph: bool = False):
     """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
     With `compile` (Inductor config options; {}: the defaults), Inductor compiles each graph piece first
-    (fusing norms, RoPE, activations, residuals); breaks stay as they are."""
+    (fusing norms, RoPE, activations, residuals); breaks stay as they are. inputs_in_graph (CUDA, FULL): the
+    graph itself copies the batched inputs in (InputBuffers.copy_in_graph)."""
     t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
     if compile is not None:
       for piece in self.program.pieces:
@@ -240,7 +241,10 @@ class Entry:
         self.graphs = [r.graph for r in runners if not r.piece.is_break]
       elif self.mode is Mode.FULL:
         self.full = Graph(pool)
-        self.full.capture(self.module, *args)
+        if inputs_in_graph and self.buffers.cuda:
+          self.full.capture(_after(self.buffers.copy_in_graph(), self.module), *args)
+        else:
+          self.full.capture(self.module, *args)
         self.graphs.append(self.full)
     for g in self.graphs:  # only now: the pieces of this signature must not reuse each other's outputs
       g.weaken()
@@ -249,6 +253,14 @@ class Entry:
       torch.cuda.synchronize()
     self.capture_seconds = time.perf_counter() - t0
     self.pool_bytes = C.pool_bytes(self.device) - mem0
+
+
+def _after(first: Callable[[], None], fn: Callable) -> Callable:
+  """fn, with `first()` run before it (captured first, when captured)."""
+  def run(*args):
+    first()
+    return fn(*args)
+  return run
 
 
 def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:

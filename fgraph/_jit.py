@@ -28,6 +28,9 @@ class config:
   """Process-wide switches (JAX's jax_explain_cache_misses / jax_log_compiles are the models)."""
   explain_cache_misses = False  # log, for each new signature, the closest previous one and what differs
   log_captures = False          # log every graph captured
+  # FULL graphs copy their batched inputs in themselves (InputBuffers.copy_in_graph): a call pads into pinned
+  # memory and replays, with no copy or event of its own. Off until it has run on a GPU (benchmarks/NOTES.md).
+  inputs_in_graph = False
 
 
 _disabled = False
@@ -228,7 +231,7 @@ class Jitted:
   def _capture(self, entry: Entry, call: Call):
     graphed = entry.mode is not Mode.NONE
     entry.capture(call, self._pool(entry.device) if graphed else None, self.warmups if graphed else 0,
-                  self.compile if graphed else None)
+                  self.compile if graphed else None, config.inputs_in_graph)
     if config.log_captures and graphed:
       log.warning("fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB", self.name,
                   len(entry.graphs), entry.mode.name, entry.sig.describe(), entry.capture_seconds,

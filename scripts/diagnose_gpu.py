@@ -1,5 +1,5 @@
 """Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
-logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|capture|kernels|pool|inductor|gemv|moe ...]
+logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|h2d|capture|kernels|pool|inductor|gemv|moe ...]
 Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set."""
 from __future__ import annotations
 
@@ -131,6 +131,36 @@ def stages(cfg, params):
     say(f"{backend:10s} B={B:3d} us: dispatch {med[0]:6.1f}  write {med[1]:6.1f}  plan {med[2]:6.1f}  "
         f"replay {med[3]:6.1f}  outputs {med[4]:6.1f}  total {med[5]:6.1f}")
     del f, cache, entry, write, replay, timed_write, timed_replay
+
+
+def h2d(_cfg, _params):
+  """The CUDA calls of InputBuffers.write one by one, each timed alone on a busy stream (a 3 ms spin before each,
+  as in stages) and back to back (hot): event.synchronize on a completed event, a 4 KiB pinned -> device
+  copy_(non_blocking), event.record, CUDAGraph replay of an empty-ish graph; median us of 300."""
+  pinned = torch.zeros(4096, dtype=torch.uint8, pin_memory=True)
+  dev = torch.zeros(4096, dtype=torch.uint8, device=DEV)
+  ev = torch.cuda.Event()
+  ev.record()
+  torch.cuda.synchronize()
+  g, x = torch.cuda.CUDAGraph(), torch.zeros(8, device=DEV)
+  with torch.cuda.graph(g):
+    x.add_(1)
+  ops = {"event.synchronize (done)": ev.synchronize, "copy_ 4 KiB pinned->dev": lambda: dev.copy_(pinned,
+         non_blocking=True), "event.record": ev.record, "graph.replay (1 kernel)": g.replay,
+         "torch.cuda._sleep(0)": lambda: torch.cuda._sleep(0)}
+  for name, op in ops.items():
+    for busy in (True, False):
+      ts = []
+      for _ in range(300):
+        if busy:
+          torch.cuda._sleep(6_000_000)
+        t0 = time.perf_counter()
+        op()
+        ts.append(time.perf_counter() - t0)
+        if busy:
+          torch.cuda.synchronize()
+      say(f"{name:28s} {'after a 3 ms spin' if busy else 'back to back':18s}: {statistics.median(ts) * 1e6:7.1f} us")
+    torch.cuda.synchronize()
 
 
 def capture(cfg, params):

@@ -132,3 +132,26 @@ def test_reset_keeps_memory_of_outputs_still_held():
   del kept
   f.reset()
   assert len(f._retired) == 1                # only the second graph (`other` is still held)
+
+
+@pytest.fixture
+def inputs_in_graph():
+  fgraph.config.inputs_in_graph = True
+  yield
+  fgraph.config.inputs_in_graph = False
+
+
+def test_full_graphs_copy_their_inputs_in_and_calls_never_overwrite_a_pending_copy(inputs_in_graph):
+  """fgraph.config.inputs_in_graph: a FULL graph's first step copies the batched inputs from its own pinned
+  mirror. Calls queued behind a busy GPU must not rewrite that mirror before the previous replay has copied it
+  (each call waits for the event the graph records after its copy): every output equals eager."""
+  f = jitted(mode="FULL", buckets=[8, 32])
+  params, state, batch = make_cuda()
+  f.capture(params, state, batch, routine=["decode", "mixed"], progress=False)
+  assert all(e.buffers.graph_mirror is not None for e in f.entries.values())
+  g = torch.Generator().manual_seed(2)
+  xs = [torch.randn(n, 64, generator=g) for n in (7, 25, 8, 3, 25, 7)]
+  torch.cuda._sleep(50_000_000)  # ~25 ms of GPU spin: the calls below queue up behind it
+  outs = [f(params, state, {"x": x}, routine=r)[0].clone() for x, r in zip(xs, ["decode", "mixed"] * 3)]
+  for x, r, out in zip(xs, ["decode", "mixed"] * 3, outs):
+    assert torch.equal(out, eager(params, toys_pad(x, f), r)[:x.shape[0]]), (x.shape[0], r)

@@ -129,12 +129,14 @@ class InputBuffers:
       offsets.append(total)
       total += max(1, torch.Size(shape).numel()) * dtype.itemsize
     self.device, self.cuda = device, device.startswith("cuda")
+    self.layout = (total, offsets, shapes)
     self.dev_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
     self.dev = self._views(self.dev_bytes, offsets, shapes)
     self.real_dev = [-1] * len(shapes)  # rows last written per leaf: the pad rows after them are still in place
     self.heads = {}  # (leaf, rows) -> view of the first rows of its device buffer (see _pad_all)
     self.mirrors = [_Mirror(total, offsets, shapes) for _ in range(2)] if self.cuda else []
     self.turn = 0
+    self.graph_mirror = None  # the mirror a FULL graph copies from itself (copy_in_graph)
     # on the CPU the "device" buffers are host memory: written through numpy like a mirror
     self.dev_np = [_numpy(d) for d in self.dev] if not self.cuda else None
 
@@ -147,9 +149,31 @@ class InputBuffers:
     """The host side last written: the mirror of the last call on CUDA, the buffers themselves on the CPU."""
     return self.mirrors[self.turn ^ 1].host if self.cuda else self.dev
 
-  def write(self, leaves: list[torch.Tensor], specs) -> list[torch.Tensor]:
+  def copy_in_graph(self) -> Callable[[], None]:
+    """The host -> device copy as the first step of a graph (CUDA; call it inside the capture): a third pinned
+    mirror, which the graph copies in full on every replay and then marks done with an external event. A call
+    then only pads its inputs into that mirror (write(..., in_graph=True)) and replays: no copy_ and no event
+    record of its own, two CUDA calls that cost 25-35 us each on the H200's host when the GPU is busy
+    (scripts/diagnose_gpu.py h2d), against ~9 us for the replay itself."""
+    m = self.graph_mirror = _Mirror(*self.layout)
+    m.copied = torch.cuda.Event(external=True)  # recorded by the graph, waited on from the host
+    m.copied.record()  # created here, before the capture (torch creates events on first record)
+
+    def copy_in():
+      self.dev_bytes.copy_(m.bytes, non_blocking=True)
+      m.copied.record()
+    return copy_in
+
+  def write(self, leaves: list[torch.Tensor], specs, in_graph: bool = False) -> list[torch.Tensor]:
     """Pad the leaves straight into the buffers; returns the padded views on the caller's side of the copy
-    (the host mirror for host inputs: what plan hooks read without a device sync)."""
+    (the host mirror for host inputs: what plan hooks read without a device sync). in_graph: the graph about to
+    replay copies its own mirror (copy_in_graph); device leaves are then copied into that host mirror, which
+    waits for the device (keep batched inputs on the host)."""
+    if in_graph and self.graph_mirror is not None:
+      m = self.graph_mirror
+      m.copied.synchronize()  # the last replay's copy must be done reading the mirror (a no-op before the first)
+      _pad_all(m.host, m.host_np, m.real, leaves, specs, m.heads)
+      return m.host
     if self.cuda and all(x.is_cpu for x in leaves):
       m, self.turn = self.mirrors[self.turn], self.turn ^ 1
       if m.copied is not None:
