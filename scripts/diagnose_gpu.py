@@ -98,16 +98,27 @@ def stages(cfg, params):
   benchmarks.decode_bench's host time): perf_counter stamps around the entry's stages, patched on this entry
   only. dispatch = entry -> input write (bind, flatten, key lookup); write = pad into the pinned mirror, one H2D
   copy, event; plan = execution token + plan hooks up to the replay; replay = CUDAGraph.replay; outputs = the
-  rest (slice, unflatten, return)."""
+  rest (slice, unflatten, return). Each cell twice: fgraph.config.inputs_in_graph off, then on (the graph copies
+  its inputs in; write = pad into its pinned mirror only)."""
+  import fgraph
+  for in_graph in (False, True):
+    fgraph.config.inputs_in_graph = in_graph
+    try:
+      _stages(cfg, params, "inputs in graph" if in_graph else "copy per call")
+    finally:
+      fgraph.config.inputs_in_graph = False
+
+
+def _stages(cfg, params, label):
   for backend, B, f, cache, batch in full_decode_cells(cfg):
     f(params, cache, batch, routine="decode")
     (entry,) = f.entries.values()
     st = {}
     write, replay = entry.buffers.write, entry.full.replay
 
-    def timed_write(*a, _w=write):
+    def timed_write(*a, _w=write, **k):
       st["w0"] = time.perf_counter()
-      out = _w(*a)
+      out = _w(*a, **k)
       st["w1"] = time.perf_counter()
       return out
 
@@ -128,7 +139,7 @@ def stages(cfg, params):
                    t1 - t0))
       torch.cuda.synchronize()
     med = [statistics.median(c) * 1e6 for c in zip(*rows)]
-    say(f"{backend:10s} B={B:3d} us: dispatch {med[0]:6.1f}  write {med[1]:6.1f}  plan {med[2]:6.1f}  "
+    say(f"{label:15s} {backend:10s} B={B:3d} us: dispatch {med[0]:6.1f}  write {med[1]:6.1f}  plan {med[2]:6.1f}  "
         f"replay {med[3]:6.1f}  outputs {med[4]:6.1f}  total {med[5]:6.1f}")
     del f, cache, entry, write, replay, timed_write, timed_replay
 
