@@ -1,6 +1,7 @@
 """Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
 logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|h2d|capture|kernels|pool|inductor|gemv|moe ...]
-Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set."""
+Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set.
+DIAG_MODEL=llama3-8b runs the parts on another preset (default qwen2.5-0.5b)."""
 from __future__ import annotations
 
 import cProfile
@@ -207,7 +208,7 @@ def capture(cfg, params):
 
 
 def kernels(cfg, params):
-  """The kernels of one decode step (0.5B, ctx 1k, B = 1 and 64) under fgraph FULL+C per backend and under
+  """The kernels of one decode step (DIAG_MODEL, ctx 1k, B = 1 and 64) under fgraph FULL+C per backend and under
   torch.compile(reduce-overhead) of the same step (FA2 attention): per kernel name, launches and GPU us per
   step (torch.profiler over 20 replays), to see where a step's time goes and what each side fuses.
   KERNELS_B="1 64" and KERNELS_SIDES="flashinfer flash_attn compile" pick the cells; KERNELS_CDT=1 compiles
@@ -407,7 +408,7 @@ def _diff(a, b):
 
 def main():
   parts = sys.argv[1:] or ["host", "capture", "moe"]
-  cfg = llama.preset("qwen2.5-0.5b")
+  cfg = llama.preset(os.environ.get("DIAG_MODEL", "qwen2.5-0.5b"))  # the model of every part but gemv / moe
   params = llama.init_params(cfg, torch.bfloat16, DEV)
   say(torch.cuda.get_device_name(), torch.__version__, "commit", os.popen("git rev-parse --short HEAD").read().strip())
   for p in parts:
