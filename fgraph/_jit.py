@@ -6,6 +6,7 @@ import functools
 import inspect
 import itertools
 import logging
+import operator
 import sys
 import time
 from typing import Callable
@@ -79,6 +80,9 @@ class Jitted:
     self._names = list(params)
     self._defaults = {k: p.default for k, p in params.items()}
     self._static_sorted = tuple(sorted(self.static))
+    # bound -> the statics tuple, in one C call (itemgetter returns a bare value for a single name)
+    get = operator.itemgetter(*self._static_sorted) if self._static_sorted else (lambda b: ())
+    self._statics_of = get if len(self._static_sorted) != 1 else (lambda b, g=get: (g(b),))
     self._dynamic = [k for k in params if k not in self.static]
     self._flat, self._specs, self._readers, self._fast = {}, {}, {}, {}  # the fast path's caches (_fast_call)
     self._traces: dict[tuple, list] = {}  # (statics, structure, non-batch shapes) -> traces
@@ -133,7 +137,7 @@ class Jitted:
             return _MISS
           bound[k] = d
     try:
-      statics = tuple(bound[k] for k in self._static_sorted)
+      statics = self._statics_of(bound)
       hash(statics)
     except TypeError:
       return _MISS
@@ -166,7 +170,7 @@ class Jitted:
     if entry is None:
       return _MISS
     check = entry.verified is None or len(held) != len(entry.verified) or \
-        any(a is not b for a, b in zip(held, entry.verified))
+        not all(map(operator.is_, held, entry.verified))
     out = entry.run(leaves, n, bound, self.copy_outputs, check)
     entry.verified = held
     return out

@@ -129,6 +129,30 @@ def test_plan_hook_sees_padded_host_inputs_before_every_execution():
   assert out.tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
 
 
+def test_padding_stays_right_when_calls_repeat_a_size_or_change_it():
+  """Input buffers keep the padding rows of the last call and rewrite only the real rows; a call repeating the last
+  call's sizes goes straight to one copy of the real rows. Whatever the sequence of sizes, the padded inputs are
+  the real rows, then the padding value."""
+  def fn(x, lens):
+    o = torch.empty_like(x)
+    toys.toy_planned(o, x, lens)
+    return o
+  f = fgraph.jit(fn, batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=[8])
+  toys.calls["plan"].clear()
+  prev = None
+  for n, v in [(5, 2), (5, 3), (3, 4), (3, 5), (5, 6), (8, 7), (8, 8), (5, 9), (5, 10)]:
+    lens = torch.arange(n) + v
+    out = f(torch.full((n, 2), float(v)), lens)
+    assert toys.calls["plan"][-1][3]["lens"].tolist() == lens.tolist() + [1] * (8 - n), (n, v)
+    assert out.tolist() == [[float(v) * k] * 2 for k in lens.tolist()], (n, v)
+    (e,) = f.entries.values()
+    # one copy of the real rows (remembered for the next call) when the padding in place is still right: the
+    # same size as the last call, or a full bucket; another size pads in the loop
+    if prev is not None:
+      assert (None in e.buffers.heads) == (n == prev or n == 8), (n, v)
+    prev = n
+
+
 @pytest.mark.parametrize("planned", [True, False])
 def test_plan_needed_rules_out_call_sites_once_per_trace(planned):
   def fn(x, lens):
