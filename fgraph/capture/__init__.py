@@ -137,6 +137,7 @@ class InputBuffers:
     self.mirrors = [_Mirror(total, offsets, shapes) for _ in range(2)] if self.cuda else []
     self.turn = 0
     self.graph_mirror = None  # the mirror a FULL graph copies from itself (copy_in_graph)
+    self.last_host = self.dev
     # on the CPU the "device" buffers are host memory: written through numpy like a mirror
     self.dev_np = [_numpy(d) for d in self.dev] if not self.cuda else None
 
@@ -146,8 +147,8 @@ class InputBuffers:
 
   @property
   def host(self) -> list[torch.Tensor]:
-    """The host side last written: the mirror of the last call on CUDA, the buffers themselves on the CPU."""
-    return self.mirrors[self.turn ^ 1].host if self.cuda else self.dev
+    """The host side last written (what write returned): a pinned mirror on CUDA, the buffers on the CPU."""
+    return self.last_host
 
   def copy_in_graph(self) -> Callable[[], None]:
     """The host -> device copy as the first step of a graph (CUDA; call it inside the capture): a third pinned
@@ -173,6 +174,7 @@ class InputBuffers:
       m = self.graph_mirror
       m.copied.synchronize()  # the last replay's copy must be done reading the mirror (a no-op before the first)
       _pad_all(m.host, m.host_np, m.real, leaves, specs, m.heads)
+      self.last_host = m.host
       return m.host
     if self.cuda and all(x.is_cpu for x in leaves):
       m, self.turn = self.mirrors[self.turn], self.turn ^ 1
@@ -183,10 +185,12 @@ class InputBuffers:
       self.dev_bytes.copy_(m.bytes, non_blocking=True)
       m.copied = m.copied or torch.cuda.Event()
       m.copied.record()
+      self.last_host = m.host
       return m.host
     _pad_all(self.dev, self.dev_np or [None] * len(self.dev), self.real_dev, leaves, specs, self.heads)
     for m in self.mirrors:
       m.real[:] = [-1] * len(m.real)  # the device side changed behind the mirrors' backs
+    self.last_host = self.dev
     return self.dev
 
 
