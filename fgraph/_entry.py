@@ -205,8 +205,8 @@ class Entry:
   def capture(self, call: Call, pool, warmups: int, compile: dict | None = None, inputs_in_graph: bool = False):
     """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
     With `compile` (Inductor config options; {}: the defaults), Inductor compiles each graph piece first
-    (fusing norms, RoPE, activations, residuals); breaks stay as they are. inputs_in_graph (CUDA, FULL): the
-    graph itself copies the batched inputs in (InputBuffers.copy_in_graph)."""
+    (fusing norms, RoPE, activations, residuals); breaks stay as they are. inputs_in_graph (FULL): the graph
+    itself copies the batched inputs in (InputBuffers.copy_in_graph)."""
     t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
     if compile is not None:
       for piece in self.program.pieces:
@@ -241,7 +241,7 @@ class Entry:
         self.graphs = [r.graph for r in runners if not r.piece.is_break]
       elif self.mode is Mode.FULL:
         self.full = Graph(pool)
-        if inputs_in_graph and self.buffers.cuda:
+        if inputs_in_graph:
           self.full.capture(_after(self.buffers.copy_in_graph(), self.module), *args)
         else:
           self.full.capture(self.module, *args)

@@ -151,14 +151,21 @@ class InputBuffers:
     return self.last_host
 
   def copy_in_graph(self) -> Callable[[], None]:
-    """The host -> device copy as the first step of a graph (CUDA; call it inside the capture): a third pinned
-    mirror, which the graph copies in full on every replay and then marks done with an external event. A call
-    then only pads its inputs into that mirror (write(..., in_graph=True)) and replays: no copy_ and no event
-    record of its own, two CUDA calls that cost 25-35 us each on the H200's host when the GPU is busy
-    (scripts/diagnose_gpu.py h2d), against ~9 us for the replay itself."""
-    m = self.graph_mirror = _Mirror(*self.layout)
-    m.copied = torch.cuda.Event(external=True)  # recorded by the graph, waited on from the host
-    m.copied.record()  # created here, before the capture (torch creates events on first record)
+    """The host -> device copy as the first step of a graph (call it inside the capture): a third mirror, which
+    the graph copies in full on every replay and then marks done with an external event. A call then only pads
+    its inputs into that mirror (write(..., in_graph=True)) and replays: no copy_ and no event record of its
+    own, two CUDA calls that cost 25-35 us each on the H200's host when the GPU is busy
+    (scripts/diagnose_gpu.py h2d), against ~9 us for the replay itself. On the CPU (the HostGraph stand-in
+    reruns the copy on replay) the same path runs, so CPU tests cover it; only the event is a stand-in."""
+    m = self.graph_mirror = _Mirror(*self.layout, pinned=self.cuda)
+    last = self.mirrors[self.turn ^ 1] if self.cuda else None  # it holds the inputs written for this capture
+    m.bytes.copy_(last.bytes if last is not None else self.dev_bytes)
+    m.real[:] = last.real if last is not None else self.real_dev
+    if self.cuda:
+      m.copied = torch.cuda.Event(external=True)  # recorded by the graph, waited on from the host
+      m.copied.record()  # created here, before the capture (torch creates events on first record)
+    else:
+      m.copied = _Done()
 
     def copy_in():
       self.dev_bytes.copy_(m.bytes, non_blocking=True)
@@ -194,11 +201,21 @@ class InputBuffers:
     return self.dev
 
 
+class _Done:
+  """The CPU's stand-in for a copy's event: copies on the CPU are done when they return."""
+
+  def record(self) -> None:
+    pass
+
+  def synchronize(self) -> None:
+    pass
+
+
 class _Mirror:
   """A pinned host copy of the input buffers, its numpy views, and the event of its last copy to the device."""
 
-  def __init__(self, total, offsets, shapes):
-    self.bytes = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=True)
+  def __init__(self, total, offsets, shapes, pinned: bool = True):
+    self.bytes = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
     self.host = InputBuffers._views(self.bytes, offsets, shapes)
     self.host_np = [_numpy(h) for h in self.host]
     self.real = [-1] * len(shapes)
