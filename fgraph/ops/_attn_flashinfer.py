@@ -63,7 +63,7 @@ class HostPlan:
   qo_indptr [B+1] (= query_start_loc; None for decode), indptr [B+1] page offsets, indices [indptr[-1]] page ids,
   last [B] entries in each last page (in 1..page_size: flashinfer reads 0 as a full page),
   lens [B] KV lengths (= seq_lens: what flashinfer's tensor-core decode plan calls kv_lens),
-  key: (page counts, pages in use) as bytes: plans with equal keys have the same indptr and indices.
+  key: (page counts, pages in use or None when not computed) as bytes: equal keys, equal indptr and indices.
   """
   qo_indptr: np.ndarray | None
   indptr: np.ndarray
@@ -90,20 +90,26 @@ def host_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table
 
   `prev`, the last plan of the same signature: when the page counts and the pages in use are the same as its
   (a decode step within the sequences' last pages, page_size - 1 steps in page_size), its indptr and page ids
-  are reused (the same arrays: `upload` then sends only the last-page lengths); ~5 numpy calls instead of ~12."""
+  are reused (the same arrays: `upload` then sends only the last-page lengths); ~5 numpy calls instead of ~12.
+  The pages in use are compared only after equal page counts, and kept for the next step's check when small:
+  a large batch where some sequence enters a new page every step pays nothing for the check."""
   sl, bt = _np(seq_lens), _np(block_table)
   npg = (sl + (page_size - 1)) // page_size                                   # [B] pages in use
   last = sl - (npg - 1) * page_size
   used = bt[:, :max(int(npg.max(initial=0)), 1)]
-  key = (npg.tobytes(), used.tobytes())
   # (copies: the caller's host tensors are fgraph's input mirror, rewritten by the next call)
   qo = _np(query_start_loc).copy() if with_qo else None
-  if prev is not None and prev.key == key:
-    return HostPlan(qo, prev.indptr, prev.indices, last, sl.copy(), key)
+  counts, pages = npg.tobytes(), None
+  if prev is not None and prev.key and prev.key[0] == counts:  # the pages in use are compared (a copy of
+    pages = used.tobytes()                                       # the used block table) only when this may pay
+    if pages == prev.key[1]:
+      return HostPlan(qo, prev.indptr, prev.indices, last, sl.copy(), (counts, pages))
   indptr = np.zeros(sl.shape[0] + 1, dtype=np.int32)
   np.cumsum(npg, out=indptr[1:])
   indices = used[_arange(used.shape[1])[None, :] < npg[:, None]]  # row-major = per sequence
-  return HostPlan(qo, indptr, indices, last, sl.copy(), key)
+  if pages is None and used.size <= 1 << 14:  # small (<= 64 KiB): keep it now, so the next step can reuse
+    pages = used.tobytes()
+  return HostPlan(qo, indptr, indices, last, sl.copy(), (counts, pages))
 
 
 @functools.cache
