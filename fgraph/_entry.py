@@ -172,7 +172,7 @@ class Entry:
       if check:
         self._check_addresses(leaves)
       st.replays += 1
-    with P.execution():
+    with P.execution(in_graph=self.full is not None and self.buffers.graph_mirror is not None):
       if self.plans:
         self._plan(host, n, self.statics, capturing=False)
       outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
@@ -217,7 +217,7 @@ class Entry:
     host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
     args = self._args(call.leaves)
     self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
-    with P.execution():  # one execution: the plan made here serves the warm-up and the capture
+    with P.execution() as token:  # one execution: the plan made here serves the warm-up and the capture
       self._plan(host, call.n, call.statics, capturing=True)
       # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
       # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
@@ -242,6 +242,7 @@ class Entry:
       elif self.mode is Mode.FULL:
         self.full = Graph(pool)
         if inputs_in_graph:
+          token.in_graph = True  # breaks capture their own staged inputs' copies too (P.Token)
           self.full.capture(_after(self.buffers.copy_in_graph(), self.module), *args)
         else:
           self.full.capture(self.module, *args)

@@ -313,6 +313,37 @@ def test_jit_matches_eager(routine, lens, backend, fake_flashinfer):
       assert len([b for _, b in fake_flashinfer.plans if b > 5]) == 3
 
 
+def test_flashinfer_decode_graphs_copy_the_staged_metadata_in_themselves(fake_flashinfer, monkeypatch):
+  """fgraph.config.inputs_in_graph: the FULL decode graph copies flashinfer's metadata in at its first layer,
+  from a stage the plan hook writes (no upload of its own). Steps within pages, a new page, other pages: the
+  same attention as eager; after the capture, every plan is staged for the graph, none uploaded."""
+  monkeypatch.setattr(fgraph.config, "inputs_in_graph", True)
+  step = jit_toy(buckets=(8,))
+  lens = [1, 5, 9, 13, 17]
+  jcache, staged = None, []
+  for grow, seed in [(0, 0), (1, 0), (2, 0), (4, 0), (4, 1)]:
+    case = Case([1] * 5, [n + grow for n in lens], 4, 2, dtype=torch.float32, seed=seed)
+    cache, batch = toy_inputs(case)
+    if jcache is None:
+      jcache = A.KVCache(tuple(t.clone() for t in cache.k), tuple(t.clone() for t in cache.v))
+    else:  # graphs read state by address: refill the same tensors
+      for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
+        d.copy_(src)
+    want, _ = toy_step(cache, batch, routine="decode", backend="flashinfer")
+    before = dict(FI._decode_bufs["cpu"].uploads) if "cpu" in FI._decode_bufs else None
+    got, jcache = step(jcache, batch, routine="decode", backend="flashinfer")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if before is not None:
+      after = FI._decode_bufs["cpu"].uploads
+      staged.append({k: after[k] - before[k] for k in after if after[k] != before[k]})
+  (e,) = [e for e in step.entries.values() if e.full is not None]
+  assert e.buffers.graph_mirror is not None
+  # step 1: the capture's copy and the call's; within pages only the lengths; a new page or other pages: all
+  # (the eager oracle between the steps uploads its own plan, which does not touch the graph stage)
+  assert staged == [{"graph_full": 2}, {"graph_lengths": 1}, {"graph_lengths": 1}, {"graph_full": 1},
+                    {"graph_full": 1}], staged
+
+
 CACHE_WRITES = {"index_copy", "index_copy_", "index_put", "index_put_", "copy_", "scatter", "scatter_"}
 
 
@@ -527,13 +558,14 @@ def test_flashinfer_decode_steps_within_pages_upload_only_the_last_page_lengths(
     case = Case([1] * 5, [n + grow for n in lens], 4, 2, dtype=torch.float32, seed=seed)
     meta = A.pad_metadata(case.meta, 8)
     bufs = FI._decode_bufs.get("cpu")
-    before = dict(bufs.uploads) if bufs is not None else {"full": 0, "lengths": 0}
+    before = dict(bufs.uploads) if bufs is not None else dict.fromkeys(("full", "lengths", "graph_full",
+                                                                          "graph_lengths"), 0)
     A.plan_attention(meta, backend="flashinfer", routine="decode", page_size=PAGE, scale=D ** -0.5)
     out = _layers(case, meta, "decode", 8)
     torch.testing.assert_close(out.double(), case.expected(), rtol=1e-5, atol=1e-5)
     after = FI._decode_bufs["cpu"].uploads
-    assert {k: after[k] - before[k] for k in after} == {"full": int(upload == "full"),
-                                                       "lengths": int(upload == "lengths")}, step
+    assert {k: after[k] - before[k] for k in after} == {"full": int(upload == "full"), "lengths":
+                                                       int(upload == "lengths"), "graph_full": 0, "graph_lengths": 0}, step
   assert FI.stats()["skip"] == 3  # the schedule follows the page counts alone: steps 1, 2 and 4 keep it
 
 

@@ -103,6 +103,26 @@ def test_greedy_tokens_identical_to_eager(backend, mode):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_tokens_identical_to_eager_with_inputs_copied_in_by_the_graphs(backend, monkeypatch):
+  """fgraph.config.inputs_in_graph: FULL graphs copy the batch (and flashinfer's decode metadata) in themselves."""
+  import fgraph
+  backend = backend_or_skip(backend)
+  monkeypatch.setattr(fgraph.config, "inputs_in_graph", True)
+  want = eager_tokens(backend)
+  cfg, params = model()
+  eng = engine.build(cfg, params, backend=backend, mode="FULL_AND_PIECEWISE", **ENGINE)
+  try:
+    diff = first_difference(want, generate_all(eng))
+    assert diff is None, f"backend={backend} inputs_in_graph: {diff}"
+    full = [e for e in eng.step_fn.entries.values() if e.full is not None]
+    assert full and all(e.buffers.graph_mirror is not None for e in full)
+  finally:
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def test_tokens_are_not_degenerate():
   """The comparison above means something only if the outputs vary with the prompt."""
   got = eager_tokens(backend_or_skip("torch"))[7]

@@ -165,7 +165,7 @@ class InputBuffers:
       m.copied = torch.cuda.Event(external=True)  # recorded by the graph, waited on from the host
       m.copied.record()  # created here, before the capture (torch creates events on first record)
     else:
-      m.copied = _Done()
+      m.copied = DoneEvent()
 
     def copy_in():
       self.dev_bytes.copy_(m.bytes, non_blocking=True)
@@ -201,7 +201,7 @@ class InputBuffers:
     return self.dev
 
 
-class _Done:
+class DoneEvent:
   """The CPU's stand-in for a copy's event: copies on the CPU are done when they return."""
 
   def record(self) -> None:

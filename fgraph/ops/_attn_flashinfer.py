@@ -38,12 +38,12 @@ import itertools
 import weakref
 
 import attrs
-import numpy as np  # a flashinfer dependency
 import torch
 
 from fgraph._errors import FgraphError
 from fgraph._primitives import executing
 from fgraph.ops._attn_torch import write_kv
+from fgraph.ops._flashinfer_buffers import HostPlan, _DecodeBuffers, host_plan
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace (split-KV partial results)
 _gen = itertools.count(1)
@@ -55,126 +55,7 @@ def _fi():
   return flashinfer
 
 
-# ------------------------------------------------------------------------------------------- host metadata
-@attrs.frozen
-class HostPlan:
-  """flashinfer's paged-KV description of one padded batch, on the host (numpy int32, contiguous).
-
-  qo_indptr [B+1] (= query_start_loc; None for decode), indptr [B+1] page offsets, indices [indptr[-1]] page ids,
-  last [B] entries in each last page (in 1..page_size: flashinfer reads 0 as a full page),
-  lens [B] KV lengths (= seq_lens: what flashinfer's tensor-core decode plan calls kv_lens),
-  key: (page counts, pages in use or None when not computed) as bytes: equal keys, equal indptr and indices.
-  """
-  qo_indptr: np.ndarray | None
-  indptr: np.ndarray
-  indices: np.ndarray
-  last: np.ndarray
-  lens: np.ndarray
-  key: tuple = ()
-
-  def t(self, name: str) -> torch.Tensor:
-    """A field as a CPU int32 tensor (shares memory), for flashinfer's own plan()."""
-    return torch.from_numpy(getattr(self, name))
-
-
-def _np(t: torch.Tensor):
-  return t.numpy() if t.device.type == "cpu" and t.dtype == torch.int32 else t.cpu().to(torch.int32).numpy()
-
-
-def host_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-              page_size: int, with_qo: bool = True, prev: HostPlan | None = None) -> HostPlan:
-  """Vectorized (no loop per sequence; numpy, ~10x cheaper than torch CPU ops at these sizes; about a dozen
-  numpy calls, ~1 us each: 10-25 us on a slow 2-core CPU at batch 1-256). Device inputs are copied to the
-  host first (a sync: only for calls outside fgraph.jit). with_qo=False (decode: its query offsets are a
-  constant range) leaves qo_indptr None.
-
-  `prev`, the last plan of the same signature: when the page counts and the pages in use are the same as its
-  (a decode step within the sequences' last pages, page_size - 1 steps in page_size), its indptr and page ids
-  are reused (the same arrays: `upload` then sends only the last-page lengths); ~5 numpy calls instead of ~12.
-  The pages in use are compared only after equal page counts, and kept for the next step's check when small:
-  a large batch where some sequence enters a new page every step pays nothing for the check."""
-  sl, bt = _np(seq_lens), _np(block_table)
-  npg = (sl + (page_size - 1)) // page_size                                   # [B] pages in use
-  last = sl - (npg - 1) * page_size
-  used = bt[:, :max(int(npg.max(initial=0)), 1)]
-  # (copies: the caller's host tensors are fgraph's input mirror, rewritten by the next call)
-  qo = _np(query_start_loc).copy() if with_qo else None
-  counts, pages = npg.tobytes(), None
-  if prev is not None and prev.key and prev.key[0] == counts:  # the pages in use are compared (a copy of
-    pages = used.tobytes()                                       # the used block table) only when this may pay
-    if pages == prev.key[1]:
-      return HostPlan(qo, prev.indptr, prev.indices, last, sl.copy(), (counts, pages))
-  indptr = np.zeros(sl.shape[0] + 1, dtype=np.int32)
-  np.cumsum(npg, out=indptr[1:])
-  indices = used[_arange(used.shape[1])[None, :] < npg[:, None]]  # row-major = per sequence
-  if pages is None and used.size <= 1 << 14:  # small (<= 64 KiB): keep it now, so the next step can reuse
-    pages = used.tobytes()
-  return HostPlan(qo, indptr, indices, last, sl.copy(), (counts, pages))
-
-
-@functools.cache
-def _arange(n: int) -> np.ndarray:
-  return np.arange(n, dtype=np.int32)
-
-
-# ------------------------------------------------------------------------------------- wrappers and buffers
-class _DecodeBuffers:
-  """The persistent device metadata that decode wrappers (and their graphs) read: one int32 array
-  [indptr (batch+1) | last (batch) | indices], wrappers of smaller buckets use the heads of its parts. `owner`:
-  the plan generation whose metadata it holds (uploaded once per generation, whatever the number of wrappers).
-  A plan fills it with one non-blocking copy from a pinned mirror (two, alternating, written through numpy
-  views: ~0.3 us a part instead of ~3 us a torch copy_); flashinfer's own plan() copies page ids from pageable
-  memory with a blocking copy, which synchronizes the stream every step."""
-
-  def __init__(self, batch: int, num_indices: int, device):
-    n = 2 * batch + 1 + num_indices
-    self.flat = torch.zeros(n, dtype=torch.int32, device=device)
-    self.indptr, self.last, self.indices = self.flat[:batch + 1], self.flat[batch + 1:2 * batch + 1], \
-        self.flat[2 * batch + 1:]
-    self.batch, self.owner = batch, None
-    self.layout = None  # the (indptr, indices) arrays whose contents the device buffers hold now
-    self.uploads = {"full": 0, "lengths": 0}  # uploads of all metadata / of the last-page lengths only
-    self.cuda = torch.device(device).type == "cuda"
-    if self.cuda:
-      self.stage = [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-      self.stage_np = [st.numpy() for st in self.stage]
-      # two events made once (creating one per step costs a cudaEventCreate on its first record)
-      self.copied, self.events, self.turn = [False, False], [torch.cuda.Event(), torch.cuda.Event()], 0
-
-  def upload(self, host: HostPlan, gen: int) -> None:
-    """indptr, last-page lengths and page ids -> the device, stream-ordered, no host sync; a no-op when this
-    generation is already here, only the last-page lengths when its indptr and page ids are (host_plan's
-    `prev` reuse: the same arrays)."""
-    if self.owner == gen:
-      return
-    B, nnz, o = host.last.shape[0], host.indices.shape[0], self.batch
-    same = self.layout is not None and self.layout[0] is host.indptr and self.layout[1] is host.indices
-    if nnz > self.indices.numel():
-      raise FgraphError(f"attention(backend='flashinfer'): {nnz} pages in use, the decode buffers hold "
-                        f"{self.indices.numel()}", "keep block tables within max_pages")
-    if not self.cuda:
-      self.last[:B].copy_(host.t("last"))
-      if not same:
-        self.indptr[:B + 1].copy_(host.t("indptr"))
-        self.indices[:nnz].copy_(host.t("indices"))
-    else:
-      i, self.turn = self.turn, self.turn ^ 1
-      if self.copied[i]:
-        self.events[i].synchronize()  # the copy made from this mirror two plans ago must be done reading it
-      st, end = self.stage_np[i], 2 * o + 1 + nnz
-      st[o + 1:o + 1 + B] = host.last
-      if same:
-        self.flat[o + 1:o + 1 + B].copy_(self.stage[i][o + 1:o + 1 + B], non_blocking=True)
-      else:
-        st[:B + 1] = host.indptr
-        st[2 * o + 1:end] = host.indices
-        self.flat[:end].copy_(self.stage[i][:end], non_blocking=True)
-      self.events[i].record()
-      self.copied[i] = True
-    self.owner, self.layout = gen, (host.indptr, host.indices)
-    self.uploads["lengths" if same else "full"] += 1
-
-
+# ------------------------------------------------------------------------------------------- wrappers
 def _fast_decode_plan():
   """flashinfer.decode.fast_decode_plan (what vLLM and sglang replan CUDA-graph decode wrappers with): plan()
   minus the buffer copies (`upload` made them) and minus plan's O(batch) Python work. None if absent."""
@@ -255,9 +136,9 @@ class _Wrapper:
   def valid(self, gen: int) -> bool:
     return self.gen == gen and (self.bufs is None or self.bufs.owner == gen)
 
-  def plan(self, host: HostPlan, gen: int) -> None:
+  def plan(self, host: HostPlan, gen: int, in_graph: bool = False) -> None:
     if self.routine == "decode":
-      self._plan_decode(host, gen)
+      self._plan_decode(host, gen, in_graph)
     else:
       hq, hkv, d, page, qdt, kvdt, scale = self.cfg
       self.fi.plan(host.t("qo_indptr"), host.t("indptr"), host.t("indices"), host.t("last"), hq, hkv, d, page,
@@ -265,12 +146,15 @@ class _Wrapper:
       self.counts["plan"] += 1
     self.gen = gen
 
-  def _plan_decode(self, host: HostPlan, gen: int) -> None:
+  def _plan_decode(self, host: HostPlan, gen: int, in_graph: bool = False) -> None:
     """Upload the metadata (once per generation), then re-plan only if the host indptr changed since this
     wrapper's last plan (its schedule depends on nothing else: see _ModulePlan): decode lengths grow by one a
     step, so the page counts, hence the indptr, change only when a sequence crosses into a new page (every
     page_size steps per sequence), or when the batch changes."""
-    self.bufs.upload(host, gen)
+    if in_graph:
+      self.bufs.stage_for_graph(host, gen)
+    else:
+      self.bufs.upload(host, gen)
     if _tensor_cores(self.cfg[0], self.cfg[1]) and not TENSOR_CORE_PLAN_PATHS:
       # The switch off: tensor-core wrappers (their decode plans with the prefill scheduler) re-plan every step
       # through flashinfer's own entry points. Their skip / direct-module paths once met an illegal address on
@@ -425,8 +309,10 @@ def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs) -> 
                    with_qo=routine == "mixed", prev=prev.host if prev is not None else None)
   gen = next(_gen)
   _states[(routine, bucket, page_size)] = _State(gen, host, token=executing() or _BY_HAND, ident=None)
+  token = executing()
+  in_graph = token is not None and token.in_graph  # a FULL graph that copies the metadata in itself
   for w in _group(routine, bucket, page_size, scale):
-    w.plan(host, gen)
+    w.plan(host, gen, in_graph)
 
 
 def _version(t: torch.Tensor):
@@ -477,4 +363,9 @@ def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_tab
     host = host_plan(query_start_loc, seq_lens, block_table, page, with_qo=routine == "mixed")  # a sync
     st = _states[key] = _State(next(_gen), host, token=None, ident=_ident(ts))
     w.plan(host, st.gen)
+  if routine == "decode" and now is not None and now.in_graph and w.bufs.copied_for is not now:
+    # first layer of a graph that copies its inputs in itself (P.Token): the metadata copy goes in the graph
+    w.bufs.stage_for_graph(st.host, st.gen, capturing)  # a no-op when the hook staged this generation
+    w.bufs.copy_in(B * block_table.shape[1])
+    w.bufs.copied_for = now
   w.fi.run(q, (k_cache, v_cache), out=out)
