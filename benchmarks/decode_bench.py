@@ -360,6 +360,8 @@ def parse_args(argv=None):
   ap.add_argument("--peers", nargs="+", default=["eager", "graph", "compile"], help='subset, or "none"')
   ap.add_argument("--peer-backend", default=None, help="attention backend of the peers (default: flash_attn)")
   ap.add_argument("--no-host", dest="host", action="store_false", help="skip host time per FULL call")
+  ap.add_argument("--inputs-in-graph", action="store_true",
+                  help="fgraph.config.inputs_in_graph: FULL graphs copy their inputs (and FlashInfer metadata) in")
   ap.add_argument("--capture", action="store_true", help="capture cost of 2 routines x default buckets")
   ap.add_argument("--capture-max-bucket", type=int, default=512, help="default buckets up to this")
   ap.add_argument("--max-kv-gb", type=float, default=90.0, help="skip cells whose KV cache is larger")
@@ -401,13 +403,14 @@ class Recorder:
 
 def main(argv=None):
   a = parse_args(argv)
+  fgraph.config.inputs_in_graph = a.inputs_in_graph
   budget = Budget(a.budget_s)
   os.makedirs(a.out, exist_ok=True)
   rec = Recorder(os.path.join(a.out, f"{a.name}.jsonl"))
   torch.manual_seed(0)
   bw = copy_bandwidth(a.device, (2 << 30) if a.device.startswith("cuda") else (64 << 20))
   info = {"kind": "info", "part": a.name, "device": device_name(a.device), "torch": torch.__version__,
-          "copy_TBps": bw / 1e12, "budget_s": a.budget_s,
+          "copy_TBps": bw / 1e12, "budget_s": a.budget_s, "inputs_in_graph": a.inputs_in_graph,
           "command": "python3 -m benchmarks.decode_bench " + " ".join(sys.argv[1:] if argv is None else argv)}
   rec(info)
   for name in a.models:
