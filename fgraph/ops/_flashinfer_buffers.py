@@ -100,11 +100,18 @@ class _DecodeBuffers:
       self.copied, self.events, self.turn = [False, False], [torch.cuda.Event(), torch.cuda.Event()], 0
     # The graph stage (fgraph.config.inputs_in_graph): FULL decode graphs copy it in themselves, at their first
     # layer, then record g_event (an event node in the graph); the hook only writes it (stage_for_graph).
-    self.gstage = torch.zeros(n, dtype=torch.int32, pin_memory=self.cuda)
-    self.gstage_np = self.gstage.numpy()
-    self.g_event = torch.cuda.Event(external=True) if self.cuda else DoneEvent()
-    self.g_event.record()  # created now, outside any capture
+    self.gstage = self.gstage_np = self.g_event = None
     self.g_layout, self.g_owner, self.copied_for = None, None, None
+    from fgraph import config
+    if config.inputs_in_graph:
+      self.make_graph_stage()  # now: buffers are made by eager runs (warm-up), never inside a capture
+
+  def make_graph_stage(self) -> None:
+    if self.gstage is None:
+      self.gstage = torch.zeros(self.flat.numel(), dtype=torch.int32, pin_memory=self.cuda)
+      self.gstage_np = self.gstage.numpy()
+      self.g_event = torch.cuda.Event(external=True) if self.cuda else DoneEvent()
+      self.g_event.record()  # created outside any capture (torch creates events on first record)
 
   def upload(self, host: HostPlan, gen: int) -> None:
     """indptr, last-page lengths and page ids -> the device, stream-ordered, no host sync; a no-op when this
@@ -149,6 +156,7 @@ class _DecodeBuffers:
     if nnz > self.indices.numel():
       raise FgraphError(f"attention(backend='flashinfer'): {nnz} pages in use, the decode buffers hold "
                         f"{self.indices.numel()}", "keep block tables within max_pages")
+    self.make_graph_stage()  # (made with the buffers unless the switch was turned on after them)
     same = self.g_layout is not None and self.g_layout[0] is host.indptr and self.g_layout[1] is host.indices
     if not capturing:  # (a capture follows a device sync: no copy of the stage is in flight)
       self.g_event.synchronize()  # the last graph's copy of the stage must be done reading it
