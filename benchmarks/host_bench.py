@@ -5,6 +5,8 @@ The model has the leaf layout of a preset (its layer count: 24 for Qwen2.5-0.5B,
 dims, so the call does no real work; the CPU has no pinned mirror or H2D copy, so this times bind + flatten +
 key lookup (dispatch), padding into the input buffers (write) and output slicing (outputs). On the H200's host the
 same Python ran ~3x slower in session 4 (benchmarks/NOTES.md); this is the dev-loop number, not the target's.
+Each cell twice: inputs copied by the call (the default), and by the graph (fgraph.config.inputs_in_graph: on
+the CPU the write then pads into the graph's own mirror; the copy is the stubbed replay's).
 
 usage: python3 -m benchmarks.host_bench [--presets qwen2.5-0.5b llama3-8b] [--batches 1 64] [--calls 5000]
 """
@@ -17,6 +19,7 @@ import time
 import attrs
 import torch
 
+import fgraph
 from examples import llama
 from fgraph.ops import attention as A
 
@@ -35,15 +38,19 @@ def median_us(fn, calls: int) -> float:
   return statistics.median(ts) * 1e6
 
 
-def cell(preset: str, B: int, calls: int) -> dict:
+def cell(preset: str, B: int, calls: int, in_graph: bool = False) -> dict:
   cfg = llama.preset(preset)
   cfg = attrs.evolve(cfg, dim=64, intermediate=128, vocab_size=256, n_heads=2, n_kv_heads=1, head_dim=32)
   params = llama.init_params(cfg, torch.float32, "cpu")
   ps = A.page_size_for("flashinfer")
   batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
   cache = llama.init_cache(cfg, pages + 1, ps, torch.float32, "cpu")
-  f = make_jitted(cfg, "torch", "FULL", 4096, [B])
-  f(params, cache, batch, routine="decode")
+  fgraph.config.inputs_in_graph = in_graph
+  try:
+    f = make_jitted(cfg, "torch", "FULL", 4096, [B])
+    f(params, cache, batch, routine="decode")
+  finally:
+    fgraph.config.inputs_in_graph = False
   (entry,) = f.entries.values()
   out = entry.full.out
   entry.full.replay = lambda: out  # the launch, stubbed: everything else is the real replay path
@@ -51,9 +58,9 @@ def cell(preset: str, B: int, calls: int) -> dict:
   total = median_us(call, calls)
   leaves = [batch.tokens, batch.positions, *(getattr(batch.meta, k) for k in
             ("query_start_loc", "seq_lens", "block_table", "slot_mapping"))]
-  write = median_us(lambda: entry.buffers.write(leaves, entry.specs), calls)
-  return {"preset": preset, "batch": B, "leaves": len(entry.tensor_ix), "call_us": total, "write_us": write,
-          "rest_us": total - write}
+  write = median_us(lambda: entry.buffers.write(leaves, entry.specs, in_graph=True), calls)
+  return {"preset": preset, "batch": B, "in_graph": in_graph, "leaves": len(entry.tensor_ix), "call_us": total,
+          "write_us": write, "rest_us": total - write}
 
 
 def main(argv=None):
@@ -62,14 +69,15 @@ def main(argv=None):
   ap.add_argument("--batches", nargs="+", type=int, default=[1, 64])
   ap.add_argument("--calls", type=int, default=5000)
   a = ap.parse_args(argv)
-  rows = [cell(p, B, a.calls) for p in a.presets for B in a.batches]
+  rows = [cell(p, B, a.calls, g) for p in a.presets for B in a.batches for g in (False, True)]
   print(f"fgraph replay path on {device_name('cpu')}, torch {torch.__version__}: us per FULL decode call, the "
         "launch stubbed (median)\n")
-  print("| preset (leaf layout) | B | leaves | call | write (pad into buffers) | rest (dispatch, outputs) |")
-  print("|---|---|---|---|---|---|")
+  print("| preset (leaf layout) | B | inputs copied by | leaves | call | write (pad into buffers) | rest (dispatch, "
+        "outputs) |")
+  print("|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['preset']} | {r['batch']} | {r['leaves']} | {r['call_us']:.1f} | {r['write_us']:.1f} | "
-          f"{r['rest_us']:.1f} |")
+    print(f"| {r['preset']} | {r['batch']} | {'the graph' if r['in_graph'] else 'the call'} | {r['leaves']} | "
+          f"{r['call_us']:.1f} | {r['write_us']:.1f} | {r['rest_us']:.1f} |")
   return rows
 
 
