@@ -115,12 +115,19 @@ def test_mode_resolution_table(requested, routine, support, expected):
     assert torch.equal(out, fn(torch.ones(3, 2), routine))
 
 
+def scaled_by_lens(x, lens):
+  """x * lens per row, through the planned toy break (its plan hook records the padded host inputs)."""
+  o = torch.empty_like(x)
+  toys.toy_planned(o, x, lens)
+  return o
+
+
+def jit_planned(buckets):
+  return fgraph.jit(scaled_by_lens, batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=buckets)
+
+
 def test_plan_hook_sees_padded_host_inputs_before_every_execution():
-  def fn(x, lens):
-    o = torch.empty_like(x)
-    toys.toy_planned(o, x, lens)
-    return o
-  f = fgraph.jit(fn, batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=[4])
+  f = jit_planned(buckets=[4])
   toys.calls["plan"].clear()
   f.capture(torch.ones(3, 2), torch.tensor([1, 2, 3]))
   out = f(torch.ones(3, 2), torch.tensor([1, 2, 3]))
@@ -133,11 +140,7 @@ def test_padding_stays_right_when_calls_repeat_a_size_or_change_it():
   """Input buffers keep the padding rows of the last call and rewrite only the real rows; a call repeating the last
   call's sizes goes straight to one copy of the real rows. Whatever the sequence of sizes, the padded inputs are
   the real rows, then the padding value."""
-  def fn(x, lens):
-    o = torch.empty_like(x)
-    toys.toy_planned(o, x, lens)
-    return o
-  f = fgraph.jit(fn, batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=[8])
+  f = jit_planned(buckets=[8])
   toys.calls["plan"].clear()
   prev = None
   for n, v in [(5, 2), (5, 3), (3, 4), (3, 5), (5, 6), (8, 7), (8, 8), (5, 9), (5, 10)]:
@@ -389,11 +392,7 @@ def test_inputs_copied_in_by_the_graph_give_the_same_results(monkeypatch):
       torch.testing.assert_close(out, eager(params, {"x": x}, routine=routine))
   assert f.stats()["total"]["replays"] == 12
 
-  def fn(x, lens):
-    o = torch.empty_like(x)
-    toys.toy_planned(o, x, lens)
-    return o
-  h = fgraph.jit(fn, batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=[8])
+  h = jit_planned(buckets=[8])
   for n, v in [(5, 2), (5, 3), (3, 4), (8, 5)]:
     lens = torch.arange(n) + v
     out = h(torch.full((n, 2), float(v)), lens)

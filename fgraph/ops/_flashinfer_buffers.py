@@ -119,27 +119,19 @@ class _DecodeBuffers:
     `prev` reuse: the same arrays)."""
     if self.owner == gen:
       return
-    B, nnz, o = host.last.shape[0], host.indices.shape[0], self.batch
-    same = self.layout is not None and self.layout[0] is host.indptr and self.layout[1] is host.indices
-    if nnz > self.indices.numel():
-      raise FgraphError(f"attention(backend='flashinfer'): {nnz} pages in use, the decode buffers hold "
-                        f"{self.indices.numel()}", "keep block tables within max_pages")
+    self._check_fits(host)
+    same = self._holds(self.layout, host)
     if not self.cuda:
-      self.last[:B].copy_(host.t("last"))
-      if not same:
-        self.indptr[:B + 1].copy_(host.t("indptr"))
-        self.indices[:nnz].copy_(host.t("indices"))
+      self._fill(self.flat.numpy(), host, same)
     else:
       i, self.turn = self.turn, self.turn ^ 1
       if self.copied[i]:
         self.events[i].synchronize()  # the copy made from this mirror two plans ago must be done reading it
-      st, end = self.stage_np[i], 2 * o + 1 + nnz
-      st[o + 1:o + 1 + B] = host.last
+      end = self._fill(self.stage_np[i], host, same)
+      B, o = host.last.shape[0], self.batch
       if same:
         self.flat[o + 1:o + 1 + B].copy_(self.stage[i][o + 1:o + 1 + B], non_blocking=True)
       else:
-        st[:B + 1] = host.indptr
-        st[2 * o + 1:end] = host.indices
         self.flat[:end].copy_(self.stage[i][:end], non_blocking=True)
       self.events[i].record()
       self.copied[i] = True
@@ -152,22 +144,36 @@ class _DecodeBuffers:
     which the very next replay does (`owner` says so already)."""
     if self.g_owner == gen:
       return
-    B, nnz, o = host.last.shape[0], host.indices.shape[0], self.batch
+    self._check_fits(host)
+    self.make_graph_stage()  # (made with the buffers unless the switch was turned on after them)
+    same = self._holds(self.g_layout, host)
+    if not capturing:  # (a capture follows a device sync: no copy of the stage is in flight)
+      self.g_event.synchronize()  # the last graph's copy of the stage must be done reading it
+    self._fill(self.gstage_np, host, same)
+    self.g_layout = self.layout = (host.indptr, host.indices)
+    self.g_owner = self.owner = gen
+    self.uploads["graph_lengths" if same else "graph_full"] += 1
+
+  @staticmethod
+  def _holds(layout, host: HostPlan) -> bool:
+    """Does a buffer holding `layout` (indptr and page-id arrays) already hold host's? (host_plan reuses them)"""
+    return layout is not None and layout[0] is host.indptr and layout[1] is host.indices
+
+  def _check_fits(self, host: HostPlan) -> None:
+    nnz = host.indices.shape[0]
     if nnz > self.indices.numel():
       raise FgraphError(f"attention(backend='flashinfer'): {nnz} pages in use, the decode buffers hold "
                         f"{self.indices.numel()}", "keep block tables within max_pages")
-    self.make_graph_stage()  # (made with the buffers unless the switch was turned on after them)
-    same = self.g_layout is not None and self.g_layout[0] is host.indptr and self.g_layout[1] is host.indices
-    if not capturing:  # (a capture follows a device sync: no copy of the stage is in flight)
-      self.g_event.synchronize()  # the last graph's copy of the stage must be done reading it
-    st = self.gstage_np
+
+  def _fill(self, st: np.ndarray, host: HostPlan, same: bool) -> int:
+    """Write host's metadata into `st`, laid out like `flat`: the last-page lengths, and unless `same` (st holds
+    its indptr and page ids already) those too. Returns the end of the page ids."""
+    B, nnz, o = host.last.shape[0], host.indices.shape[0], self.batch
     st[o + 1:o + 1 + B] = host.last
     if not same:
       st[:B + 1] = host.indptr
       st[2 * o + 1:2 * o + 1 + nnz] = host.indices
-    self.g_layout = self.layout = (host.indptr, host.indices)
-    self.g_owner = self.owner = gen
-    self.uploads["graph_lengths" if same else "graph_full"] += 1
+    return 2 * o + 1 + nnz
 
   def copy_in(self, n_indices: int) -> None:
     """The graph's own copy of the stage (captured at a decode graph's first layer; on the CPU the stand-in
