@@ -165,14 +165,15 @@ class Entry:
     if n is not None:
       st.padded += self.sig.bucket - n
     # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
-    host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=self.full is not None)
+    in_graph = self.full is not None and self.buffers.graph_mirror is not None  # the graph copies its inputs
+    host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=in_graph)
     if self.full is None and not self.graphs:
       st.eager += 1
     else:
       if check:
         self._check_addresses(leaves)
       st.replays += 1
-    with P.execution(in_graph=self.full is not None and self.buffers.graph_mirror is not None):
+    with P.execution(in_graph=in_graph):
       if self.plans:
         self._plan(host, n, self.statics, capturing=False)
       outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
