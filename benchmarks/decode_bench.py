@@ -360,8 +360,8 @@ def parse_args(argv=None):
   ap.add_argument("--peers", nargs="+", default=["eager", "graph", "compile"], help='subset, or "none"')
   ap.add_argument("--peer-backend", default=None, help="attention backend of the peers (default: flash_attn)")
   ap.add_argument("--no-host", dest="host", action="store_false", help="skip host time per FULL call")
-  ap.add_argument("--inputs-in-graph", action="store_true",
-                  help="fgraph.config.inputs_in_graph: FULL graphs copy their inputs (and FlashInfer metadata) in")
+  ap.add_argument("--inputs-by-call", dest="inputs_in_graph", action="store_false",
+                  help="fgraph.config.inputs_in_graph = False: each call copies its inputs (the default before s6)")
   ap.add_argument("--capture", action="store_true", help="capture cost of 2 routines x default buckets")
   ap.add_argument("--capture-max-bucket", type=int, default=512, help="default buckets up to this")
   ap.add_argument("--max-kv-gb", type=float, default=90.0, help="skip cells whose KV cache is larger")

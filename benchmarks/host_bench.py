@@ -5,7 +5,7 @@ The model has the leaf layout of a preset (its layer count: 24 for Qwen2.5-0.5B,
 dims, so the call does no real work; the CPU has no pinned mirror or H2D copy, so this times bind + flatten +
 key lookup (dispatch), padding into the input buffers (write) and output slicing (outputs). On the H200's host the
 same Python ran ~3x slower in session 4 (benchmarks/NOTES.md); this is the dev-loop number, not the target's.
-Each cell twice: inputs copied by the call (the default), and by the graph (fgraph.config.inputs_in_graph: on
+Each cell twice: inputs copied by the call, and by the graph (fgraph.config.inputs_in_graph, the default: on
 the CPU the write then pads into the graph's own mirror; the copy is the stubbed replay's).
 
 usage: python3 -m benchmarks.host_bench [--presets qwen2.5-0.5b llama3-8b] [--batches 1 64] [--calls 5000]
@@ -45,12 +45,12 @@ def cell(preset: str, B: int, calls: int, in_graph: bool = False) -> dict:
   ps = A.page_size_for("flashinfer")
   batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
   cache = llama.init_cache(cfg, pages + 1, ps, torch.float32, "cpu")
-  fgraph.config.inputs_in_graph = in_graph
+  default, fgraph.config.inputs_in_graph = fgraph.config.inputs_in_graph, in_graph
   try:
     f = make_jitted(cfg, "torch", "FULL", 4096, [B])
     f(params, cache, batch, routine="decode")
   finally:
-    fgraph.config.inputs_in_graph = False
+    fgraph.config.inputs_in_graph = default
   (entry,) = f.entries.values()
   out = entry.full.out
   entry.full.replay = lambda: out  # the launch, stubbed: everything else is the real replay path

@@ -102,12 +102,13 @@ def stages(cfg, params):
   rest (slice, unflatten, return). Each cell twice: fgraph.config.inputs_in_graph off, then on (the graph copies
   its inputs in; write = pad into its pinned mirror only)."""
   import fgraph
+  default = fgraph.config.inputs_in_graph
   for in_graph in (False, True):
     fgraph.config.inputs_in_graph = in_graph
     try:
       _stages(cfg, params, "inputs in graph" if in_graph else "copy per call")
     finally:
-      fgraph.config.inputs_in_graph = False
+      fgraph.config.inputs_in_graph = default
 
 
 def _stages(cfg, params, label):

@@ -136,9 +136,9 @@ def test_reset_keeps_memory_of_outputs_still_held():
 
 @pytest.fixture
 def inputs_in_graph():
-  fgraph.config.inputs_in_graph = True
+  prev, fgraph.config.inputs_in_graph = fgraph.config.inputs_in_graph, True
   yield
-  fgraph.config.inputs_in_graph = False
+  fgraph.config.inputs_in_graph = prev
 
 
 def test_full_graphs_copy_their_inputs_in_and_calls_never_overwrite_a_pending_copy(inputs_in_graph):

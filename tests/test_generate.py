@@ -48,14 +48,16 @@ def test_greedy_tokens_identical_across_modes(tiny, eager):
       assert total["replays"] > 0, mode  # later steps of a bucket replay the (host stand-in) graphs
 
 
-def test_greedy_tokens_identical_with_inputs_copied_in_by_the_graphs(tiny, eager, monkeypatch):
-  """fgraph.config.inputs_in_graph (FULL graphs copy their batched inputs in themselves): the same tokens."""
+@pytest.mark.parametrize("in_graph", [True, False], ids=["copied-by-the-graphs", "copied-by-each-call"])
+def test_greedy_tokens_identical_with_inputs_copied_by_the_graphs_or_the_calls(in_graph, tiny, eager, monkeypatch):
+  """fgraph.config.inputs_in_graph (the default: FULL graphs copy their batched inputs in themselves), on or off:
+  the same tokens."""
   import fgraph
-  monkeypatch.setattr(fgraph.config, "inputs_in_graph", True)
+  monkeypatch.setattr(fgraph.config, "inputs_in_graph", in_graph)
   eng, got = run(tiny, "FULL_AND_PIECEWISE", buckets=(2, 8))
   assert got.tokens == eager
   full = [e for e in eng.step_fn.entries.values() if e.full is not None]
-  assert full and all(e.buffers.graph_mirror is not None for e in full)
+  assert full and all((e.buffers.graph_mirror is not None) == in_graph for e in full)
 
 
 def test_captured_up_front_bucket_one_shares_the_routines_trace_in_the_models(tiny, eager):

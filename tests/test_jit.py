@@ -375,15 +375,17 @@ def test_log_captures_reports_each_signature(caplog):
   assert "captured 3 PIECEWISE graph(s) for (breaks=2, routine='decode', bucket=8)" in caplog.text
 
 
-def test_inputs_copied_in_by_the_graph_give_the_same_results(monkeypatch):
-  """fgraph.config.inputs_in_graph: FULL graphs copy the padded inputs in from a mirror of their own (on the CPU
-  the stand-in graph reruns that copy). Sizes that are not buckets, both routines, a plan hook reading the
-  padded host inputs: the same results as eager, and the mirror is what the hook saw."""
-  monkeypatch.setattr(fgraph.config, "inputs_in_graph", True)
+@pytest.mark.parametrize("in_graph", [True, False], ids=["copied-by-the-graph", "copied-by-the-call"])
+def test_inputs_copied_in_by_the_graph_or_the_call_give_the_same_results(in_graph, monkeypatch):
+  """fgraph.config.inputs_in_graph (the default): FULL graphs copy the padded inputs in from a mirror of their
+  own (on the CPU the stand-in graph reruns that copy); off, each call copies them. Sizes that are not buckets,
+  both routines, a plan hook reading the padded host inputs: the same results as eager, and the mirror is what
+  the hook saw."""
+  monkeypatch.setattr(fgraph.config, "inputs_in_graph", in_graph)
   f = jitted(mode="FULL", buckets=[8, 32])
   params, state, batch = make()
   f.capture(params, state, batch, routine=["decode", "mixed"], progress=False)
-  assert all(e.buffers.graph_mirror is not None for e in f.entries.values())
+  assert all((e.buffers.graph_mirror is not None) == in_graph for e in f.entries.values())
   g = torch.Generator().manual_seed(3)
   for n in (7, 25, 8, 3, 25, 7):
     for routine in ("decode", "mixed"):
@@ -398,5 +400,6 @@ def test_inputs_copied_in_by_the_graph_give_the_same_results(monkeypatch):
     out = h(torch.full((n, 2), float(v)), lens)
     (e,) = h.entries.values()
     assert toys.calls["plan"][-1][3]["lens"].tolist() == lens.tolist() + [1] * (8 - n)
-    assert e.buffers.host is e.buffers.graph_mirror.host  # what the hook read: the graph's own mirror
+    if in_graph:
+      assert e.buffers.host is e.buffers.graph_mirror.host  # what the hook read: the graph's own mirror
     assert out.tolist() == [[float(v) * k] * 2 for k in lens.tolist()], (n, v)
