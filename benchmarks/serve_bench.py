@@ -3,9 +3,14 @@
 A synthetic ShareGPT-like workload with a fixed seed (log-normal lengths: ~200 requests, prompts 4-1024 tokens,
 outputs 4-512, all submitted at once, so TTFT includes queueing), greedy, on the random-weight Qwen2.5-0.5B preset
 in bf16. Each engine first runs a short warm-up workload (another seed), so lazily created kernels and wrappers
-are not billed to whichever mode runs first. Reports output throughput, TTFT and TPOT, and how many requests'
-greedy tokens differ from the first mode's (printed, never raised). A time budget skips what would not fit.
-Rows go to <out>/serve.jsonl as measured; the end writes serve.json and the table.
+are not billed to whichever mode runs first. The engines of one backend are built side by side and the workload
+runs --repeats times per mode, the modes alternating (PIECEWISE, FULL_AND_PIECEWISE, PIECEWISE, ...): one run is
+only ~4 s on the H200, and three single runs of session 6 gave FULL_AND_PIECEWISE -12 % to +39 % over PIECEWISE,
+so a single pair measures the host's drift as much as the modes. Reports per mode the median output throughput
+(and min-max), TTFT and TPOT, the gain over PIECEWISE as the median of the per-round ratios (paired: a round runs
+both modes back to back), and how many requests' greedy tokens differ from the first mode's first run, over every
+run (printed, never raised). A time budget skips a backend that would not fit. Rows go to <out>/serve.jsonl as
+measured; the end writes serve.json and the table.
 
 usage (device): source .gpu/activate.sh; python3 -m benchmarks.serve_bench
        (CPU):   python3 -m benchmarks.serve_bench --smoke
@@ -43,31 +48,64 @@ def describe(reqs) -> dict:
                                                                                              max(o)]}
 
 
-def run(cfg, params, backend, mode, reqs, warm, a):
-  """One engine: build (captures every bucket of both routines), warm up, then the measured workload."""
+def build(cfg, params, backend, mode, warm, a):
+  """One engine, built (captures every bucket of both routines) and warmed up; (engine, setup seconds)."""
   t0 = time.perf_counter()
   eng = engine.build(cfg, params, backend=backend, mode=mode, max_seqs=a.max_seqs, max_seq_len=a.max_seq_len,
                      max_batch_tokens=a.max_batch_tokens)
   sync(a.device)
   setup = time.perf_counter() - t0
-  for prompt, out in warm:
-    eng.add(prompt, max_new_tokens=out)
-  eng.run(progress=False)
+  serve(eng, warm, a)
+  return eng, setup
+
+
+def serve(eng, reqs, a):
+  """The workload, all submitted at once, on a warm engine: its Report."""
   for prompt, out in reqs:
     eng.add(prompt, max_new_tokens=out)
   sync(a.device)
-  rep = eng.run(progress=False)
+  return eng.run(progress=False)
+
+
+def summary(eng, setup: float, reports) -> dict:
+  """One mode's row from its runs: medians over runs (each run's TTFT / TPOT is its own median)."""
   med = lambda xs: statistics.median([x for x in xs if x is not None] or [float("nan")]) * 1e3
   st = eng.step_fn.stats() if hasattr(eng.step_fn, "stats") else {"total": {}, "fallbacks": {}}
-  res = {"setup_s": setup, "elapsed_s": rep.elapsed, "steps": rep.steps, "output_tokens": rep.output_tokens,
-         "throughput_tok_s": rep.throughput, "ttft_p50_ms": med(rep.ttft), "tpot_p50_ms": med(rep.tpot),
-         "graphs": st["total"].get("captures"), "replays": st["total"].get("replays"),
-         "eager_calls": st["total"].get("eager"), "fallbacks": st["fallbacks"]}
-  del eng
+  tput = [r.throughput for r in reports]
+  return {"setup_s": setup, "runs": len(reports), "throughput_runs": tput,
+          "elapsed_s": statistics.median(r.elapsed for r in reports), "steps": reports[0].steps,
+          "output_tokens": reports[0].output_tokens, "throughput_tok_s": statistics.median(tput),
+          "ttft_p50_ms": statistics.median(med(r.ttft) for r in reports),
+          "tpot_p50_ms": statistics.median(med(r.tpot) for r in reports),
+          "graphs": st["total"].get("captures"), "replays": st["total"].get("replays"),
+          "eager_calls": st["total"].get("eager"), "fallbacks": st["fallbacks"]}
+
+
+def backend_rows(cfg, params, backend, reqs, warm, a) -> list[dict]:
+  """Every mode of one backend: engines side by side, --repeats rounds of the modes in turn."""
+  engines = {m: build(cfg, params, backend, m, warm, a) for m in a.modes}
+  reports = {m: [] for m in a.modes}
+  for _ in range(a.repeats):
+    for m in a.modes:
+      reports[m].append(serve(engines[m][0], reqs, a))
+  base = reports[a.modes[0]][0].tokens
+  rows = []
+  for m in a.modes:
+    row = {"kind": "serve", "model": a.preset, "backend": backend, "mode": m, "requests": len(reqs),
+           **summary(*engines[m], reports[m])}
+    diff = [mismatches(base, r.tokens) for r in reports[m]]
+    row["mismatched_requests"] = max(n for n, _ in diff)
+    row["first_mismatch"] = next((i for _, i in diff if i is not None), None)
+    row["compared_with"] = f"{a.modes[0]} (first run)"
+    if "PIECEWISE" in reports and m != "PIECEWISE":  # paired: each round ran both modes back to back
+      row["gain_paired"] = statistics.median(x.throughput / p.throughput - 1
+                                             for x, p in zip(reports[m], reports["PIECEWISE"]))
+    rows.append(row)
+  del engines, reports
   gc.collect()
   if a.device.startswith("cuda"):
     torch.cuda.empty_cache()
-  return res, rep.tokens
+  return rows
 
 
 def mismatches(a_tokens, b_tokens) -> tuple[int, int | None]:
@@ -90,8 +128,10 @@ def parse_args(argv=None):
   ap.add_argument("--max-batch-tokens", type=int, default=512)
   ap.add_argument("--max-seq-len", type=int, default=2048)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--repeats", type=int, default=None, help="measured runs per mode, the modes alternating (5; "
+                  "--smoke: 2)")
   ap.add_argument("--budget-s", type=float, default=520.0, help="wall budget; runs that do not fit are skipped")
-  ap.add_argument("--run-est-s", type=float, default=60.0, help="first guess of one run (build + warm-up + run)")
+  ap.add_argument("--run-est-s", type=float, default=90.0, help="first guess of one backend (builds + runs)")
   ap.add_argument("--device", default="cuda")
   ap.add_argument("--smoke", action="store_true", help="CPU check: tiny preset, torch backend, 6 short requests")
   ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -99,6 +139,7 @@ def parse_args(argv=None):
   if a.smoke:
     a.preset, a.backends, a.device, a.requests, a.warmup_requests = "tiny", ["torch"], "cpu", 6, 2
     a.max_prompt, a.max_output, a.max_seqs, a.max_batch_tokens, a.max_seq_len = 48, 8, 4, 64, 128
+  a.repeats = a.repeats or (2 if a.smoke else 5)
   return a
 
 
@@ -115,30 +156,25 @@ def main(argv=None):
   warm = workload(a.warmup_requests, a.seed + 1, cfg.vocab_size, a.max_prompt, a.max_output)
   info = {"kind": "info", "part": "serve", "device": device_name(a.device), "torch": torch.__version__,
           "preset": a.preset, **describe(reqs), "warmup_requests": len(warm), "max_seqs": a.max_seqs,
-          "max_batch_tokens": a.max_batch_tokens, "seed": a.seed,
+          "max_batch_tokens": a.max_batch_tokens, "seed": a.seed, "repeats": a.repeats,
           "command": "python3 -m benchmarks.serve_bench " + " ".join(sys.argv[1:] if argv is None else argv)}
   emit(path, info)
   rows, est = [info], a.run_est_s
   for backend in a.backends:
-    first = None
-    for mode in a.modes:
-      row = {"kind": "serve", "model": a.preset, "backend": backend, "mode": mode, "requests": len(reqs)}
-      why = budget.why_not(est)
-      if why:
-        row["skipped"] = why
-      else:
-        t0 = time.perf_counter()
-        try:
-          res, tokens = run(cfg, params, backend, mode, reqs, warm, a)
-          row.update(res)
-          first = first or (mode, tokens)
-          row["mismatched_requests"], row["first_mismatch"] = mismatches(first[1], tokens)
-          row["compared_with"] = first[0]
-        except Exception as e:  # one failing run is a result; the others still run
-          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        est = max(est, 1.2 * (time.perf_counter() - t0))
+    why = budget.why_not(est)
+    t0 = time.perf_counter()
+    try:
+      got = [] if why else backend_rows(cfg, params, backend, reqs, warm, a)
+    except Exception as e:  # one failing backend is a result; the others still run
+      why = f"error: {type(e).__name__}: {str(e)[:300]}"
+    if why:
+      got = [{"kind": "serve", "model": a.preset, "backend": backend, "mode": m, "requests": len(reqs),
+              ("error" if why.startswith("error: ") else "skipped"): why.removeprefix("error: ")} for m in a.modes]
+    else:
+      est = max(est, 1.2 * (time.perf_counter() - t0))
+    for row in got:
       emit(path, row)
-      rows.append(row)
+    rows += got
   with open(os.path.join(a.out, "serve.json"), "w") as fh:
     json.dump({"info": info, "rows": rows[1:]}, fh, indent=1, default=str)
   print(f"\n{info['device']}; {info['requests']} requests ({info['prompt_tokens']} prompt tokens, prompt p50/max "

@@ -253,7 +253,11 @@ class Engine:
         ready.append(r)
     finished = []
     if ready:
-      logits = logits[torch.tensor(rows, device=logits.device)]  # [S', V]: the last row of each ready request
+      # [S', V]: the last row of each ready request. Decodes come first (schedule), one row each: a step of
+      # decodes alone, or of decodes and prefills still mid-prompt, reads a prefix of the rows; only a step that
+      # finishes a prompt needs an index, and a list becomes a device tensor by a blocking copy (the host would
+      # wait there for the step, then launch the gather: it waits at the .tolist() anyway).
+      logits = logits[:len(rows)] if rows[-1] == len(rows) - 1 else logits[torch.tensor(rows, device=logits.device)]
       new = self.choose(logits, ready)
       now = time.perf_counter()
       for r, t in zip(ready, new):
@@ -277,10 +281,11 @@ class Engine:
     todo = [r for r in self.requests if r.finish_reason is None]
     with tqdm(total=sum(r.max_new_tokens for r in todo), unit="tok", disable=not progress, leave=False) as bar:
       while self.busy():
-        before = sum(len(r.output) for r in todo)
-        for r in self.step():
-          bar.total -= r.max_new_tokens - len(r.output)  # stopped early at EOS
-        bar.update(sum(len(r.output) for r in todo) - before)
+        finished = self.step()
+        if progress:  # (counting over every request costs more host time a step than the rest of the loop)
+          for r in finished:
+            bar.total -= r.max_new_tokens - len(r.output)  # stopped early at EOS
+          bar.update(sum(len(r.output) for r in todo) - bar.n)
     return Report(tokens=[r.output for r in todo], ttft=[r.ttft for r in todo], tpot=[r.tpot for r in todo],
                   elapsed=time.perf_counter() - t0, prompt_tokens=sum(len(r.prompt) for r in todo),
                   output_tokens=sum(len(r.output) for r in todo), steps=self.steps - steps0)

@@ -95,55 +95,67 @@ def full_decode_cells(cfg):
 
 
 def stages(cfg, params):
-  """Host µs of one FULL decode call by stage (median of 300, GPU busy with a 3 ms spin before each call, as
+  """Host µs of one FULL decode call by stage (median, GPU busy with a 3 ms spin before each call, as
   benchmarks.decode_bench's host time): perf_counter stamps around the entry's stages, patched on this entry
-  only. dispatch = entry -> input write (bind, flatten, key lookup); write = pad into the pinned mirror, one H2D
-  copy, event; plan = execution token + plan hooks up to the replay; replay = CUDAGraph.replay; outputs = the
-  rest (slice, unflatten, return). Each cell twice: fgraph.config.inputs_in_graph off, then on (the graph copies
-  its inputs in; write = pad into its pinned mirror only)."""
+  only. dispatch = entry -> input write (bind, flatten, key lookup); write = pad into the pinned mirror (and, copied
+  by the call: one H2D copy and an event); plan = execution token + plan hooks up to the replay; replay =
+  CUDAGraph.replay; outputs = the rest (slice, unflatten, return). Per cell, two jits of the same step:
+  fgraph.config.inputs_in_graph off (the call copies its inputs) and on (the graph does), called in alternating
+  rounds of STAGES_CALLS (default 50) for STAGES_ROUNDS rounds (default 6): session 6's two runs of off-then-on
+  disagreed, the host drifting within the process, and alternation bills that drift to both alike."""
   import fgraph
+  rounds, calls = int(os.environ.get("STAGES_ROUNDS", 6)), int(os.environ.get("STAGES_CALLS", 50))
   default = fgraph.config.inputs_in_graph
-  for in_graph in (False, True):
-    fgraph.config.inputs_in_graph = in_graph
-    try:
-      _stages(cfg, params, "inputs in graph" if in_graph else "copy per call")
-    finally:
-      fgraph.config.inputs_in_graph = default
+  try:
+    for backend, B, f_off, cache, batch in full_decode_cells(cfg):
+      timers = {}
+      for label, f, in_graph in (("copy per call", f_off, False),
+                                 ("inputs in graph", make_jitted(cfg, backend, "FULL", 4096, [B]), True)):
+        fgraph.config.inputs_in_graph = in_graph  # read when the graph is captured: at its first call
+        timers[label] = stage_timer(f, params, cache, batch)
+      del f
+      rows = {k: [] for k in timers}
+      for _ in range(rounds):
+        for label, timed in timers.items():
+          rows[label] += [timed() for _ in range(calls)]
+      for label, r in rows.items():
+        med = [statistics.median(c) * 1e6 for c in zip(*r)]
+        say(f"{label:15s} {backend:10s} B={B:3d} us: dispatch {med[0]:6.1f}  write {med[1]:6.1f}  plan {med[2]:6.1f}  "
+            f"replay {med[3]:6.1f}  outputs {med[4]:6.1f}  total {med[5]:6.1f}  ({len(r)} calls in {rounds} rounds)")
+      del f_off, cache, timers
+  finally:
+    fgraph.config.inputs_in_graph = default
 
 
-def _stages(cfg, params, label):
-  for backend, B, f, cache, batch in full_decode_cells(cfg):
+def stage_timer(f, params, cache, batch):
+  """A function timing one call of f's (single) entry by stage, after a 3 ms GPU spin: the 6 stage durations."""
+  f(params, cache, batch, routine="decode")
+  (entry,) = f.entries.values()
+  st = {}
+  write, replay = entry.buffers.write, entry.full.replay
+
+  def timed_write(*a, **k):
+    st["w0"] = time.perf_counter()
+    out = write(*a, **k)
+    st["w1"] = time.perf_counter()
+    return out
+
+  def timed_replay():
+    st["r0"] = time.perf_counter()
+    out = replay()
+    st["r1"] = time.perf_counter()
+    return out
+
+  entry.buffers.write, entry.full.replay = timed_write, timed_replay
+
+  def timed():
+    torch.cuda._sleep(3_000_000)
+    t0 = time.perf_counter()
     f(params, cache, batch, routine="decode")
-    (entry,) = f.entries.values()
-    st = {}
-    write, replay = entry.buffers.write, entry.full.replay
-
-    def timed_write(*a, _w=write, **k):
-      st["w0"] = time.perf_counter()
-      out = _w(*a, **k)
-      st["w1"] = time.perf_counter()
-      return out
-
-    def timed_replay(_r=replay):
-      st["r0"] = time.perf_counter()
-      out = _r()
-      st["r1"] = time.perf_counter()
-      return out
-
-    entry.buffers.write, entry.full.replay = timed_write, timed_replay
-    rows = []
-    for _ in range(300):
-      torch.cuda._sleep(3_000_000)
-      t0 = time.perf_counter()
-      f(params, cache, batch, routine="decode")
-      t1 = time.perf_counter()
-      rows.append((st["w0"] - t0, st["w1"] - st["w0"], st["r0"] - st["w1"], st["r1"] - st["r0"], t1 - st["r1"],
-                   t1 - t0))
-      torch.cuda.synchronize()
-    med = [statistics.median(c) * 1e6 for c in zip(*rows)]
-    say(f"{label:15s} {backend:10s} B={B:3d} us: dispatch {med[0]:6.1f}  write {med[1]:6.1f}  plan {med[2]:6.1f}  "
-        f"replay {med[3]:6.1f}  outputs {med[4]:6.1f}  total {med[5]:6.1f}")
-    del f, cache, entry, write, replay, timed_write, timed_replay
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (st["w0"] - t0, st["w1"] - st["w0"], st["r0"] - st["w1"], st["r1"] - st["r0"], t1 - st["r1"], t1 - t0)
+  return timed
 
 
 def h2d(_cfg, _params):

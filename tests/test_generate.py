@@ -90,6 +90,28 @@ def test_continuous_batching_schedule(tiny):
   assert "TTFT" in report.summary() and report.throughput > 0
 
 
+@pytest.mark.parametrize("chunks, rows", [([1, 1, 1], [0, 1, 2]),      # decodes alone: a prefix of the rows
+                                          ([1, 1, 3], [0, 1]),         # decodes + a prompt chunk mid-prompt
+                                          ([1, 1, 5], [0, 1, 6]),      # decodes + the end of a prompt
+                                          ([1, 5, 3], [0, 5])])        # the end of a prompt, then a chunk
+def test_advance_samples_the_last_row_of_each_request_that_caught_up(tiny, chunks, rows):
+  """A step's logits hold every scheduled token's row, requests back to back: a request is sampled from the row of
+  its last token once it has caught up (a decode, or the last chunk of its prompt), not mid-prompt."""
+  cfg, params = tiny
+  eng = engine.build(cfg, params, backend="torch", mode="eager", max_seqs=4, max_seq_len=64, page_size=4,
+                     max_batch_tokens=16)
+  plan = []
+  for n in chunks:  # a decode (n=1): one output token so far; a chunk: the first (or last) n of a 5-token prompt
+    r = eng.add([1] * (1 if n == 1 else 5), max_new_tokens=8)
+    if n == 1:
+      r.output, r.computed = [2], 1
+    plan.append((r, n))
+  logits = torch.eye(sum(chunks), 40)  # row i picks token i
+  before = [len(r.output) for r, _ in plan]
+  eng.advance(plan, logits)
+  assert [r.output[-1] for (r, _), b in zip(plan, before) if len(r.output) > b] == rows
+
+
 def test_queue_longer_than_max_seqs(tiny, eager):
   """More requests than seats (max_seqs=2) and pages (just enough for 2): the rest wait, nothing is lost."""
   cfg, params = tiny
