@@ -167,31 +167,37 @@ def decode_targets(model, cells) -> list[str]:
       f"B {worst[1]['batch']} (best peer {best_peer(worst[1])[0]})" if worst else "") + (
       "; torch.compile NOT measured in this run: against eager and graph only" if sp and not any(
         isinstance(c.get("compile_ms"), (int, float)) for _, c in sp) else ""))
-    host = [c[f"{b}/FULL/noplan_us"] for c in cells if isinstance(c.get(f"{b}/FULL/noplan_us"), (int, float))]
-    plan = [c[f"{b}/FULL/plan_us"] for c in cells if isinstance(c.get(f"{b}/FULL/plan_us"), (int, float))]
-    tot = [c[f"{b}/FULL/host_us"] for c in cells if isinstance(c.get(f"{b}/FULL/host_us"), (int, float))]
+    hosted = [(c, m) for c in cells for m in host_modes([c], b)]  # FULL and FULL+C: the same host path
+    host, plan, tot = ([c[f"{b}/{m}/{k}"] for c, m in hosted] for k in ("noplan_us", "plan_us", "host_us"))
     ok = None if not host else max(host) <= HOST_US
     out.append(f"- target host time per FULL decode call <= {HOST_US:g} us excluding plan ({b}): {verdict(ok)}" + (
       f": entry->launch minus plan median {statistics.median(host):.1f} us (max {max(host):.1f}) over {len(host)} "
-      f"cells; plan {statistics.median(plan):.1f} us; entry->return {statistics.median(tot):.1f} us" if host else ""))
+      f"cells x modes; plan {statistics.median(plan):.1f} us; entry->return {statistics.median(tot):.1f} us"
+      if host else ""))
   return out
+
+
+def host_modes(cells, backend) -> list[str]:
+  """The FULL modes (FULL, FULL+C) with a host time for this backend in these cells."""
+  return sorted({k.split("/")[1] for c in cells for k, v in c.items()
+                 if k.startswith(f"{backend}/") and k.endswith("/launch_us") and isinstance(v, (int, float))})
 
 
 def host_lines(cells) -> list[str]:
   """Host µs per FULL decode call per cell and backend: entry -> launch, of which plan, and entry -> return."""
-  backends = sorted({k.split("/")[0] for c in cells for k in c if k.endswith("/FULL/launch_us")})
-  if not backends:
+  cols = [f"{b}/{m}" for b in sorted({k.split("/")[0] for c in cells for k in c if k.endswith("/launch_us")})
+          for m in host_modes(cells, b)]
+  if not cols:
     return []
-  out = ["", "Host time per FULL decode call, us (median, GPU kept busy): entry->launch = plan + the rest; "
-         "entry->return", "", "| ctx | B | " + " | ".join(f"{SHORT.get(b, b)} launch (plan + rest) / return"
-                                                       for b in backends) + " |", "|" + "---|" * (2 + len(backends))]
+  out = ["", "Host time per FULL decode call, us (median, GPU kept busy; the modes of a cell in alternating rounds "
+         "since session 6): entry->launch = plan + the rest; entry->return", "",
+         "| ctx | B | " + " | ".join(f"{SHORT.get(k.split('/')[0], k.split('/')[0])} {k.split('/')[1]} launch "
+                                     "(plan + rest) / return" for k in cols) + " |", "|" + "---|" * (2 + len(cols))]
   for c in cells:
-    got = [c.get(f"{b}/FULL/launch_us") for b in backends]
-    if not any(isinstance(g, (int, float)) for g in got):
+    if not any(isinstance(c.get(f"{k}/launch_us"), (int, float)) for k in cols):
       continue
-    txt = [f"{c[f'{b}/FULL/launch_us']:.0f} ({c[f'{b}/FULL/plan_us']:.0f} + {c[f'{b}/FULL/noplan_us']:.0f}) / "
-           f"{c[f'{b}/FULL/host_us']:.0f}" if isinstance(c.get(f"{b}/FULL/launch_us"), (int, float)) else "-"
-           for b in backends]
+    txt = [f"{c[f'{k}/launch_us']:.0f} ({c[f'{k}/plan_us']:.0f} + {c[f'{k}/noplan_us']:.0f}) / "
+           f"{c[f'{k}/host_us']:.0f}" if isinstance(c.get(f"{k}/launch_us"), (int, float)) else "-" for k in cols]
     out.append(f"| {c['ctx']} | {c['batch']} | " + " | ".join(txt) + " |")
   return out
 
