@@ -70,6 +70,17 @@ class BlockAllocator:
     self.free.extend(pages)
 
 
+PENDING = -1  # an output token whose value the device has not given yet (Engine.run_overlapped)
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+  """logits[rows] ([S', V]): the last row of each ready request. Decodes come first (schedule), one row each, so a
+  step of decodes alone, or of decodes and prefills still mid-prompt, reads a prefix; only a step that finishes a
+  prompt needs an index, and a list becomes a device tensor by a blocking copy (the host would wait there for the
+  step, then launch the gather: it waits at the .tolist() anyway)."""
+  return logits[:len(rows)] if rows[-1] == len(rows) - 1 else logits[torch.tensor(rows, device=logits.device)]
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, generator=None) -> torch.Tensor:
   """logits [S, V], temperature/top_p [S] -> tokens [S] int64. Rows with temperature 0 are greedy."""
   logits = logits.float()
@@ -113,16 +124,19 @@ class Engine:
     are padded to the same buckets as jitted ones, so both run kernels of the same shapes (bit-comparable).
   buckets: padded token counts (default fgraph's, up to and including max_batch_tokens).
   capture: capture every bucket of both routines up front (default: on CUDA, unless mode is NONE/eager).
+  overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
   """
+  overlap_supported = True  # (EPEngine steps through its own agreement: it turns this off)
 
   def __init__(self, step_fn, params, cache: A.KVCache, *, max_seq_len: int, mode: str = "FULL_AND_PIECEWISE",
                max_batch_tokens: int = 256, max_seqs: int = 64, buckets=None, eos_ids=(), vocab_size=None,
-               seed: int = 0, capture: bool | None = None):
+               seed: int = 0, capture: bool | None = None, overlap: bool = True):
     num_pages, self.page_size = cache.k[0].shape[0], cache.k[0].shape[1]
     if max_seqs > max_batch_tokens:
       raise fgraph.FgraphError(f"max_seqs={max_seqs} > max_batch_tokens={max_batch_tokens}: decodes would starve",
                                "raise max_batch_tokens or lower max_seqs")
     self.params, self.cache, self.mode = params, cache, mode
+    self.overlap = overlap and self.overlap_supported
     self.device = cache.k[0].device
     self.max_seq_len, self.max_pages = max_seq_len, math.ceil(max_seq_len / self.page_size)
     self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
@@ -244,44 +258,96 @@ class Engine:
 
   def advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
     """After the model ran `plan` (its rows first in `logits`): sample the ready requests, retire finished ones."""
+    rows, ready = self._account(plan)
+    return self._settle(ready, self.choose(_rows(logits, rows), ready) if ready else [])
+
+  def _account(self, plan) -> tuple[list[int], list[Request]]:
+    """The model ran `plan`: count its tokens as computed; (logits row, request) of each request that caught up
+    (prompt fully prefilled, or a decode), which is sampled."""
     rows, ready, offset = [], [], 0
     for r, n in plan:
       offset += n
       r.computed += n
-      if r.computed == r.length:  # caught up (prompt fully prefilled, or a decode): sample
+      if r.computed == r.length:
         rows.append(offset - 1)
         ready.append(r)
-    finished = []
-    if ready:
-      # [S', V]: the last row of each ready request. Decodes come first (schedule), one row each: a step of
-      # decodes alone, or of decodes and prefills still mid-prompt, reads a prefix of the rows; only a step that
-      # finishes a prompt needs an index, and a list becomes a device tensor by a blocking copy (the host would
-      # wait there for the step, then launch the gather: it waits at the .tolist() anyway).
-      logits = logits[:len(rows)] if rows[-1] == len(rows) - 1 else logits[torch.tensor(rows, device=logits.device)]
-      new = self.choose(logits, ready)
-      now = time.perf_counter()
-      for r, t in zip(ready, new):
+    return rows, ready
+
+  def _retire(self, r: Request) -> None:
+    self.blocks.release(r.pages)
+    self.running.remove(r)
+
+  def _settle(self, ready: list[Request], new: list[int], placed: bool = False) -> list[Request]:
+    """The ready requests' new tokens (appended, or `placed` already as PENDING by run_overlapped, which also
+    retired those that reach max_new_tokens); finishes and retires requests. Returns those that finished."""
+    finished, now = [], time.perf_counter()
+    for r, t in zip(ready, new):
+      if placed:
+        r.output[-1] = t
+      else:
         r.output.append(t)
-        r.t_first = r.t_first or now
-        if t in self.eos_ids or len(r.output) == r.max_new_tokens:
-          r.finish_reason, r.t_done = ("eos" if t in self.eos_ids else "length"), now
-          self.blocks.release(r.pages)
-          self.running.remove(r)
-          finished.append(r)
+      r.t_first = r.t_first or now
+      if t in self.eos_ids or len(r.output) == r.max_new_tokens:
+        r.finish_reason, r.t_done = ("eos" if t in self.eos_ids else "length"), now
+        if not placed or t in self.eos_ids and len(r.output) < r.max_new_tokens:
+          self._retire(r)
+        finished.append(r)
     self.steps += 1
     return finished
 
   def busy(self) -> bool:
     return bool(self.waiting or self.running)
 
+  def run_stepwise(self):
+    """Yield the requests finished by each step(), one after the other, until none is busy."""
+    while self.busy():
+      yield self.step()
+
+  def run_overlapped(self):
+    """Yield the requests finished by each step, building step n+1's batch while the device runs step n.
+
+    The host work of a step (schedule, batch, metadata) needs only lengths and pages, not the token step n is
+    sampling: each request sampled at step n is given a PENDING token and, if that makes max_new_tokens, retired
+    as the synchronous loop would; step n+1 is scheduled and built; then the logits are read (the one wait) and
+    the real tokens replace PENDING in the outputs and in step n+1's token ids. A request that stops at EOS had
+    a row in step n+1: that batch is built again without it, and its pages come back a step later than in
+    step()'s loop. Without EOS the batches equal step()'s, so the tokens do too."""
+    plan = self.schedule()
+    batch = self.make_batch(plan) if plan else None
+    while plan:
+      logits = self.run_batch(batch, "decode" if all(n == 1 for _, n in plan) else "mixed")  # launched: step n
+      rows, ready = self._account(plan)
+      for r in ready:
+        r.output.append(PENDING)
+        if len(r.output) == r.max_new_tokens:
+          self._retire(r)  # finishes with this token whatever it is
+      nxt = self.schedule()  # step n+1, on the host, while the device runs step n
+      nbatch = self.make_batch(nxt) if nxt else None
+      finished = self._settle(ready, self.choose(_rows(logits, rows), ready) if ready else [], placed=True)
+      if any(r.finish_reason == "eos" for r in finished):
+        nxt = [(r, n) for r, n in nxt if r.finish_reason is None] or self.schedule()
+        nbatch = self.make_batch(nxt) if nxt else None
+      elif nbatch is not None and ready:
+        sampled, fix, offset = set(map(id, ready)), [], 0
+        for r, n in nxt:
+          offset += n
+          if id(r) in sampled:  # a decode of the token just sampled: one row, its last output
+            fix.append((offset - 1, r.output[-1]))
+        if fix:
+          at, vals = zip(*fix)
+          nbatch.tokens[list(at)] = torch.tensor(vals, dtype=nbatch.tokens.dtype)
+      yield finished
+      plan, batch = nxt, nbatch
+
   def run(self, progress: bool = True) -> Report:
-    """Step until every request has finished; report tokens and TTFT / TPOT / throughput."""
+    """Step until every request has finished (run_overlapped, or step() by step() without overlap); report tokens
+    and TTFT / TPOT / throughput."""
     from tqdm import tqdm
     t0, steps0 = time.perf_counter(), self.steps
     todo = [r for r in self.requests if r.finish_reason is None]
+    steps = self.run_overlapped() if self.overlap else self.run_stepwise()
     with tqdm(total=sum(r.max_new_tokens for r in todo), unit="tok", disable=not progress, leave=False) as bar:
-      while self.busy():
-        finished = self.step()
+      for finished in steps:
         if progress:  # (counting over every request costs more host time a step than the rest of the loop)
           for r in finished:
             bar.total -= r.max_new_tokens - len(r.output)  # stopped early at EOS

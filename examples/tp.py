@@ -179,7 +179,9 @@ class EPEngine(engine.Engine):
   match. So every step the ranks agree, in one small all-reduce, on the token count N (the largest) and the
   routine ("mixed" if any rank prefills); a rank pads its batch to N with one-token sequences on the scratch
   page, or runs a step of padding alone when it has nothing to do, until no rank has work (vLLM pads
-  data-parallel ranks the same way: num_tokens_across_dp, dummy batches)."""
+  data-parallel ranks the same way: num_tokens_across_dp, dummy batches). Its steps go one by one (step()
+  agrees before it schedules), not overlapped."""
+  overlap_supported = False
 
   def __init__(self, *a, tp: TP, **kw):
     self.tp = tp

@@ -132,6 +132,53 @@ def test_eos_stops_and_sampling_is_seeded(tiny, eager):
   assert all(0 <= t < 1024 for ts in a for t in ts)
 
 
+@pytest.mark.parametrize("mode", ["eager", "FULL_AND_PIECEWISE"])
+def test_overlapped_run_builds_the_batches_of_the_stepwise_run(tiny, mode):
+  """Engine.run_overlapped builds step n+1's batch while step n runs, before its tokens are known (PENDING, then
+  filled in). Without EOS every batch equals the one-step-at-a-time loop's, so tokens (greedy and seeded
+  sampling) and step counts are equal, and no batch is built twice."""
+  def batches(overlap, **kw):
+    eng = engine.build(tiny[0], tiny[1], backend="torch", mode=mode, max_seqs=3, max_seq_len=64, page_size=4,
+                       max_batch_tokens=8, buckets=(2, 8), overlap=overlap, **kw)
+    seen, run_batch = [], eng.run_batch
+    eng.run_batch = lambda b, routine: seen.append((routine, b.tokens.tolist(), b.positions.tolist())) or \
+        run_batch(b, routine)
+    for p in PROMPTS:
+      eng.add(p, max_new_tokens=7, temperature=kw.pop("temperature", 0.0))
+    rep = eng.run(progress=False)
+    assert not eng.running and len(eng.blocks.free) == eng.cache.k[0].shape[0] - 1  # every page back
+    return rep, seen
+  for kw in ({}, {"seed": 5}):
+    (want, want_seen), (got, got_seen) = (batches(o, **kw) for o in (False, True))
+    assert got.tokens == want.tokens and got.steps == want.steps == len(got_seen)
+    assert got_seen == want_seen and all(engine.PENDING not in t for _, t, _ in got_seen)
+    assert [len(t) for t in got.tokens] == [7] * len(PROMPTS)
+
+
+def test_overlapped_run_drops_a_request_that_stopped_at_eos_from_the_next_batch(tiny, eager):
+  """A request that samples EOS at step n already had a row in step n+1's batch: that batch is built again
+  without it. Same tokens as the one-step-at-a-time loop; the stop takes effect at once."""
+  eos = eager[1][0]  # request 1 (a 1-token prompt) stops at its first token; the others never sample it
+  assert all(eos not in ts for j, ts in enumerate(eager) if j != 1)
+  out = {}
+  for overlap in (False, True):
+    cfg, params = tiny
+    eng = engine.build(cfg, params, backend="torch", mode="eager", max_seqs=4, max_seq_len=64, page_size=4,
+                       max_batch_tokens=8, eos_ids=[eos], overlap=overlap)
+    built, make_batch = [], eng.make_batch
+    eng.make_batch = lambda plan, **kw: built.append([r.id for r, _ in plan]) or make_batch(plan, **kw)
+    for p in PROMPTS:
+      eng.add(p, max_new_tokens=10)
+    rep = eng.run(progress=False)
+    out[overlap] = rep.tokens
+    assert rep.tokens[1] == [eos] and eng.requests[1].finish_reason == "eos"
+    assert not eng.running and len(eng.blocks.free) == eng.cache.k[0].shape[0] - 1
+    # overlapped: the batch built while request 1 sampled EOS held it, and was built again without it
+    rebuilt = [(a, b) for a, b in zip(built, built[1:]) if 1 in a and 1 not in b and set(b) <= set(a)]
+    assert len(built) == rep.steps + overlap and (len(rebuilt) == 1 if overlap else True)
+  assert out[True] == out[False] == [eager[0], [eos], eager[2], eager[3]]
+
+
 def test_sample_top_p():
   logits = torch.tensor([[0.0, 5.0, 4.9, -3.0], [1.0, 0.0, 0.0, 0.0]])
   g = torch.Generator().manual_seed(0)
