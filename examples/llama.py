@@ -7,6 +7,8 @@ the eager oracle. References: gpt-fast's model.py, HF transformers' modeling_lla
 """
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 
@@ -128,7 +130,8 @@ def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, ro
   reduce = tp.all_reduce if tp is not None else (lambda y: y)
   x = embed(tokens, params.embed) if tp is None else tp.embed(tokens, params.embed)  # [N, dim]
   cos, sin = rope_cos_sin(params.inv_freq, positions, x.dtype)  # [N, 1, D] each (sin signed for apply_rope)
-  for i, layer in enumerate(params.layers):
+
+  def block(i, layer, k_cache, v_cache, x, cos, sin, meta):  # one decoder layer: [N, dim] -> [N, dim]
     qkv = linear(rms_norm(x, layer.attn_norm, cfg.norm_eps), layer.wqkv, layer.bqkv)  # [N, (Hq+2Hkv)*D]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     q = apply_rope(q.view(N, Hq, D), cos, sin)  # [N, Hq, D]
@@ -136,11 +139,18 @@ def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, ro
     # it. Views of qkv itself would keep all of qkv alive between PIECEWISE pieces (9x v's size on 0.5B: large
     # blocks that fragment the graph pool), and a .contiguous() would ask whether N == 1 (a trace per bucket 1).
     kv = torch.cat([apply_rope(k.view(N, Hkv, D), cos, sin), v.view(N, Hkv, D)], dim=1)  # [N, 2 Hkv, D]
-    o = A.attention(q, kv[:, :Hkv], kv[:, Hkv:], cache.k[i], cache.v[i], batch.meta, scale=D ** -0.5,
+    o = A.attention(q, kv[:, :Hkv], kv[:, Hkv:], k_cache, v_cache, meta, scale=D ** -0.5,
                     backend=backend, routine=routine, max_seq_len=max_seq_len or cfg.max_seq_len)  # [N, Hq, D]
     x = x + reduce(linear(o.reshape(N, Hq * D), layer.wo))
     h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # [N, dim]
-    x = x + reduce(gated_mlp(h, layer.w13, layer.w2) if mlp is None else mlp(i, layer, h))
+    return x + reduce(gated_mlp(h, layer.w13, layer.w2) if mlp is None else mlp(i, layer, h))
+
+  # The dense layers read tensors only through their arguments: traced once, copied for the rest (a trace ~the
+  # layer count faster). An `mlp` may read its own (MoE) weights by layer index: each layer traced.
+  dense = fgraph.repeated(functools.partial(block, None)) if mlp is None else None
+  for i, layer in enumerate(params.layers):
+    args = (layer, cache.k[i], cache.v[i], x, cos, sin, batch.meta)
+    x = dense(*args) if dense is not None else block(i, *args)
   x = rms_norm(x, params.norm, cfg.norm_eps)
   w = params.embed if params.lm_head is None else params.lm_head  # [V, dim] (this rank's rows under tp)
   return (lm_head(x, w) if tp is None else tp.lm_head(x, w, cfg.vocab_size)), cache

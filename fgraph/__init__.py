@@ -6,5 +6,6 @@ from ._jit import Jitted as Jitted, config as config, disable_jit as disable_jit
 from ._primitives import PlanCall as PlanCall, Primitive as Primitive, Support as Support
 from ._primitives import primitive as primitive
 from ._pytree import field as field, register as register
+from ._repeated import repeated as repeated
 from ._signature import Batched as Batched, Signature as Signature, default_buckets as default_buckets
 from ._split import Mode as Mode, Piece as Piece, Program as Program

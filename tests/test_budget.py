@@ -1,7 +1,8 @@
 """A line budget for the core (everything but ops/ and examples/), so growth has to be argued for."""
 import pathlib
 
-CORE_BUDGET = 1800      # non-blank, non-comment lines in fgraph/ outside fgraph/ops/
+CORE_BUDGET = 1880      # non-blank, non-comment lines in fgraph/ outside fgraph/ops/ (session 6: +80 for
+                        # fgraph.repeated, which makes a model's trace ~2.5x faster: capture's largest cost)
 MODULE_BUDGET = 500     # raw lines per module, anywhere in the package and the examples
 
 

@@ -1,0 +1,104 @@
+"""fgraph.repeated: a function called many times alike (a decoder layer) is traced once per input signature and its
+ops copied for the later calls. The graph must be the one a full trace gives, so these tests compare the two."""
+import pytest
+import torch
+
+import fgraph
+from fgraph import _repeated
+from examples import engine, llama
+from tests import toys
+
+
+def layer(w, b, x):
+  """A toy layer with a break in it: [N, D] -> [N, D]."""
+  h = torch.tanh(x @ w + b)
+  o = torch.empty_like(h)
+  toys.toy_scale(o, h, 0.5)
+  return x + o
+
+
+def step(params, batch, routine="decode", repeat=True):
+  f = fgraph.repeated(layer) if repeat else layer
+  x = batch["x"]
+  for w, b in zip(params["w"], params["b"]):
+    x = f(w, b, x)
+  return x * 2
+
+
+def make(n=7, layers=5, d=8):
+  g = torch.Generator().manual_seed(0)
+  return ({"w": [torch.randn(d, d, generator=g) / d ** 0.5 for _ in range(layers)],
+           "b": [torch.randn(d, generator=g) for _ in range(layers)]}, {"x": torch.randn(n, d, generator=g)})
+
+
+def jitted(**kw):
+  return fgraph.jit(step, static=["routine", "repeat"], batch={"batch": fgraph.Batched()}, buckets=[8, 32], **kw)
+
+
+def graph_of(f, *args, **kw):
+  """The traced op sequence of f's (single) signature: (op, target, args as names) per node."""
+  f(*args, **kw)
+  (e,) = f.entries.values()
+  return [str(n.format_node()) for n in e.traced.program.module.graph.nodes] + \
+         [str(n.format_node()) for m in e.traced.program.module.children() for n in m.graph.nodes]
+
+
+@pytest.mark.parametrize("routine", ["decode", "mixed"])
+def test_layers_traced_once_give_the_graph_of_a_full_trace(routine):
+  params, batch = make(n=25)
+  before = dict(_repeated.stats)
+  copied = graph_of(jitted(mode="NONE"), params, batch, routine=routine)
+  assert _repeated.stats["traced"] - before["traced"] == 1 and _repeated.stats["copied"] - before["copied"] == 4
+  assert copied == graph_of(jitted(mode="NONE"), params, batch, routine=routine, repeat=False)
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
+def test_layers_traced_once_run_like_eager_at_every_size(mode):
+  f = jitted(mode=mode)
+  params, _ = make()
+  g = torch.Generator().manual_seed(1)
+  for n in (7, 25, 8, 3):
+    for routine in ("decode", "mixed"):
+      batch = {"x": torch.randn(n, 8, generator=g)}
+      torch.testing.assert_close(f(params, batch, routine=routine), step(params, batch, routine=routine))
+  assert f.stats()["total"]["traces"] == 2  # one symbolic trace per routine, each with its layers copied
+
+
+def test_a_tensor_read_from_outside_the_arguments_is_refused():
+  params, batch = make()
+
+  def closes_over_weights(params, batch, routine="decode"):
+    x = batch["x"]
+    for i in range(len(params["w"])):
+      x = fgraph.repeated(lambda x: x @ params["w"][i])(x)  # the copies would all read layer 0's weight
+    return x
+  f = fgraph.jit(closes_over_weights, static=["routine"], batch={"batch": fgraph.Batched()}, buckets=[8])
+  with pytest.raises(fgraph.TraceError) as e:
+    f(params, batch)
+  msg = str(e.value)
+  assert "fgraph.repeated(" in msg and "from outside the function's arguments" in msg
+  assert "pass every tensor the function reads as an argument" in msg
+
+
+def test_outside_tracing_it_is_a_plain_call():
+  params, batch = make()
+  before = dict(_repeated.stats)
+  torch.testing.assert_close(step(params, batch), step(params, batch, repeat=False))
+  assert _repeated.stats == before
+
+
+def test_the_example_decoder_traces_one_layer_and_explains_as_before(monkeypatch):
+  """The Llama/Qwen step copies its dense layers: explain (pieces, ops, inputs and outputs of each) is the same
+  as with every layer traced."""
+  cfg = llama.preset("tiny")
+  params = llama.init_params(cfg, torch.float32, "cpu")
+
+  def explained():
+    eng = engine.build(cfg, params, backend="torch", mode="FULL_AND_PIECEWISE", max_seqs=4, max_seq_len=64,
+                       page_size=4, max_batch_tokens=8, buckets=(2, 8))
+    return [str(eng.explain(r)) for r in ("decode", "mixed")]
+  before = dict(_repeated.stats)
+  copied = explained()
+  assert _repeated.stats["copied"] - before["copied"] == 2 * (cfg.n_layers - 1)
+  monkeypatch.setattr(fgraph, "repeated", lambda fn: fn)
+  assert copied == explained()
