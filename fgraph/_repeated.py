@@ -15,7 +15,7 @@ refused when the template is made. Sizes from outside are fine (a symbolic batch
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
