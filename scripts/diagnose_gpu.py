@@ -102,7 +102,9 @@ def stages(cfg, params):
   CUDAGraph.replay; outputs = the rest (slice, unflatten, return). Per cell, two jits of the same step:
   fgraph.config.inputs_in_graph off (the call copies its inputs) and on (the graph does), called in alternating
   rounds of STAGES_CALLS (default 50) for STAGES_ROUNDS rounds (default 6): session 6's two runs of off-then-on
-  disagreed, the host drifting within the process, and alternation bills that drift to both alike."""
+  disagreed, the host drifting within the process, and alternation bills that drift to both alike.
+  STAGES_WAIT=spin waits for each call by polling an event instead of torch.cuda.synchronize(): whether a call
+  after a blocking wait (a VM's vCPU that slept) is what makes dispatch 30-60 us there against ~5 us back to back."""
   import fgraph
   rounds, calls = int(os.environ.get("STAGES_ROUNDS", 6)), int(os.environ.get("STAGES_CALLS", 50))
   default = fgraph.config.inputs_in_graph
@@ -148,12 +150,19 @@ def stage_timer(f, params, cache, batch):
 
   entry.buffers.write, entry.full.replay = timed_write, timed_replay
 
+  spin, done = os.environ.get("STAGES_WAIT") == "spin", torch.cuda.Event()
+
   def timed():
     torch.cuda._sleep(3_000_000)
     t0 = time.perf_counter()
     f(params, cache, batch, routine="decode")
     t1 = time.perf_counter()
-    torch.cuda.synchronize()
+    if spin:
+      done.record()
+      while not done.query():
+        pass
+    else:
+      torch.cuda.synchronize()
     return (st["w0"] - t0, st["w1"] - st["w0"], st["r0"] - st["w1"], st["r1"] - st["r0"], t1 - st["r1"], t1 - t0)
   return timed
 
