@@ -98,10 +98,11 @@ def repeated(fn: Callable) -> Callable:
       stats["copied"] += 1
       return tpl.copy(tracer, leaves)
     stats["traced"] += 1
-    node_of = lambda x: pt.get_proxy_slot(x, tracer).proxy.node if isinstance(x, torch.Tensor) else None
-    try:
-      inputs = [node_of(x) for x in leaves]
-    except KeyError:  # a tensor the trace does not follow (a real constant): no template
+    def node_of(x):  # the FX node of a tensor the trace follows; False for one it does not (a real constant)
+      slot = pt.get_proxy_slot(x, tracer, None)
+      return False if slot is None else slot.proxy.node
+    inputs = [node_of(x) if isinstance(x, torch.Tensor) else None for x in leaves]
+    if False in inputs:  # no template: its copies could not be rewired to such an argument
       return fn(*args, **kwargs)
     last = tracer.graph._root.prev  # the graph's last node before the call
     out = fn(*args, **kwargs)
@@ -110,9 +111,8 @@ def repeated(fn: Callable) -> Callable:
       nodes.append(node)
       node = node.next
     flat, out_spec = pytree.tree_flatten(out)
-    try:
-      outputs = [node_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
-    except KeyError:
+    outputs = [node_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
+    if any(o is False for o in outputs):
       return out
     tpl = _Template(name, inputs, nodes, outputs, out_spec, [x if isinstance(x, torch.Tensor) else None for x in flat])
     templates[key] = templates[(fn, spec, _signature(leaves))] = tpl  # also as the next call will see it
