@@ -7,8 +7,6 @@ the eager oracle. References: gpt-fast's model.py, HF transformers' modeling_lla
 """
 from __future__ import annotations
 
-import functools
-
 import attrs
 import torch
 
@@ -118,8 +116,8 @@ def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, ro
             backend: str = "torch", max_seq_len: int | None = None, mlp=None, tp=None):
   """One step over N new tokens of S sequences -> (logits [N, V] in the model dtype, cache with their k/v written).
 
-  mlp: None for the dense gated MLP of `layer.w13`/`layer.w2`, or `(i, layer, h [N, dim]) -> [N, dim]` for
-    layer i (examples/qwen2_moe.py's MoE block); the attention block is the same for every model.
+  mlp: None for the dense gated MLP of `layer.w13`/`layer.w2`, or `(layer, h [N, dim]) -> [N, dim]` reading its
+    weights from `layer` (examples/qwen2_moe.py's MoE block); the attention block is the same for every model.
   tp: None, or this rank's `examples.tp.TP`. Then cfg and params are the rank's shard (its q/kv heads, MLP
     columns and vocab rows) and tp adds the collectives: vocab-parallel embedding, an all-reduce of the
     attention and MLP outputs (partial sums over this rank's heads / columns), an all-gather of the logits.
@@ -131,7 +129,8 @@ def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, ro
   x = embed(tokens, params.embed) if tp is None else tp.embed(tokens, params.embed)  # [N, dim]
   cos, sin = rope_cos_sin(params.inv_freq, positions, x.dtype)  # [N, 1, D] each (sin signed for apply_rope)
 
-  def block(i, layer, k_cache, v_cache, x, cos, sin, meta):  # one decoder layer: [N, dim] -> [N, dim]
+  @fgraph.repeated  # every tensor through the arguments: traced once per layer kind, copied for the rest
+  def block(layer, k_cache, v_cache, x, cos, sin, meta):  # one decoder layer: [N, dim] -> [N, dim]
     qkv = linear(rms_norm(x, layer.attn_norm, cfg.norm_eps), layer.wqkv, layer.bqkv)  # [N, (Hq+2Hkv)*D]
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
     q = apply_rope(q.view(N, Hq, D), cos, sin)  # [N, Hq, D]
@@ -143,14 +142,10 @@ def forward(cfg: LlamaConfig, params: Params, cache: A.KVCache, batch: Batch, ro
                     backend=backend, routine=routine, max_seq_len=max_seq_len or cfg.max_seq_len)  # [N, Hq, D]
     x = x + reduce(linear(o.reshape(N, Hq * D), layer.wo))
     h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # [N, dim]
-    return x + reduce(gated_mlp(h, layer.w13, layer.w2) if mlp is None else mlp(i, layer, h))
+    return x + reduce(gated_mlp(h, layer.w13, layer.w2) if mlp is None else mlp(layer, h))
 
-  # The dense layers read tensors only through their arguments: traced once, copied for the rest (a trace ~the
-  # layer count faster). An `mlp` may read its own (MoE) weights by layer index: each layer traced.
-  dense = fgraph.repeated(functools.partial(block, None)) if mlp is None else None
   for i, layer in enumerate(params.layers):
-    args = (layer, cache.k[i], cache.v[i], x, cos, sin, batch.meta)
-    x = dense(*args) if dense is not None else block(i, *args)
+    x = block(layer, cache.k[i], cache.v[i], x, cos, sin, batch.meta)
   x = rms_norm(x, params.norm, cfg.norm_eps)
   w = params.embed if params.lm_head is None else params.lm_head  # [V, dim] (this rank's rows under tp)
   return (lm_head(x, w) if tp is None else tp.lm_head(x, w, cfg.vocab_size)), cache

@@ -110,7 +110,7 @@ def init_params(cfg: MoEConfig, dtype=torch.bfloat16, device="cpu", seed: int = 
 def forward(cfg: MoEConfig, params: llama.Params, cache: A.KVCache, batch: llama.Batch, routine: str = "mixed",
             backend: str = "torch", max_seq_len: int | None = None):
   """One step over N new tokens -> (logits [N, V], cache): llama's step with the MoE block as its MLP."""
-  def mlp(i: int, layer: MoELayer, h: torch.Tensor) -> torch.Tensor:  # h: [N, dim] -> [N, dim]
+  def mlp(layer: MoELayer, h: torch.Tensor) -> torch.Tensor:  # h: [N, dim] -> [N, dim]
     return moe(h, layer.moe, cfg.moe_backend) if layer.moe is not None else gated_mlp(h, layer.w13, layer.w2)
   return llama.forward(cfg, params, cache, batch, routine, backend, max_seq_len, mlp=mlp)
 
