@@ -1,5 +1,6 @@
 """fgraph.repeated: a function called many times alike (a decoder layer) is traced once per input signature and its
 ops copied for the later calls. The graph must be the one a full trace gives, so these tests compare the two."""
+import attrs
 import pytest
 import torch
 
@@ -123,3 +124,20 @@ def test_outputs_that_are_arguments_or_values_come_back_as_such():
   before = _repeated.stats["copied"]
   torch.testing.assert_close(f(params, batch), chain(params, batch))
   assert _repeated.stats["copied"] - before == 4
+
+
+def test_inductor_compiles_the_pieces_of_copied_layers():
+  """jit(compile=True): Inductor compiles each piece, copied layers' nodes included (they carry layer 0's fake
+  values as metadata), and the result equals the eager step."""
+  from benchmarks.common import decode_batch
+  cfg = attrs.evolve(llama.preset("tiny"), n_layers=3)
+  params = llama.init_params(cfg, torch.float32, "cpu")
+  batch, pages = decode_batch(cfg.vocab_size, 5, 64, 4, 128)
+  step = llama.make_step(cfg, "torch", 128)
+  f = fgraph.jit(step, static=["routine"], donate=["cache"], buckets=[8], compile=True, mode="FULL",
+                 batch={"batch": llama.Batch(fgraph.Batched(), fgraph.Batched(), llama.A.metadata_batching())})
+  before = _repeated.stats["copied"]
+  got, _ = f(params, llama.init_cache(cfg, pages + 1, 4, torch.float32, "cpu"), batch, routine="decode")
+  want, _ = step(params, llama.init_cache(cfg, pages + 1, 4, torch.float32, "cpu"), batch, "decode")
+  assert _repeated.stats["copied"] - before == 2
+  torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
