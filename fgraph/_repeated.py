@@ -38,7 +38,7 @@ def _signature(leaves: list) -> tuple:
   """What must be equal for a call to reuse a template: each tensor's layout and identity pattern, the rest."""
   first: dict[int, int] = {}
   return tuple((_dims(x.shape), _dims(x.stride()), x.dtype, x.device, first.setdefault(id(x), i))
-               if isinstance(x, torch.Tensor) else ("value", x) for i, x in enumerate(leaves))
+               if isinstance(x, torch.Tensor) else (type(x), x) for i, x in enumerate(leaves))
 
 
 class _Template:
