@@ -78,15 +78,30 @@ def executing():
   return _executing[0]
 
 
+def once_per_execution(key, compute: Callable[[], Any]):
+  """compute() once per execution of a jitted signature and key, shared by the breaks of that execution (every
+  layer's attention deriving the same tensor from the same metadata: one kernel a step, not one a layer).
+  Outside an execution it is computed each time. Under CUDA graph capture it is computed again (the warm-up,
+  which shares the capture's token, ran eagerly), so the graph holds its own computation at the first use."""
+  token = _executing[0]
+  if token is None:
+    return compute()
+  memo = token.memo = token.memo or {}
+  k = (key, torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+  if k not in memo:
+    memo[k] = compute()
+  return memo[k]
+
+
 class Token:
   """One execution of a jitted signature. in_graph: it is a replay (or the capture) of a graph that copies its
   per-call inputs in itself (fgraph.config.inputs_in_graph): a plan hook then stages host data for such a graph
   to copy at its start, and a break captures that copy, instead of each copying on its own (a copy and an
   event record per call, 25-35 us each on a busy GPU's host)."""
-  __slots__ = ("in_graph",)
+  __slots__ = ("in_graph", "memo")
 
   def __init__(self, in_graph: bool = False):
-    self.in_graph = in_graph
+    self.in_graph, self.memo = in_graph, None  # memo: once_per_execution's values
 
 
 class execution:

@@ -403,3 +403,20 @@ def test_inputs_copied_in_by_the_graph_or_the_call_give_the_same_results(in_grap
     if in_graph:
       assert e.buffers.host is e.buffers.graph_mirror.host  # what the hook read: the graph's own mirror
     assert out.tolist() == [[float(v) * k] * 2 for k in lens.tolist()], (n, v)
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL"])
+def test_a_value_made_once_per_execution_is_shared_by_its_breaks_and_never_reused_by_the_next(mode):
+  """P.once_per_execution: three breaks of one call derive `lens - 1` once; the next call (other lengths, the
+  same input buffers) derives it again, so no call reads a stale value. Outside fgraph.jit: once per break."""
+  f = fgraph.jit(toys.shifted_layers, batch={"x": fgraph.Batched(), "lens": fgraph.Batched(pad=1)}, buckets=[8],
+                 mode=mode)
+  f(torch.ones(5, 2), torch.arange(5) + 1)  # trace, warm up, capture
+  for n, v in [(5, 2), (3, 7), (5, 4)]:
+    x, lens = torch.full((n, 2), float(v)), torch.arange(n) + v
+    before = toys.calls.get("shifted", 0)
+    got = f(x, lens)
+    assert toys.calls["shifted"] - before == 1, (mode, n, v)  # (the CPU stand-in graph reruns the breaks)
+    before = toys.calls["shifted"]
+    torch.testing.assert_close(got, toys.shifted_layers(x, lens))
+    assert toys.calls["shifted"] - before == 3  # eager: no execution, each break makes its own

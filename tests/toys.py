@@ -3,6 +3,7 @@ import torch
 
 import fgraph
 from fgraph import Batched, Support
+from fgraph import _primitives as P
 
 calls = {"scale": 0, "plan": []}
 
@@ -61,3 +62,20 @@ def make(n=7, d=8, seed=0):
 def jitted(**kw):
   kw = {"static": ["routine", "breaks"], "donate": ["state"], "batch": {"batch": Batched()}, **kw}
   return fgraph.jit(step, **kw)
+
+
+@fgraph.primitive("toy_shifted")
+def toy_shifted(out: torch.Tensor, x: torch.Tensor, lens: torch.Tensor) -> None:
+  """out = x * (lens - 1): `lens - 1` made once per execution (as flash_attn's decode makes its KV lengths)."""
+  def shifted():
+    calls["shifted"] = calls.get("shifted", 0) + 1
+    return lens - 1
+  out.copy_(x * P.once_per_execution(("toy_shifted", id(lens)), shifted).to(x.dtype)[:, None])
+
+
+def shifted_layers(x, lens, layers=3):
+  for _ in range(layers):
+    o = torch.empty_like(x)
+    toy_shifted(o, x, lens)
+    x = o + 1
+  return x

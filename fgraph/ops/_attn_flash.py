@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from fgraph._primitives import once_per_execution
 from fgraph.ops._attn_torch import write_kv
 
 MAX_SPLITS = 128  # flash-attn's limit
@@ -83,8 +84,10 @@ def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_tab
   if routine == "decode":
     del slot_mapping  # the kernel derives each slot from cache_seqlens and the block table (module docstring)
     splits = decode_num_splits(N, Hkv, Hq // Hkv, D, L, _num_sms(q.device.index or 0))
+    # the KV lengths before this token, the same for every layer: one kernel a step, made at the first layer
+    before = once_per_execution(("fa2 cache_seqlens", id(seq_lens)), lambda: seq_lens - 1)
     o = with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
-                     cache_seqlens=seq_lens - 1, block_table=block_table, softmax_scale=scale, causal=True,
+                     cache_seqlens=before, block_table=block_table, softmax_scale=scale, causal=True,
                      num_splits=splits)                                                        # [N, 1, Hq, D]
     out.copy_(o.squeeze(1))
   else:
