@@ -37,11 +37,12 @@ def jitted(**kw):
 
 
 def graph_of(f, *args, **kw):
-  """The traced op sequence of f's (single) signature: (op, target, args as names) per node."""
+  """The traced program of f's (single) signature, node by node, and the shape guards its trace assumed."""
   f(*args, **kw)
   (e,) = f.entries.values()
-  return [str(n.format_node()) for n in e.traced.program.module.graph.nodes] + \
-         [str(n.format_node()) for m in e.traced.program.module.children() for n in m.graph.nodes]
+  nodes = [str(n.format_node()) for n in e.traced.program.module.graph.nodes] + \
+          [str(n.format_node()) for m in e.traced.program.module.children() for n in m.graph.nodes]
+  return nodes, sorted(str(g.expr) for g in e.traced.shapes.shape_env.guards)
 
 
 @pytest.mark.parametrize("routine", ["decode", "mixed"])
@@ -89,18 +90,23 @@ def test_outside_tracing_it_is_a_plain_call():
 
 
 def test_the_example_decoder_traces_one_layer_and_explains_as_before(monkeypatch):
-  """The Llama/Qwen step copies its dense layers: explain (pieces, ops, inputs and outputs of each) is the same
-  as with every layer traced."""
-  cfg = llama.preset("tiny")
+  """The Llama/Qwen step copies its layers: explain (pieces, ops, inputs and outputs of each) and the shape
+  guards of the traces that served a generation are the same as with every layer traced."""
+  cfg = attrs.evolve(llama.preset("tiny"), n_layers=4)
   params = llama.init_params(cfg, torch.float32, "cpu")
 
   def explained():
     eng = engine.build(cfg, params, backend="torch", mode="FULL_AND_PIECEWISE", max_seqs=4, max_seq_len=64,
                        page_size=4, max_batch_tokens=8, buckets=(2, 8))
-    return [str(eng.explain(r)) for r in ("decode", "mixed")]
+    eng.add([5, 17, 300, 2, 999, 41, 8, 8, 120, 77], max_new_tokens=3)  # mixed steps at bucket 8, decodes at 2
+    eng.run(progress=False)
+    guards = sorted(str(g.expr) for e in eng.step_fn.entries.values() if e.traced.shapes is not None
+                    for g in e.traced.shapes.shape_env.guards)
+    return [str(eng.explain(r)) for r in ("decode", "mixed")] + [guards]
   before = dict(_repeated.stats)
   copied = explained()
-  assert _repeated.stats["copied"] - before["copied"] == 2 * (cfg.n_layers - 1)
+  traced, copied_n = (_repeated.stats[k] - before[k] for k in ("traced", "copied"))
+  assert traced >= 2 and copied_n == traced * (cfg.n_layers - 1)  # each trace: one layer traced, 3 copied
   monkeypatch.setattr(fgraph, "repeated", lambda fn: fn)
   assert copied == explained()
 
