@@ -98,11 +98,13 @@ def test_the_example_decoder_traces_one_layer_and_explains_as_before(monkeypatch
   def explained():
     eng = engine.build(cfg, params, backend="torch", mode="FULL_AND_PIECEWISE", max_seqs=4, max_seq_len=64,
                        page_size=4, max_batch_tokens=8, buckets=(2, 8))
+    text = [str(eng.explain(r)) for r in ("decode", "mixed")]  # (before any capture: no timings in it)
     eng.add([5, 17, 300, 2, 999, 41, 8, 8, 120, 77], max_new_tokens=3)  # mixed steps at bucket 8, decodes at 2
     eng.run(progress=False)
     guards = sorted(str(g.expr) for e in eng.step_fn.entries.values() if e.traced.shapes is not None
                     for g in e.traced.shapes.shape_env.guards)
-    return [str(eng.explain(r)) for r in ("decode", "mixed")] + [guards]
+    assert guards  # (the comparison means something)
+    return text + [guards]
   before = dict(_repeated.stats)
   copied = explained()
   traced, copied_n = (_repeated.stats[k] - before[k] for k in ("traced", "copied"))
