@@ -5,7 +5,9 @@ Each step packs, within `max_batch_tokens`, one token of every running decode, t
 A step of single-token rows only runs `routine="decode"`, any other "mixed". Pages are reserved for a
 request's whole length at admission and released when it finishes, so a running request never waits for
 memory (no preemption). Batches are built on the host as CPU int tensors; fgraph pads them to the bucket
-and moves them in one copy. vLLM's scheduler and gpt-fast's generate.py are the references.
+and moves them in one copy. run() builds step n+1's batch while the device runs step n (run_overlapped), so
+the host's scheduling and metadata work leaves the critical path. vLLM's scheduler (and its async scheduling, in
+part) and gpt-fast's generate.py are the references.
 """
 from __future__ import annotations
 
