@@ -83,6 +83,11 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
   return logits[:len(rows)] if rows[-1] == len(rows) - 1 else logits[torch.tensor(rows, device=logits.device)]
 
 
+def _routine(plan: list[tuple[Request, int]]) -> str:
+  """A step of single-token rows runs "decode", any other "mixed"."""
+  return "decode" if all(n == 1 for _, n in plan) else "mixed"
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, generator=None) -> torch.Tensor:
   """logits [S, V], temperature/top_p [S] -> tokens [S] int64. Rows with temperature 0 are greedy."""
   logits = logits.float()
@@ -255,13 +260,15 @@ class Engine:
     plan = self.schedule()
     if not plan:
       return []
-    routine = "decode" if all(n == 1 for _, n in plan) else "mixed"
-    return self.advance(plan, self.run_batch(self.make_batch(plan), routine))
+    return self.advance(plan, self.run_batch(self.make_batch(plan), _routine(plan)))
 
   def advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
     """After the model ran `plan` (its rows first in `logits`): sample the ready requests, retire finished ones."""
     rows, ready = self._account(plan)
-    return self._settle(ready, self.choose(_rows(logits, rows), ready) if ready else [])
+    return self._settle(ready, self._sample(logits, rows, ready))
+
+  def _sample(self, logits: torch.Tensor, rows: list[int], ready: list[Request]) -> list[int]:
+    return self.choose(_rows(logits, rows), ready) if ready else []
 
   def _account(self, plan) -> tuple[list[int], list[Request]]:
     """The model ran `plan`: count its tokens as computed; (logits row, request) of each request that caught up
@@ -291,7 +298,7 @@ class Engine:
       r.t_first = r.t_first or now
       if t in self.eos_ids or len(r.output) == r.max_new_tokens:
         r.finish_reason, r.t_done = ("eos" if t in self.eos_ids else "length"), now
-        if not placed or t in self.eos_ids and len(r.output) < r.max_new_tokens:
+        if not (placed and len(r.output) == r.max_new_tokens):  # (run_overlapped retired those already)
           self._retire(r)
         finished.append(r)
     self.steps += 1
@@ -317,7 +324,7 @@ class Engine:
     plan = self.schedule()
     batch = self.make_batch(plan) if plan else None
     while plan:
-      logits = self.run_batch(batch, "decode" if all(n == 1 for _, n in plan) else "mixed")  # launched: step n
+      logits = self.run_batch(batch, _routine(plan))  # launched: step n
       rows, ready = self._account(plan)
       for r in ready:
         r.output.append(PENDING)
@@ -325,7 +332,7 @@ class Engine:
           self._retire(r)  # finishes with this token whatever it is
       nxt = self.schedule()  # step n+1, on the host, while the device runs step n
       nbatch = self.make_batch(nxt) if nxt else None
-      finished = self._settle(ready, self.choose(_rows(logits, rows), ready) if ready else [], placed=True)
+      finished = self._settle(ready, self._sample(logits, rows, ready), placed=True)
       if any(r.finish_reason == "eos" for r in finished):
         nxt = [(r, n) for r, n in nxt if r.finish_reason is None] or self.schedule()
         nbatch = self.make_batch(nxt) if nxt else None
