@@ -45,14 +45,14 @@ class _Template:
   """The FX nodes one traced call added, its inputs' and outputs' nodes (None / the value for non-tensors), and
   its outputs' fake tensors (the layout of every copy's outputs)."""
 
-  def __init__(self, fname: str, inputs: list, nodes: list[fx.Node], outputs: list, out_spec, fakes: list):
+  def __init__(self, fn: Callable, inputs: list, nodes: list[fx.Node], outputs: list, out_spec, fakes: list):
     self.inputs, self.nodes, self.outputs, self.out_spec, self.fakes = inputs, nodes, outputs, out_spec, fakes
     own = set(nodes) | {n for n in inputs if n is not None}
     for node in nodes:  # refuse tensors read from outside the arguments (module docstring)
       for used in node.all_input_nodes:
         if used not in own and not isinstance(used.meta.get("val"), _SIZES):
-          raise TraceError(f"fgraph.repeated({fname}): {node.format_node()} at {node.meta.get('line')} reads "
-                           f"{used.name}, a tensor from outside the function's arguments; its copies for later "
+          raise TraceError(f"fgraph.repeated({getattr(fn, '__qualname__', fn)}): {node.format_node()} at "
+                           f"{node.meta.get('line')} reads {used.name}, a tensor from outside the function's arguments; its copies for later "
                            "calls would read the same tensor", "pass every tensor the function reads as an argument")
 
   def copy(self, tracer, leaves: list):
@@ -79,8 +79,6 @@ def repeated(fn: Callable) -> Callable:
   """`fn`, traced once per input signature under fgraph's tracing and copied for later calls (module docstring).
   For functions called many times with inputs of the same shapes, such as the layers of a model; `fn` must read
   tensors only through its arguments (checked) and return a pytree of tensors."""
-  name = getattr(fn, "__qualname__", repr(fn))
-
   @functools.wraps(fn)
   def call(*args, **kwargs):
     mode = None if torch.compiler.is_compiling() else pt.get_proxy_mode()
@@ -114,7 +112,7 @@ def repeated(fn: Callable) -> Callable:
     outputs = [node_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
     if any(o is False for o in outputs):
       return out
-    tpl = _Template(name, inputs, nodes, outputs, out_spec, [x if isinstance(x, torch.Tensor) else None for x in flat])
+    tpl = _Template(fn, inputs, nodes, outputs, out_spec, [x if isinstance(x, torch.Tensor) else None for x in flat])
     templates[key] = templates[(fn, spec, _signature(leaves))] = tpl  # also as the next call will see it
     return out
 

@@ -89,6 +89,25 @@ def test_outside_tracing_it_is_a_plain_call():
   assert _repeated.stats == before
 
 
+def test_torch_compile_of_a_model_that_decorates_its_layers_inside_is_one_graph():
+  """torch.compile(fullgraph=True) of the example step, which applies fgraph.repeated inside its forward: dynamo
+  sees the plain layer (the decorator steps aside while dynamo traces), so the torch.compile peer of the
+  benchmarks compiles the very function fgraph jits. (The H200 run of session 7 found dynamo failing on the
+  decorator's repr.)"""
+  from benchmarks.common import decode_batch
+  cfg = attrs.evolve(llama.preset("tiny"), n_layers=2)
+  params = llama.init_params(cfg, torch.float32, "cpu")
+  batch, pages = decode_batch(cfg.vocab_size, 3, 16, 4, 64)
+  step = llama.make_step(cfg, "torch", 64)
+  torch._dynamo.reset()
+  comp = torch.compile(step, fullgraph=True, backend="eager")
+  before = dict(_repeated.stats)
+  got, _ = comp(params, llama.init_cache(cfg, pages + 1, 4, torch.float32, "cpu"), batch, "decode")
+  want, _ = step(params, llama.init_cache(cfg, pages + 1, 4, torch.float32, "cpu"), batch, "decode")
+  torch.testing.assert_close(got, want)
+  assert _repeated.stats == before
+
+
 def test_the_example_decoder_traces_one_layer_and_explains_as_before(monkeypatch):
   """The Llama/Qwen step copies its layers: explain (pieces, ops, inputs and outputs of each) and the shape
   guards of the traces that served a generation are the same as with every layer traced."""
