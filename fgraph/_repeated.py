@@ -53,7 +53,7 @@ class _Template:
         if used not in own and not isinstance(used.meta.get("val"), _SIZES):
           raise TraceError(f"fgraph.repeated({getattr(fn, '__qualname__', fn)}): {node.format_node()} at "
                            f"{node.meta.get('line')} reads {used.name}, a tensor from outside the function's arguments"
-                           "; its copies would read the same tensor", "pass every tensor the function reads as an argument")
+                           "; copies would read the same tensor", "pass every tensor the function reads as an argument")
 
   def copy(self, tracer, leaves: list):
     """The template's nodes again, on these inputs; the outputs (as tensors the trace follows)."""
