@@ -150,12 +150,12 @@ class Entry:
       args[i] = b
     return [args[i] for i in self.tensor_ix]
 
-  def _plan(self, host: list[torch.Tensor], n: int | None, statics, capturing: bool):
-    """Run the plan hooks; host: the padded host-side views of the batched leaves (InputBuffers.write)."""
+  def _plan(self, host: list[torch.Tensor], n: int | None, statics, capturing: bool) -> bool:
+    """Run the plan hooks; host: the padded host-side views of the batched leaves (InputBuffers.write). True
+    when every hook said the host state its break needs is made (PlanCall): no eager warm-up needed."""
     host = dict(zip(self.batched_ix, host))
-    for p, args, inputs in self.plans:
-      P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, self.sig.bucket,
-                                 n or 0, statics, capturing))
+    return all([P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, self.sig.bucket,
+                                           n or 0, statics, capturing)) is True for p, args, inputs in self.plans])
 
   def run(self, leaves: list, n: int | None, bound: dict, copy_outputs: bool, check: bool):
     """One call: inputs in, plan, replay (or run the program), outputs out. `check`: verify the tensors
@@ -219,12 +219,13 @@ class Entry:
     args = self._args(call.leaves)
     self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
     with P.execution() as token:  # one execution: the plan made here serves the warm-up and the capture
-      self._plan(host, call.n, call.statics, capturing=True)
+      ready = self._plan(host, call.n, call.statics, capturing=True)
       # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
       # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
-      # signature (a plan hook: flashinfer's per-bucket wrappers, made by an eager run). PIECEWISE runs its breaks
-      # eagerly in the capture pass itself. An eager run costs a step of the eager model (15-30 ms on 0.5B).
-      if self.traced.warmed and compile is None and (not self.plans or self.mode is Mode.PIECEWISE):
+      # signature that its plan hook did not make (flashinfer's per-bucket wrappers: an eager run makes the
+      # first, the hook the rest). PIECEWISE runs its breaks eagerly in the capture pass itself. An eager run
+      # costs a step of the eager model (15-30 ms on 0.5B).
+      if self.traced.warmed and compile is None and (ready or self.mode is Mode.PIECEWISE):
         warmups = 0
       for _ in range(warmups):
         self.module(*args)

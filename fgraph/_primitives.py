@@ -63,7 +63,7 @@ class PlanCall:
 eager_rules: dict[Primitive, Callable] = {}
 fake_rules: dict[Primitive, Callable] = {}
 support_rules: dict[Primitive, Callable[[Mapping[str, Any]], tuple[Support, str]]] = {}
-plan_rules: dict[Primitive, Callable[[PlanCall], None]] = {}
+plan_rules: dict[Primitive, Callable[[PlanCall], bool | None]] = {}
 plan_filters: dict[Primitive, Callable[[Mapping[str, Any]], bool]] = {}
 registry: dict[str, Primitive] = {}
 
@@ -151,7 +151,7 @@ class BreakOp:
 
 def primitive(name: str, *, mutates_args: tuple[str, ...] | list[str] = ("out",),
               support: Support | Callable = Support.ALWAYS,
-              plan: Callable[[PlanCall], None] | None = None,
+              plan: Callable[[PlanCall], bool | None] | None = None,
               plan_needed: Callable[[Mapping[str, Any]], bool] | None = None) -> Callable[[Callable], BreakOp]:
   """Register a break primitive. The decorated function is its eager rule; its annotations are the schema.
 
@@ -162,7 +162,8 @@ def primitive(name: str, *, mutates_args: tuple[str, ...] | list[str] = ("out",)
   `support` is a level or a rule `(non-tensor args by name) -> Support | (Support, reason)`, so one op can
   declare different support per backend (`backend: str` argument). `plan` runs on the host before every
   execution of a signature containing the op (see `PlanCall`); `plan_needed(args)` may rule it out per call
-  site (e.g. only one backend of the op plans).
+  site (e.g. only one backend of the op plans). A plan that returns True says it made all the host state the
+  break needs, so capturing that signature into a FULL graph needs no eager warm-up run first.
   """
   if name in registry:
     raise ValueError(f"fgraph.primitive: a primitive named {name!r} is already registered; pick another name")

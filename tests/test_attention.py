@@ -329,6 +329,34 @@ def test_jit_matches_eager(routine, lens, backend, fake_flashinfer):
       assert len([b for _, b in fake_flashinfer.plans if b > 5]) == 3
 
 
+def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager_warmup(fake_flashinfer):
+  """A FULL decode graph records its bucket's flashinfer wrapper, which an eager run makes: the warm-up of the
+  first bucket captured. From then on the plan hook makes each new bucket's wrappers (in the first's
+  configuration) and plans them, so the other buckets are captured with no eager run of the model (the donated
+  counter counts runs: one warm-up, one capture run per bucket). Replays of every bucket equal eager."""
+  def counted(cache, batch, state, routine="decode", backend="flashinfer"):
+    state["calls"].add_(1)
+    out, cache = toy_step(cache, batch, routine, backend)
+    return out, cache, state
+  spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
+  f = fgraph.jit(counted, static=["routine", "backend"], donate=["cache", "state"], batch={"batch": spec},
+                 buckets=[8, 16, 32], mode="FULL")
+  jcache, batch = toy_inputs(Case(*DECODE, 4, 2, dtype=torch.float32, num_pages=200))
+  state = {"calls": torch.zeros((), dtype=torch.int64)}
+  f.capture(jcache, batch, state, routine="decode", backend="flashinfer", progress=False)
+  assert state["calls"].item() == 1 + 3
+  assert sorted(key[1] for key in FI._wrappers) == [8, 16, 32]
+  for n in (7, 12, 25):  # one call per bucket
+    case = Case([1] * n, [1 + (5 * i) % 23 for i in range(n)], 4, 2, dtype=torch.float32, num_pages=200, seed=n)
+    cache, batch = toy_inputs(case)
+    for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):  # the captured cache tensors, refilled in place
+      d.copy_(src)
+    want, _ = toy_step(cache, batch, "decode", "flashinfer")
+    got, _, _ = f(jcache, batch, state, routine="decode", backend="flashinfer")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+  assert f.stats()["total"]["replays"] == 3 and f.stats()["total"]["traces"] == 1
+
+
 def test_flashinfer_decode_graphs_copy_the_staged_metadata_in_themselves(fake_flashinfer, monkeypatch):
   """fgraph.config.inputs_in_graph: the FULL decode graph copies flashinfer's metadata in at its first layer,
   from a stage the plan hook writes (no upload of its own). Steps within pages, a new page, other pages: the

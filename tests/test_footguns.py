@@ -73,15 +73,17 @@ def test_warmup_runs_once_per_trace_capture_once_per_signature():
   assert state["calls"].item() == 1 + 3  # one warm-up (buckets >= 2 share a trace), one capture run per bucket
 
 
-@pytest.mark.parametrize("mode, runs", [("PIECEWISE", 1 + 3), ("FULL", 3 + 3)])
-def test_a_planned_break_is_warmed_up_per_signature_only_inside_full_graphs(mode, runs):
-  """A break with a plan hook may keep host state per signature (flashinfer's per-bucket wrappers, made by an
-  eager run), so a FULL graph, which records the break, warms up every signature. PIECEWISE runs the break
-  eagerly in its capture pass anyway: one warm-up per trace, as without plans."""
+@pytest.mark.parametrize("break_op, mode, runs", [("toy_planned", "PIECEWISE", 1 + 3), ("toy_planned", "FULL", 3 + 3),
+                                                   ("toy_prepared", "FULL", 1 + 3)])
+def test_a_planned_break_is_warmed_up_per_signature_only_inside_full_graphs(break_op, mode, runs):
+  """A break with a plan hook may keep host state per signature (flashinfer's per-bucket wrappers), so a FULL
+  graph, which records the break, warms up every signature, unless the hook says it made that state itself
+  (returns True, as flashinfer's does once a first wrapper exists). PIECEWISE runs the break eagerly in its
+  capture pass anyway: one warm-up per trace, as without plans."""
   def bump(x, lens, state):
     state["calls"].add_(1)
     o = torch.empty_like(x)
-    toys.toy_planned(o, x, lens)
+    getattr(toys, break_op)(o, x, lens)
     return o + 1, state
   f = fgraph.jit(bump, donate=["state"], batch={"x": Batched(), "lens": Batched()}, mode=mode, buckets=[4, 8, 16])
   state = {"calls": torch.zeros(())}

@@ -35,6 +35,12 @@ def toy_planned(out: torch.Tensor, x: torch.Tensor, lens: torch.Tensor) -> None:
   out.copy_(x * lens.to(x.dtype)[:, None])
 
 
+@fgraph.primitive("toy_prepared", plan=lambda call: _record_plan(call) or True)
+def toy_prepared(out: torch.Tensor, x: torch.Tensor, lens: torch.Tensor) -> None:
+  """toy_planned whose plan hook makes all the host state it needs (returns True)."""
+  out.copy_(x * lens.to(x.dtype)[:, None])
+
+
 @fgraph.primitive("toy_maybe_planned", plan=_record_plan, plan_needed=lambda args: args["planned"])
 def toy_maybe_planned(out: torch.Tensor, x: torch.Tensor, lens: torch.Tensor, planned: bool) -> None:
   out.copy_(x * lens.to(x.dtype)[:, None])

@@ -213,12 +213,13 @@ def _support(args) -> tuple[Support, str]:
   return Support.ALWAYS, f"{args.get('backend')} attention is capturable in both routines"
 
 
-def _plan(call: PlanCall) -> None:
-  """Before every execution: flashinfer plans its kernels from the call's host metadata (others: nothing)."""
+def _plan(call: PlanCall) -> bool:
+  """Before every execution: flashinfer plans its kernels from the call's host metadata (others: nothing).
+  True when its wrappers for this call exist and are planned (see fgraph.primitive)."""
   if call.args.get("backend") != "flashinfer":
-    return
+    return True
   bucket = call.bucket if call.bucket is not None else int(call.inputs["query_start_loc"][-1])
-  _module("flashinfer").on_plan(call.args["routine"], bucket, call.args["page_size"], call.args["scale"],
+  return _module("flashinfer").on_plan(call.args["routine"], bucket, call.args["page_size"], call.args["scale"],
                                 call.inputs)
 
 
