@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -280,8 +281,20 @@ def first_trace_s(dev) -> float:
   return time.perf_counter() - t0
 
 
+def backend_import_s(backend: str) -> float | None:
+  """The one-off import of the backend's library, paid before its capture like the first trace and reported beside
+  it: flashinfer's took 1.45 s of a 14.6 s capture on the H200's host (results/s7/diagnose-capture.txt), and is
+  inside the capture times of sessions 3-7's first run."""
+  if backend not in ("flash_attn", "flashinfer"):
+    return None  # (the torch backend imports nothing)
+  t0 = time.perf_counter()
+  importlib.import_module(backend)
+  return time.perf_counter() - t0
+
+
 def capture_cost(cfg, params, backend, a) -> dict:
   """Capture of 2 routines x the default buckets, FULL_AND_PIECEWISE: seconds, graphs, pool GiB, per signature."""
+  import_s = backend_import_s(backend)
   dev, ps = a.device, A.page_size_for(backend)
   batch, pages = decode_batch(cfg.vocab_size, 1, 1024, ps)
   cache = llama.init_cache(cfg, pages, ps, a.dtype, dev)
@@ -301,7 +314,7 @@ def capture_cost(cfg, params, backend, a) -> dict:
           "traced": e.stats.traces, "graphs": len(e.graphs), "capture_s": e.capture_seconds,
           "pool_MiB": e.pool_bytes / 2**20} for e in f.entries.values()]
   traces = {id(e.traced): e.traced.seconds for e in f.entries.values()}  # make_fx + split, once per trace
-  out = {"backend": backend, "buckets": len(f.buckets), "capture_s": secs, "signatures": len(per),
+  out = {"backend": backend, "buckets": len(f.buckets), "capture_s": secs, "import_s": import_s, "signatures": len(per),
          "trace_s": sum(traces.values()), "graphs_s": sum(p["capture_s"] for p in per),
          "graphs": sum(p["graphs"] for p in per), "traces": sum(p["traced"] for p in per),
          "pool_GiB": sum(p["pool_MiB"] for p in per) / 1024,
@@ -320,6 +333,7 @@ def capture_line(c: dict) -> str:
   fmt = lambda p, v: f"{p['routine']}/{p['bucket']}({p['mode']}) {v}"
   split = (f" (traces {c['trace_s']:.1f} s, warm-up + graphs {c['graphs_s']:.1f} s, the rest "
            f"{c['capture_s'] - c['trace_s'] - c['graphs_s']:.1f} s)") if "trace_s" in c else ""
+  split += f" (+ {c['import_s']:.1f} s importing {c['backend']} before it)" if c.get("import_s") else ""
   return (f"capture {c['model']} {c['backend']}: {c['capture_s']:.1f} s{split}, {c['signatures']} signatures, "
           f"{c['graphs']} graphs, {c['traces']} traces, pool {c['pool_GiB']:.2f} GiB (reserved +"
           f"{c['reserved_GiB']:.2f}); slowest " + ", ".join(fmt(p, f"{p['capture_s']:.2f}s") for p in slow)

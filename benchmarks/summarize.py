@@ -220,6 +220,8 @@ def capture_lines(caps, firsts=()) -> list[str]:
                f"{routine_cost(c, 'mixed')} | {target} |")
   out += [f"\nThe process's first trace ({f['model']} run), paid once before these captures: one-off imports of "
           f"make_fx's symbolic machinery, {f['first_trace_s']:.1f} s." for f in firsts]
+  out += [f"Importing {c['backend']} before its capture ({c['model']}): {c['import_s']:.1f} s (once per process)."
+          for c in caps if c.get("import_s") is not None]
   return out + [""]
 
 
