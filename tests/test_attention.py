@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
 from fgraph import Support, _trace
+from fgraph import _primitives as P
 from fgraph._primitives import support_rules
 from fgraph.ops import _attn_flash, _attn_flashinfer as FI
 from fgraph.ops import attention as A
@@ -355,6 +356,35 @@ def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager
     got, _, _ = f(jcache, batch, state, routine="decode", backend="flashinfer")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
   assert f.stats()["total"]["replays"] == 3 and f.stats()["total"]["traces"] == 1
+
+
+def test_flashinfer_decode_wrappers_are_never_made_inside_a_graph_capture(fake_flashinfer, monkeypatch):
+  """Two models in one process (float32, then float64: two wrapper configurations of the same page size and scale),
+  FULL decode, two buckets each: every decode wrapper is made before the graph capture that records it (by the
+  first bucket's warm-up or by the hook), never inside it, where flashinfer could not plan it. The H200 found the
+  hook calling a bucket ready when its only wrapper was the other model's (session 7)."""
+  made_in_graph = []
+  cls = fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper
+  init = cls.__init__
+
+  def recording_init(self, *args, **kwargs):
+    token = P.executing()
+    made_in_graph.append(token is not None and token.in_graph)  # in_graph: the FULL graph's capture pass
+    init(self, *args, **kwargs)
+  monkeypatch.setattr(cls, "__init__", recording_init)
+  spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
+  for dtype in (torch.float32, torch.float64):
+    f = fgraph.jit(toy_step, static=["routine", "backend"], donate=["cache"], batch={"batch": spec},
+                   buckets=[8, 16], mode="FULL")
+    jcache, batch = toy_inputs(Case(*DECODE, 4, 2, dtype=dtype, num_pages=200))
+    f.capture(jcache, batch, routine="decode", backend="flashinfer", progress=False)
+    case = Case([1] * 12, [1 + (5 * i) % 23 for i in range(12)], 4, 2, dtype=dtype, num_pages=200, seed=12)
+    cache, batch = toy_inputs(case)
+    for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
+      d.copy_(src)
+    torch.testing.assert_close(f(jcache, batch, routine="decode", backend="flashinfer")[0],
+                               toy_step(cache, batch, "decode", "flashinfer")[0], rtol=1e-5, atol=1e-5)
+  assert len(made_in_graph) == 6 and not any(made_in_graph)  # (2 buckets + the eager oracle's 12) x 2 models
 
 
 def test_flashinfer_decode_graphs_copy_the_staged_metadata_in_themselves(fake_flashinfer, monkeypatch):

@@ -273,9 +273,11 @@ def _wrapper_for(routine: str, B: int, device: str, cfg: tuple, width: int) -> _
 
 
 def _decode_wrappers_like_others(bucket: int, page_size: int, scale: float, width: int) -> list:
-  """Decode wrappers for a bucket that has none yet, in every configuration (device, heads, head size, dtypes)
-  another bucket's eager run made one for: the hook makes and plans them, so a FULL graph of this bucket is
-  captured without an eager warm-up run of the whole model first (~15-30 ms each on 0.5B, 51 buckets)."""
+  """This bucket's decode wrappers in every configuration (device, heads, head size, dtypes) any bucket has one
+  for, made where missing. Before a capture, the hook makes and plans them, so a FULL graph of this bucket is
+  captured without an eager warm-up run of the whole model first (~15-30 ms each on 0.5B, 51 buckets): the
+  first bucket's warm-up made the model's configurations. (Wrappers of other models in the process are made
+  too: a bucket's existing wrappers may all be another model's, as the H200 showed in session 7.)"""
   cfgs = {(key[2], w.cfg) for key, w in _wrappers.items()
           if key[0] == "decode" and w.cfg[3] == page_size and w.cfg[6] == scale}
   return [_wrapper_for("decode", bucket, device, cfg, width) for device, cfg in sorted(cfgs, key=repr)]
@@ -308,10 +310,10 @@ def stats() -> dict:
 
 
 # --------------------------------------------------------------------------------------------- plan, run
-def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs) -> bool:
-  """fgraph's plan hook for this backend: host metadata -> plan every wrapper this signature uses. A decode
-  bucket without wrappers gets them here when another bucket has some (_decode_wrappers_like_others); True
-  when this signature's decode wrappers exist and are planned (so its capture needs no eager warm-up)."""
+def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs, capturing: bool = False) -> bool:
+  """fgraph's plan hook for this backend: host metadata -> plan every wrapper this signature uses. Before a
+  capture, a decode bucket gets its wrappers in every configuration seen (_decode_wrappers_like_others) and the
+  hook returns True when there are any: this signature's capture then needs no eager warm-up."""
   missing = [k for k in ("query_start_loc", "seq_lens", "block_table") if k not in inputs]
   if missing:
     raise FgraphError(f"attention(backend='flashinfer'): the plan hook did not get {missing} as per-call inputs, "
@@ -325,12 +327,12 @@ def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs) -> 
   _states[(routine, bucket, page_size)] = _State(gen, host, token=executing() or _BY_HAND, ident=None)
   token = executing()
   in_graph = token is not None and token.in_graph  # a FULL graph that copies the metadata in itself
-  group = _group(routine, bucket, page_size, scale)
-  if not group and routine == "decode":
-    group = _decode_wrappers_like_others(bucket, page_size, scale, inputs["block_table"].shape[1])
+  capturing = capturing and routine == "decode"
+  group = _decode_wrappers_like_others(bucket, page_size, scale, inputs["block_table"].shape[1]) if capturing \
+      else _group(routine, bucket, page_size, scale)
   for w in group:
     w.plan(host, gen, in_graph)
-  return routine == "decode" and bool(group)
+  return capturing and bool(group)
 
 
 def _version(t: torch.Tensor):

@@ -220,7 +220,7 @@ def _plan(call: PlanCall) -> bool:
     return True
   bucket = call.bucket if call.bucket is not None else int(call.inputs["query_start_loc"][-1])
   return _module("flashinfer").on_plan(call.args["routine"], bucket, call.args["page_size"], call.args["scale"],
-                                call.inputs)
+                                       call.inputs, call.capturing)
 
 
 @primitive("attention", mutates_args=("out", "k_cache", "v_cache"), support=_support, plan=_plan,
