@@ -31,10 +31,10 @@ class Call(NamedTuple):
 
 
 class Stats:
-  __slots__ = ("traces", "captures", "replays", "eager", "calls", "padded")
+  __slots__ = ("traces", "captures", "warmups", "replays", "eager", "calls", "padded")
 
   def __init__(self):
-    self.traces = self.captures = self.replays = self.eager = self.calls = self.padded = 0
+    self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.padded = 0
 
   def as_dict(self):
     return {k: getattr(self, k) for k in self.__slots__}
@@ -229,6 +229,7 @@ class Entry:
         warmups = 0
       for _ in range(warmups):
         self.module(*args)
+      self.stats.warmups += warmups
       self.traced.warmed = self.traced.warmed or warmups > 0
       if self.device.startswith("cuda"):
         torch.cuda.synchronize()

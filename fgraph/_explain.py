@@ -33,8 +33,8 @@ def _entry_text(name: str, e, n: int | None) -> str:
     lines.append(f"      in: {', '.join(p.inputs) or '-'}")
     lines.append(f"      out: {', '.join(p.outputs) or '-'}")
   if e.graphs:
-    lines.append(f"  captured: {len(e.graphs)} graph{'s' if len(e.graphs) != 1 else ''} in "
-                 f"{e.capture_seconds:.3f} s, pool {e.pool_bytes / 2**30:.3f} GiB")
+    lines.append(f"  captured: {len(e.graphs)} graph{'s' if len(e.graphs) != 1 else ''} in {e.capture_seconds:.3f} s "
+                 f"after {e.stats.warmups} eager warm-up run(s), pool {e.pool_bytes / 2**30:.3f} GiB")
   else:
     lines.append("  captured: no graphs (runs the program eagerly)")
   return "\n".join(lines)

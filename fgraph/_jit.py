@@ -337,7 +337,7 @@ class Jitted:
 
   # -- introspection ---------------------------------------------------------------------------------------
   def stats(self) -> dict:
-    """Counters: per signature (traces, captures, replays, eager, calls, padded) and totals."""
+    """Counters (Stats: traces, captures, warm-ups, replays, eager, calls, padded) per signature and totals."""
     per = {e.sig.describe(): e.stats.as_dict() for e in self.entries.values()}
     total = {k: sum(d[k] for d in per.values()) for k in Stats.__slots__}
     return {"signatures": per, "total": total, "fallbacks": dict(self.fallbacks)}

@@ -345,7 +345,7 @@ def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager
   jcache, batch = toy_inputs(Case(*DECODE, 4, 2, dtype=torch.float32, num_pages=200))
   state = {"calls": torch.zeros((), dtype=torch.int64)}
   f.capture(jcache, batch, state, routine="decode", backend="flashinfer", progress=False)
-  assert state["calls"].item() == 1 + 3
+  assert state["calls"].item() == 1 + 3 and f.stats()["total"]["warmups"] == 1
   assert sorted(key[1] for key in FI._wrappers) == [8, 16, 32]
   for n in (7, 12, 25):  # one call per bucket
     case = Case([1] * n, [1 + (5 * i) % 23 for i in range(n)], 4, 2, dtype=torch.float32, num_pages=200, seed=n)

@@ -46,7 +46,7 @@ fn(routine='decode', bucket=4)
   [2] graph 1 ops: mul; ends at output
       in: %empty_like
       out: %mul
-  captured: 1 graph in T s, pool 0.000 GiB
+  captured: 1 graph in T s after 1 eager warm-up run(s), pool 0.000 GiB
 fn(routine='mixed', bucket=4)
   mode: PIECEWISE (FULL requested -> PIECEWISE (toy_decode_only has no mixed graph routine; toy_decode_only \
 supports UNIFORM_DECODE))
@@ -58,4 +58,4 @@ supports UNIFORM_DECODE))
   [2] graph 1 ops: mul; ends at output
       in: %empty_like
       out: %mul
-  captured: 2 graphs in T s, pool 0.000 GiB"""
+  captured: 2 graphs in T s after 1 eager warm-up run(s), pool 0.000 GiB"""

@@ -89,6 +89,7 @@ def test_a_planned_break_is_warmed_up_per_signature_only_inside_full_graphs(brea
   state = {"calls": torch.zeros(())}
   f.capture(torch.ones(3, 2), torch.ones(3, dtype=torch.int32), state, progress=False)
   assert state["calls"].item() == runs  # warm-ups + one capture run per bucket
+  assert f.stats()["total"]["warmups"] == runs - 3
 
 
 def test_python_side_effects_run_once_at_trace():

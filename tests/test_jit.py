@@ -25,7 +25,8 @@ def test_one_trace_serves_every_bucket_of_a_routine():
   assert len(st["signatures"]) == 3  # (decode, 8), (decode, 4), (mixed, 4): three graph sets...
   assert st["total"]["traces"] == 2 and st["total"]["calls"] == 7  # ...from two traces: the batch dim is symbolic
   assert st["signatures"]["(breaks=2, routine='decode', bucket=8)"] == \
-      {"traces": 1, "captures": 3, "replays": 5, "eager": 0, "calls": 5, "padded": 3 + 2 + 1 + 0 + 3}
+      {"traces": 1, "captures": 3, "warmups": 1, "replays": 5, "eager": 0, "calls": 5,
+       "padded": 3 + 2 + 1 + 0 + 3}
   assert st["signatures"]["(breaks=2, routine='decode', bucket=4)"]["traces"] == 0
 
 
