@@ -77,6 +77,7 @@ def summary(eng, setup: float, reports) -> dict:
           "output_tokens": reports[0].output_tokens, "throughput_tok_s": statistics.median(tput),
           "ttft_p50_ms": statistics.median(med(r.ttft) for r in reports),
           "tpot_p50_ms": statistics.median(med(r.tpot) for r in reports),
+          "waiting_share": statistics.median(r.waited / r.elapsed for r in reports),  # host waiting for the device
           "graphs": st["total"].get("captures"), "replays": st["total"].get("replays"),
           "eager_calls": st["total"].get("eager"), "fallbacks": st["fallbacks"]}
 

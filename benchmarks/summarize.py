@@ -249,16 +249,17 @@ def serve_lines(rows) -> list[str]:
     return []
   out = ["### continuous batching (greedy, fixed-seed synthetic workload; medians over runs, modes alternating)",
          "", "| model | backend | mode | setup s | runs | elapsed s | output tok/s (min-max) | TTFT p50 ms | TPOT p50 ms |"
-         " vs PIECEWISE | mismatches |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+         " host waiting for the device | vs PIECEWISE | mismatches |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     if "throughput_tok_s" not in r:
       what = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r.get('error', '?')}"
-      out.append(f"| {r.get('model', '')} | {r.get('backend')} | {r.get('mode')} | {what} | | | | | | | |")
+      out.append(f"| {r.get('model', '')} | {r.get('backend')} | {r.get('mode')} | {what} | | | | | | | | |")
       continue
     tput = r.get("throughput_runs", [r["throughput_tok_s"]])
+    wait = f"{r['waiting_share']:.0%}" if "waiting_share" in r else "-"  # (rows of sessions before 7: not measured)
     out.append(f"| {r.get('model', '')} | {r['backend']} | {r['mode']} | {r['setup_s']:.1f} | {len(tput)} | "
                f"{r['elapsed_s']:.1f} | {r['throughput_tok_s']:.0f} ({min(tput):.0f}-{max(tput):.0f}) | "
-               f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.2f} | {_serve_gain(r, rows):+.1%} | "
+               f"{r['ttft_p50_ms']:.0f} | {r['tpot_p50_ms']:.2f} | {wait} | {_serve_gain(r, rows):+.1%} | "
                f"{r.get('mismatched_requests', '-')} |")
   out.append("")
   for b in sorted({r["backend"] for r in rows if "throughput_tok_s" in r}):

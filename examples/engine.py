@@ -108,6 +108,7 @@ class Report:
   prompt_tokens: int
   output_tokens: int
   steps: int
+  waited: float = 0.0          # seconds of `elapsed` the host spent waiting for sampled tokens (the device's)
 
   @property
   def throughput(self) -> float:
@@ -120,7 +121,8 @@ class Report:
         return "n/a"
       return f"mean {sum(xs) / len(xs):.1f} p50 {xs[len(xs) // 2]:.1f} max {xs[-1]:.1f} ms"
     return (f"{len(self.tokens)} requests, {self.prompt_tokens} prompt + {self.output_tokens} generated tokens "
-            f"in {self.steps} steps, {self.elapsed:.2f} s: {self.throughput:.1f} tok/s\n"
+            f"in {self.steps} steps, {self.elapsed:.2f} s: {self.throughput:.1f} tok/s (host waiting for the "
+            f"device {self.waited / self.elapsed if self.elapsed > 0 else 0:.0%} of it)\n"
             f"  TTFT {stats(self.ttft)}\n  TPOT {stats(self.tpot)}")
 
 
@@ -153,7 +155,7 @@ class Engine:
     self.running: list[Request] = []
     self.requests: list[Request] = []
     self.generator = torch.Generator(device=self.device).manual_seed(seed)
-    self.steps = 0
+    self.steps, self.waited = 0, 0.0
     self.buckets = sorted(set(buckets or fgraph.default_buckets(max_batch_tokens)) | {max_batch_tokens})
     self.spec = llama.Batch(tokens=fgraph.Batched(pad=0), positions=fgraph.Batched(pad=0), meta=A.metadata_batching())
     if mode == "eager":
@@ -268,7 +270,12 @@ class Engine:
     return self._settle(ready, self._sample(logits, rows, ready))
 
   def _sample(self, logits: torch.Tensor, rows: list[int], ready: list[Request]) -> list[int]:
-    return self.choose(_rows(logits, rows), ready) if ready else []
+    """The sampled tokens, on the host: a step's one wait for the device, timed into `waited` (a share of a run
+    near 0 says the host loop sets the pace, near 1 the device)."""
+    t0 = time.perf_counter()
+    out = self.choose(_rows(logits, rows), ready) if ready else []
+    self.waited += time.perf_counter() - t0
+    return out
 
   def _account(self, plan) -> tuple[list[int], list[Request]]:
     """The model ran `plan`: count its tokens as computed; (logits row, request) of each request that caught up
@@ -352,7 +359,7 @@ class Engine:
     """Step until every request has finished (run_overlapped, or step() by step() without overlap); report tokens
     and TTFT / TPOT / throughput."""
     from tqdm import tqdm
-    t0, steps0 = time.perf_counter(), self.steps
+    t0, steps0, waited0 = time.perf_counter(), self.steps, self.waited
     todo = [r for r in self.requests if r.finish_reason is None]
     steps = self.run_overlapped() if self.overlap else self.run_stepwise()
     with tqdm(total=sum(r.max_new_tokens for r in todo), unit="tok", disable=not progress, leave=False) as bar:
@@ -363,7 +370,8 @@ class Engine:
           bar.update(sum(len(r.output) for r in todo) - bar.n)
     return Report(tokens=[r.output for r in todo], ttft=[r.ttft for r in todo], tpot=[r.tpot for r in todo],
                   elapsed=time.perf_counter() - t0, prompt_tokens=sum(len(r.prompt) for r in todo),
-                  output_tokens=sum(len(r.output) for r in todo), steps=self.steps - steps0)
+                  output_tokens=sum(len(r.output) for r in todo), steps=self.steps - steps0,
+                  waited=self.waited - waited0)
 
   def explain(self, routine: str = "mixed"):
     return fgraph.explain(self.step_fn, self.params, self.cache, self.example_batch(), routine=routine)

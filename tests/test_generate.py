@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -177,6 +178,20 @@ def test_overlapped_run_drops_a_request_that_stopped_at_eos_from_the_next_batch(
     rebuilt = [(a, b) for a, b in zip(built, built[1:]) if 1 in a and 1 not in b and set(b) <= set(a)]
     assert len(built) == rep.steps + overlap and (len(rebuilt) == 1 if overlap else True)
   assert out[True] == out[False] == [eager[0], [eos], eager[2], eager[3]]
+
+
+def test_the_report_counts_the_host_waiting_for_the_device(tiny):
+  """Report.waited: the time the host spent getting the sampled tokens (where it waits for the device), which
+  says whether the device or the host loop sets the pace. Here sampling takes 5 ms (a stand-in for a busy
+  device): at least that much per sampling, and no more than the run took."""
+  eng = engine.build(tiny[0], tiny[1], backend="torch", mode="eager", max_seqs=4, max_seq_len=64, page_size=4)
+  choose, calls = eng.choose, []
+  eng.choose = lambda logits, ready: calls.append(time.sleep(0.005)) or choose(logits, ready)
+  for p in PROMPTS:
+    eng.add(p, max_new_tokens=3)
+  rep = eng.run(progress=False)
+  assert len(calls) * 0.005 <= rep.waited <= rep.elapsed and len(calls) >= 3
+  assert "host waiting for the device" in rep.summary()
 
 
 def test_sample_top_p():
