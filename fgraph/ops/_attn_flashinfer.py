@@ -324,8 +324,8 @@ def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs, cap
   host = host_plan(inputs["query_start_loc"], inputs["seq_lens"], inputs["block_table"], page_size,
                    with_qo=routine == "mixed", prev=prev.host if prev is not None else None)
   gen = next(_gen)
-  _states[(routine, bucket, page_size)] = _State(gen, host, token=executing() or _BY_HAND, ident=None)
   token = executing()
+  _states[(routine, bucket, page_size)] = _State(gen, host, token=token or _BY_HAND, ident=None)
   in_graph = token is not None and token.in_graph  # a FULL graph that copies the metadata in itself
   capturing = capturing and routine == "decode"
   group = _decode_wrappers_like_others(bucket, page_size, scale, inputs["block_table"].shape[1]) if capturing \
