@@ -162,15 +162,15 @@ def main(argv=None):
   emit(path, info)
   rows, est = [info], a.run_est_s
   for backend in a.backends:
-    why = budget.why_not(est)
+    outcome, why = "skipped", budget.why_not(est)
     t0 = time.perf_counter()
     try:
       got = [] if why else backend_rows(cfg, params, backend, reqs, warm, a)
     except Exception as e:  # one failing backend is a result; the others still run
-      why = f"error: {type(e).__name__}: {str(e)[:300]}"
+      outcome, why = "error", f"{type(e).__name__}: {str(e)[:300]}"
     if why:
-      got = [{"kind": "serve", "model": a.preset, "backend": backend, "mode": m, "requests": len(reqs),
-              ("error" if why.startswith("error: ") else "skipped"): why.removeprefix("error: ")} for m in a.modes]
+      got = [{"kind": "serve", "model": a.preset, "backend": backend, "mode": m, "requests": len(reqs), outcome: why}
+             for m in a.modes]
     else:
       est = max(est, 1.2 * (time.perf_counter() - t0))
     for row in got:
