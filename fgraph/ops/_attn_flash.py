@@ -18,6 +18,13 @@ The KV write happens here, inside the break:
           seqlen_k_cache + seqlen_knew; flash_fwd_kernel.h: the Append_KV loop walks the block table from
           n_block_copy_min = seqlen_k_cache / kBlockN; with split-KV only the split holding that block writes).
   mixed   write_kv (index_copy_ into both caches), then flash_attn_varlen_func.
+Both kernels write into the break's `out` (the extension's own entry points, which take an output tensor; the
+public functions pass none, and a copy into `out` was one more kernel per layer). With GQA and one query per
+sequence, mha_fwd_kvcache folds the group into the query length (q viewed [B, G, Hkv, D], "seqlenq_ngroups_swapped")
+and checks `out` in that shape: `out` [B, Hq, D] viewed [B, Hkv, G, D] then transposed has it, with strides that
+put every head where `out` keeps it, and the kernel (and the split-KV combine) write through those strides. Where
+a kernel still returns a tensor of its own (varlen folds the group too, at max_seqlen_q == 1, and then computes in a
+temporary), the result is copied into `out`.
 flash_attn is imported on first use only.
 """
 from __future__ import annotations
@@ -35,8 +42,15 @@ MAX_SPLITS = 128  # flash-attn's limit
 
 @functools.cache
 def _api():
-  from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-  return flash_attn_with_kvcache, flash_attn_varlen_func
+  """flash_attn_2_cuda, the extension behind flash_attn's functions (fwd_kvcache, varlen_fwd: module docstring)."""
+  from flash_attn import flash_attn_interface
+  return flash_attn_interface.flash_attn_gpu
+
+
+def _into(out: torch.Tensor, o: torch.Tensor) -> None:
+  """Make sure the kernel's result is in `out` (a no-op when it wrote there)."""
+  if o.data_ptr() != out.data_ptr():
+    out.copy_(o.reshape(out.shape))
 
 
 @functools.cache
@@ -77,7 +91,8 @@ def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_tab
             scale, max_seq_len):
   """out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (page % 256 == 0); block_table:
   [S, max_pages]. Writes k/v into their slots, then out."""
-  with_kvcache, varlen = _api()
+  fa = _api()
+  q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # as flash_attn's functions do
   N, Hq, D = q.shape
   page, Hkv = k_cache.shape[1], k_cache.shape[2]
   L = block_table.shape[1] * page
@@ -86,14 +101,19 @@ def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_tab
     splits = decode_num_splits(N, Hkv, Hq // Hkv, D, L, _num_sms(q.device.index or 0))
     # the KV lengths before this token, the same for every layer: one kernel a step, made at the first layer
     before = once_per_execution(("fa2 cache_seqlens", id(seq_lens)), lambda: seq_lens - 1)
-    o = with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
-                     cache_seqlens=before, block_table=block_table, softmax_scale=scale, causal=True,
-                     num_splits=splits)                                                        # [N, 1, Hq, D]
-    out.copy_(o.squeeze(1))
+    G = Hq // Hkv
+    o_view = out.view(N, Hkv, G, D).transpose(1, 2) if G > 1 and D % 8 == 0 else out.unsqueeze(1)  # docstring
+    # (q, k_cache, v_cache, k, v, cache_seqlens, rotary cos, sin, cache_batch_idx, leftpad_k, block_table, alibi,
+    #  out, scale, causal, window left, right, softcap, rotary_interleaved, num_splits), as flash_attn_with_kvcache
+    o, _ = fa.fwd_kvcache(q.unsqueeze(1), k_cache, v_cache, k.unsqueeze(1), v.unsqueeze(1), before, None, None,
+                          None, None, block_table, None, o_view, scale, True, -1, -1, 0.0, True, splits)
+    _into(out, o)                                                                              # [N, 1, Hq, D]
   else:
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     # cu_seqlens_k: with a block table flash-attn reads each sequence's KV length as cu[s+1] - cu[s].
     cu_k = torch.nn.functional.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))   # [S+1]
-    o = varlen(q, k_cache, v_cache, cu_seqlens_q=query_start_loc, cu_seqlens_k=cu_k, max_seqlen_q=N,
-               max_seqlen_k=min(max_seq_len, L), softmax_scale=scale, causal=True, block_table=block_table)
-    out.copy_(o)
+    # (q, k, v, out, cu_q, cu_k, seqused_k, leftpad_k, block_table, alibi, max_q, max_k, dropout, scale,
+    #  zero_tensors, causal, window left, right, softcap, return_softmax, generator), as _flash_attn_varlen_forward
+    o = fa.varlen_fwd(q, k_cache, v_cache, out, query_start_loc, cu_k, None, None, block_table, None, N,
+                      min(max_seq_len, L), 0.0, scale, False, True, -1, -1, 0.0, False, None)[0]
+    _into(out, o)
