@@ -1,5 +1,5 @@
 """Diagnostics on the device (not a benchmark): where host time and capture time go, and which mode's MoE
-logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|h2d|capture|kernels|pool|inductor|gemv|moe ...]
+logits differ. usage (device, repo root, .gpu carried): python3 scripts/diagnose_gpu.py [host|stages|h2d|capture|kernels|pool|inductor|gemv|moe|fa2out ...]
 Prints cProfile tables and per-step logit differences; writes them to $OUT/diagnose.txt when OUT is set.
 DIAG_MODEL=llama3-8b runs the parts on another preset (default qwen2.5-0.5b)."""
 from __future__ import annotations
@@ -421,6 +421,52 @@ def moe(_cfg, _params):
     for key, (tokens, logs) in runs.items():
       say(f"moe {key}: tokens equal local/eager/auto: {tokens == ref_tokens}; steps {[r for r, _ in logs]}")
     dist.destroy_process_group()
+
+
+def fa2out(cfg, params):
+  """FA2 attention writing into the break's `out` (now) against session 7's path (flash_attn's public functions,
+  then out.copy_), one process: two FULL+C jits per B (ctx 1k), GPU ms per step timed in alternating rounds, and
+  the largest logit difference between them (the same kernels: expected 0)."""
+  from benchmarks.common import gpu_ms
+  from fgraph.ops import _attn_flash as F
+  now = F.forward
+
+  def copied(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine,
+             scale, max_seq_len):
+    from flash_attn import flash_attn_with_kvcache
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    L = block_table.shape[1] * page
+    if routine != "decode":
+      return now(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
+                 routine=routine, scale=scale, max_seq_len=max_seq_len)
+    splits = F.decode_num_splits(q.shape[0], Hkv, q.shape[1] // Hkv, q.shape[2], L, F._num_sms(0))
+    before = F.once_per_execution(("fa2 cache_seqlens", id(seq_lens)), lambda: seq_lens - 1)
+    o = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
+                                cache_seqlens=before, block_table=block_table, softmax_scale=scale, causal=True,
+                                num_splits=splits)
+    out.copy_(o.squeeze(1))
+  for B in (1, 64):
+    batch, pages = decode_batch(cfg.vocab_size, B, 1024, 256, 4096)
+    cache = llama.init_cache(cfg, pages + 1, 256, torch.bfloat16, DEV)
+    fs = {}
+    for label, fwd in (("public fn + copy", copied), ("into out", now)):
+      F.forward = fwd  # read at each call of the break: the capture records this path's kernels
+      try:
+        f = make_jitted(cfg, "flash_attn", "FULL+C", 4096, [B])
+        f(params, cache, batch, routine="decode")
+      finally:
+        F.forward = now
+      fs[label] = f
+    outs = {k: f(params, cache, batch, routine="decode")[0].float() for k, f in fs.items()}
+    ms = {k: [] for k in fs}
+    for _ in range(5):
+      for k, f in fs.items():
+        ms[k].append(gpu_ms(functools.partial(f, params, cache, batch, routine="decode")))
+    a, b = (statistics.median(v) for v in ms.values())
+    say(f"FA2 FULL+C B={B}: public fn + copy {a:.3f} ms, into out {b:.3f} ms ({(b / a - 1) * 100:+.1f} %), "
+        f"max |logit diff| {(outs['into out'] - outs['public fn + copy']).abs().max().item():.1e}")
+    del fs, cache
+    torch.cuda.synchronize()
 
 
 def _diff(a, b):
