@@ -7,5 +7,5 @@ from ._primitives import PlanCall as PlanCall, Primitive as Primitive, Support a
 from ._primitives import primitive as primitive
 from ._pytree import field as field, register as register
 from ._repeated import repeated as repeated
-from ._signature import Batched as Batched, Signature as Signature, default_buckets as default_buckets
+from ._signature import Aval as Aval, Batched as Batched, Signature as Signature, default_buckets as default_buckets
 from ._split import Mode as Mode, Piece as Piece, Program as Program

@@ -13,7 +13,7 @@ from . import _primitives as P
 from . import capture as C
 from ._errors import SignatureError
 from ._pytree import unflattener
-from ._signature import Signature, path_str
+from ._signature import Signature, aval_of, path_str
 from ._split import Mode, Program, breaks_filter, resolve_mode, split
 from ._trace import check, trace
 
@@ -138,9 +138,8 @@ class Entry:
     self.specs = [call.specs[i] for i in self.batched_ix]
     self.graphs: list = []
     self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
-    self.full = None
+    self.full, self.buffers = None, None
     self.capture_seconds, self.pool_bytes = 0.0, 0
-    self.buffers = None
 
   # -- running ----------------------------------------------------------------------------------------------
   def _args(self, leaves):
@@ -155,7 +154,8 @@ class Entry:
     when every hook said the host state its break needs is made (PlanCall): no eager warm-up needed."""
     host = dict(zip(self.batched_ix, host))
     return all([P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, self.sig.bucket,
-                                           n or 0, statics, capturing)) is True for p, args, inputs in self.plans])
+                                           n or 0, statics, capturing, avals)) is True
+                for p, args, inputs, avals in self.plans])
 
   def run(self, leaves: list, n: int | None, bound: dict, copy_outputs: bool, check: bool):
     """One call: inputs in, plan, replay (or run the program), outputs out. `check`: verify the tensors
@@ -378,7 +378,7 @@ def _direct(module: fx.GraphModule) -> fx.GraphModule:
 
 
 def _plan_sites(gm, ph_pos, tensor_ix, specs):
-  """Plan hooks to run per call: one per distinct (primitive, constant args, batched inputs it reads)."""
+  """Plan hooks to run per call: one per distinct (primitive, constant args, batched inputs, tensor avals)."""
   sites = {}
   for node in gm.graph.nodes:
     p = P.primitive_of(node)
@@ -387,10 +387,12 @@ def _plan_sites(gm, ph_pos, tensor_ix, specs):
     args = P.constant_args(node)
     if p in P.plan_filters and not P.plan_filters[p](args):
       continue
-    inputs = {k: tensor_ix[ph_pos[v]] for k, v in P.node_args(node).items()
-              if isinstance(v, fx.Node) and v in ph_pos and specs[tensor_ix[ph_pos[v]]] is not None}
-    key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())))
-    sites.setdefault(key, (p, args, inputs))
+    tensors = {k: v for k, v in P.node_args(node).items() if isinstance(v, fx.Node)}
+    inputs = {k: tensor_ix[ph_pos[v]] for k, v in tensors.items()
+              if v in ph_pos and specs[tensor_ix[ph_pos[v]]] is not None}
+    avals = {k: aval_of(v.meta["val"]) for k, v in tensors.items() if isinstance(v.meta.get("val"), torch.Tensor)}
+    key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())), tuple(avals.items()))
+    sites.setdefault(key, (p, args, inputs, avals))
   return list(sites.values())
 
 

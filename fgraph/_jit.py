@@ -70,16 +70,14 @@ class Jitted:
     except ValueError:
       raise SignatureError(f"fgraph.jit({self.name}): unknown mode {mode!r}",
                            f"use one of {[m.value for m in Mode]}") from None
-    if breaks is not None:
-      unknown = [b for b in breaks if b not in P.registry]
-      if unknown:
-        raise SignatureError(f"fgraph.jit({self.name}): breaks= names unknown primitives {unknown}",
-                             f"registered primitives are {sorted(P.registry)}")
+    unknown = [b for b in breaks or () if b not in P.registry]
+    if unknown:
+      raise SignatureError(f"fgraph.jit({self.name}): breaks= names unknown primitives {unknown}",
+                           f"registered primitives are {sorted(P.registry)}")
     self.breaks, self.strict, self.copy_outputs = breaks, strict, copy_outputs
     self.routine, self.warmups, self.compile = routine, warmups, _inductor_options(self.name, compile)
     self.entries: dict[Signature, Entry] = {}
-    self._names = list(params)
-    self._defaults = {k: p.default for k, p in params.items()}
+    self._names, self._defaults = list(params), {k: p.default for k, p in params.items()}
     self._static_sorted = tuple(sorted(self.static))
     # bound -> the statics tuple, in one C call (itemgetter returns a bare value for a single name)
     get = operator.itemgetter(*self._static_sorted) if self._static_sorted else (lambda b: ())
@@ -301,8 +299,7 @@ class Jitted:
     choices = {k: (v if isinstance(v, list) else [v]) for k, v in kwargs.items() if k in self.static}
     rest = {k: v for k, v in kwargs.items() if k not in self.static}
     todo = sorted(buckets or self.buckets, reverse=True)
-    t0, n0, graphs = time.perf_counter(), len(self.entries), 0
-    device = None
+    t0, n0, graphs, device = time.perf_counter(), len(self.entries), 0, None
     from tqdm.auto import tqdm
     with contextlib.ExitStack() as stack:
       for combo in itertools.product(*choices.values()) if choices else [()]:

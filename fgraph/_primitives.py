@@ -21,6 +21,8 @@ from typing import Any, Callable, Mapping
 import attrs
 import torch
 
+from ._signature import Aval
+
 NAMESPACE = "fgraph"
 
 
@@ -45,11 +47,13 @@ class Primitive:
 
 @attrs.frozen
 class PlanCall:
-  """What a plan hook sees, once per call and per distinct (primitive, constant args), before execution.
+  """What a plan hook sees before each execution, once per call site (primitive, constant args, inputs, avals).
 
   inputs: the break's tensor arguments that are per-call (batched) inputs of the jitted function, by
   argument name, *as the caller passed them after padding* (so host tensors stay on the host: a plan hook
   reading them causes no device sync). Arguments computed inside the function are absent.
+  avals: every tensor argument's abstract value as traced, by name (symbolic dims None; made once per trace),
+  for host state a hook makes per shape or dtype before the first run. Empty in a call made by hand.
   """
   primitive: Primitive
   args: Mapping[str, Any]          # the break's non-tensor arguments (backend name, scale, ...)
@@ -58,6 +62,7 @@ class PlanCall:
   n: int                           # real token count
   statics: Mapping[str, Any]       # the signature's static arguments (routine=..., ...)
   capturing: bool                  # True while fgraph warms up or captures this signature
+  avals: Mapping[str, Aval] = attrs.field(factory=dict)  # (empty by default: calls made by hand)
 
 
 eager_rules: dict[Primitive, Callable] = {}
@@ -215,5 +220,4 @@ def constant_args(node: torch.fx.Node) -> dict[str, Any]:
 
 
 def support_of(node: torch.fx.Node) -> tuple[Support, str]:
-  p = primitive_of(node)
-  return support_rules[p](constant_args(node))
+  return support_rules[primitive_of(node)](constant_args(node))

@@ -24,9 +24,8 @@ def field(*, static: bool = False, **kwargs):
 
 
 def _fields(cls):
-  if attrs.has(cls):
-    return [(f.name, bool(f.metadata.get("static"))) for f in attrs.fields(cls)]
-  return [(f.name, bool(f.metadata.get("static"))) for f in dataclasses.fields(cls)]
+  fields = attrs.fields(cls) if attrs.has(cls) else dataclasses.fields(cls)
+  return [(f.name, bool(f.metadata.get("static"))) for f in fields]
 
 
 _RECORDS: dict[type, tuple[list[str], list[str]]] = {}  # registered record class -> (dynamic, static) fields
@@ -37,8 +36,7 @@ def register(cls: type) -> type:
   if cls in pytree.SUPPORTED_NODES:
     return cls
   names = _fields(cls)
-  dynamic = [n for n, s in names if not s]
-  static = [n for n, s in names if s]
+  dynamic, static = [n for n, s in names if not s], [n for n, s in names if s]
   _RECORDS[cls] = (dynamic, static)
 
   def flatten(x):

@@ -101,11 +101,12 @@ def bucket_for(buckets: tuple[int, ...], n: int) -> int | None:
   return buckets[i] if i < len(buckets) else None
 
 
-class Leaf(NamedTuple):
-  """The abstract value of one leaf: a tensor's (shape, dtype, device), or a Python value (by value)."""
-  shape: tuple[int, ...] | None
+class Aval(NamedTuple):
+  """An abstract value (JAX's aval): a tensor's (shape, dtype, device), or a Python value (by value). Of a leaf
+  (leaf_of: what signatures are made of), or of a tensor in a trace (aval_of: what plan hooks see)."""
+  shape: tuple[int | None, ...] | None  # None: a Python value; a None dim: symbolic in a trace
   dtype: torch.dtype | None
-  device: str | None
+  device: str | None                    # str(tensor.device): "cpu", "cuda:0"
   value: Any = None
 
   def __str__(self):
@@ -114,19 +115,24 @@ class Leaf(NamedTuple):
     return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}@{self.device}"
 
 
-def leaf_of(x: Any, spec: Batched | None = None, bucket: int | None = None) -> Leaf:
+def leaf_of(x: Any, spec: Batched | None = None, bucket: int | None = None) -> Aval:
   """A leaf's abstract value; a batched leaf counts at its padded shape (its device is where it came from)."""
   if isinstance(x, torch.Tensor):
     padded = spec is not None and bucket is not None
-    return Leaf(spec.padded_shape(x, bucket) if padded else tuple(x.shape), x.dtype, str(x.device))
-  return Leaf(None, None, None, x)
+    return Aval(spec.padded_shape(x, bucket) if padded else tuple(x.shape), x.dtype, str(x.device))
+  return Aval(None, None, None, x)
+
+
+def aval_of(t: torch.Tensor) -> Aval:
+  """A traced (fake) tensor's abstract value: its symbolic (batch) dims are None, the others ints."""
+  return Aval(tuple(None if isinstance(d, torch.SymInt) else d for d in t.shape), t.dtype, str(t.device))
 
 
 class Signature(NamedTuple):
   statics: tuple[tuple[str, Any], ...]
   bucket: int | None
   treespec: pytree.TreeSpec
-  leaves: tuple[Leaf, ...]
+  leaves: tuple[Aval, ...]
 
   def describe(self) -> str:
     st = ", ".join(f"{k}={v!r}" for k, v in self.statics)

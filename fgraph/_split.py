@@ -90,9 +90,7 @@ def split(gm: fx.GraphModule, is_break, input_names: dict[str, str]) -> Program:
     calls = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
              and not _is_shape_math(n)]
     is_brk = int(node.target.rsplit("_", 1)[1]) in break_parts
-    support = None
-    if is_brk:
-      support = min((P.support_of(n) for n in calls if P.primitive_of(n)), key=lambda s: s[0])
+    support = min((P.support_of(n) for n in calls if P.primitive_of(n)), key=lambda s: s[0]) if is_brk else None
     ins = tuple(input_names.get(n.name, f"%{n.name}") for n in sub.graph.nodes
                 if n.op == "placeholder" and n.name not in shape_math)
     outs = tuple(f"%{n.name}" for n in exported.get(int(node.target.rsplit("_", 1)[1]), ()))
@@ -140,10 +138,9 @@ def resolve_mode(fname: str, requested: Mode, decode: bool, gm: fx.GraphModule, 
   if want is Mode.FULL and weakest is not None and weakest[0] < need:
     return Mode.PIECEWISE, (f"FULL requested -> PIECEWISE ({weakest[1]}; {weakest[2]} supports "
                             f"{weakest[0].name})")
-  routine = "decode" if decode else "mixed"
   if want is requested:
     return want, f"{requested.name} requested"
-  return want, f"{requested.name} requested -> {want.name} for the {routine} routine"
+  return want, f"{requested.name} requested -> {want.name} for the {'decode' if decode else 'mixed'} routine"
 
 
 def op_summary(ops: tuple[str, ...], k: int = 4) -> str:

@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
 from fgraph import Support, _trace
-from fgraph import _primitives as P
+from fgraph import capture as C
 from fgraph._primitives import support_rules
 from fgraph.ops import _attn_flash, _attn_flashinfer as FI
 from fgraph.ops import attention as A
@@ -330,15 +330,47 @@ def test_jit_matches_eager(routine, lens, backend, fake_flashinfer):
       assert len([b for _, b in fake_flashinfer.plans if b > 5]) == 3
 
 
-def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager_warmup(fake_flashinfer):
-  """A FULL decode graph records its bucket's flashinfer wrapper, which an eager run makes: the warm-up of the
-  first bucket captured. From then on the plan hook makes each new bucket's wrappers (in the first's
-  configuration) and plans them, so the other buckets are captured with no eager run of the model (the donated
-  counter counts runs: one warm-up, one capture run per bucket). Replays of every bucket equal eager."""
+def decode_wrapper_births(fake, monkeypatch) -> list:
+  """Records, per flashinfer decode wrapper made from now on, (made by the plan hook, made inside a graph capture)."""
+  births, inside = [], {"hook": False, "graph": False}
+
+  def during(where, fn):
+    def run(*args, **kwargs):
+      inside[where] = True
+      try:
+        return fn(*args, **kwargs)
+      finally:
+        inside[where] = False
+    return run
+  monkeypatch.setattr(FI, "on_plan", during("hook", FI.on_plan))
+  monkeypatch.setattr(C.HostGraph, "capture", during("graph", C.HostGraph.capture))  # the CPU's CUDA graph
+  cls = fake.BatchDecodeWithPagedKVCacheWrapper
+  init = cls.__init__
+
+  def recording_init(self, *args, **kwargs):
+    births.append((inside["hook"], inside["graph"]))
+    init(self, *args, **kwargs)
+  monkeypatch.setattr(cls, "__init__", recording_init)
+  return births
+
+
+def decode_wrapper_keys(dtype, buckets, width=8) -> set:
+  """FI._wrappers keys of the toy models' decode wrappers (4 query heads, 2 kv heads) of these buckets."""
+  return {("decode", b, "cpu", (4, 2, D, PAGE, dtype, dtype, D ** -0.5), width) for b in buckets}
+
+
+def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager_warmup(fake_flashinfer,
+                                                                                          monkeypatch):
+  """A FULL decode graph records its bucket's flashinfer wrapper, which must exist (and be planned) before the
+  capture. The plan hook makes each bucket's wrapper from the traced q and k_cache (PlanCall.avals) and plans it,
+  the first bucket's too, so only the first bucket is warmed up (once per trace: libraries initialise lazily),
+  and the other buckets are captured with no eager run of the model (the donated counter counts runs: one
+  warm-up, one capture run per bucket). Replays of every bucket equal eager."""
   def counted(cache, batch, state, routine="decode", backend="flashinfer"):
     state["calls"].add_(1)
     out, cache = toy_step(cache, batch, routine, backend)
     return out, cache, state
+  births = decode_wrapper_births(fake_flashinfer, monkeypatch)
   spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
   f = fgraph.jit(counted, static=["routine", "backend"], donate=["cache", "state"], batch={"batch": spec},
                  buckets=[8, 16, 32], mode="FULL")
@@ -346,7 +378,8 @@ def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager
   state = {"calls": torch.zeros((), dtype=torch.int64)}
   f.capture(jcache, batch, state, routine="decode", backend="flashinfer", progress=False)
   assert state["calls"].item() == 1 + 3 and f.stats()["total"]["warmups"] == 1
-  assert sorted(key[1] for key in FI._wrappers) == [8, 16, 32]
+  assert set(FI._wrappers) == decode_wrapper_keys(torch.float32, [8, 16, 32])
+  assert births == [(True, False)] * 3  # all by the hook, none by the warm-up or inside a capture
   for n in (7, 12, 25):  # one call per bucket
     case = Case([1] * n, [1 + (5 * i) % 23 for i in range(n)], 4, 2, dtype=torch.float32, num_pages=200, seed=n)
     cache, batch = toy_inputs(case)
@@ -360,18 +393,10 @@ def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager
 
 def test_flashinfer_decode_wrappers_are_never_made_inside_a_graph_capture(fake_flashinfer, monkeypatch):
   """Two models in one process (float32, then float64: two wrapper configurations of the same page size and scale),
-  FULL decode, two buckets each: every decode wrapper is made before the graph capture that records it (by the
-  first bucket's warm-up or by the hook), never inside it, where flashinfer could not plan it. The H200 found the
-  hook calling a bucket ready when its only wrapper was the other model's (session 7)."""
-  made_in_graph = []
-  cls = fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper
-  init = cls.__init__
-
-  def recording_init(self, *args, **kwargs):
-    token = P.executing()
-    made_in_graph.append(token is not None and token.in_graph)  # in_graph: the FULL graph's capture pass
-    init(self, *args, **kwargs)
-  monkeypatch.setattr(cls, "__init__", recording_init)
+  FULL decode, two buckets each: every decode wrapper a graph records is made by the plan hook before its capture,
+  never inside it, where flashinfer could not plan it (the eager oracle makes its own, outside any graph). The
+  H200 found the hook calling a bucket ready when its only wrapper was the other model's (session 7)."""
+  births = decode_wrapper_births(fake_flashinfer, monkeypatch)
   spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
   for dtype in (torch.float32, torch.float64):
     f = fgraph.jit(toy_step, static=["routine", "backend"], donate=["cache"], batch={"batch": spec},
@@ -384,7 +409,34 @@ def test_flashinfer_decode_wrappers_are_never_made_inside_a_graph_capture(fake_f
       d.copy_(src)
     torch.testing.assert_close(f(jcache, batch, routine="decode", backend="flashinfer")[0],
                                toy_step(cache, batch, "decode", "flashinfer")[0], rtol=1e-5, atol=1e-5)
-  assert len(made_in_graph) == 6 and not any(made_in_graph)  # (2 buckets + the eager oracle's 12) x 2 models
+  # per model: its 2 buckets by the hook, then the eager oracle's 12 sequences (bucket 12) by its own call
+  assert births == [(True, False), (True, False), (False, False)] * 2, births
+
+
+def test_flashinfer_captures_make_only_their_own_decode_wrappers(fake_flashinfer):
+  """Models of other dtypes in one process (float32, float64, float32 again; FULL decode, overlapping buckets):
+  each capture makes exactly its own configuration's wrapper per bucket it captures, never one in another model's
+  configuration (on the GPU each wrapper holds flashinfer's pinned buffers): no float64 wrapper for the buckets
+  the float32 models captured, no float32 wrapper for the float64 model's. Each model's replays equal eager."""
+  spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
+  models, want = [], set()
+  for dtype, buckets in [(torch.float32, [8, 16]), (torch.float64, [4, 16]), (torch.float32, [4, 32])]:
+    f = fgraph.jit(toy_step, static=["routine", "backend"], donate=["cache"], batch={"batch": spec},
+                   buckets=buckets, mode="FULL")
+    jcache, batch = toy_inputs(Case(*DECODE, 4, 2, dtype=dtype, num_pages=200))
+    f.capture(jcache, batch, routine="decode", backend="flashinfer", progress=False)
+    want |= decode_wrapper_keys(dtype, buckets)
+    assert set(FI._wrappers) == want, sorted(set(FI._wrappers) ^ want, key=repr)
+    assert f.stats()["total"]["warmups"] == 1
+    models.append((f, jcache, dtype))
+  for f, jcache, dtype in models:  # 3 sequences: bucket 4 or 8
+    case = Case([1] * 3, [2, 7, 13], 4, 2, dtype=dtype, num_pages=200, seed=3)
+    cache, batch = toy_inputs(case)
+    for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
+      d.copy_(src)
+    torch.testing.assert_close(f(jcache, batch, routine="decode", backend="flashinfer")[0],
+                               toy_step(cache, batch, "decode", "flashinfer")[0], rtol=1e-5, atol=1e-5)
+    assert f.stats()["total"]["replays"] == 1
 
 
 def test_flashinfer_decode_graphs_copy_the_staged_metadata_in_themselves(fake_flashinfer, monkeypatch):

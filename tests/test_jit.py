@@ -158,6 +158,43 @@ def test_padding_stays_right_when_calls_repeat_a_size_or_change_it():
     prev = n
 
 
+@pytest.mark.parametrize("buckets, rows", [([4], None), ([1], 1)], ids=["symbolic", "static"])
+def test_plan_hook_sees_the_avals_of_every_tensor_argument(buckets, rows):
+  """PlanCall.avals: every tensor argument of the break as traced, batched inputs and tensors made inside the
+  function alike: its shape (None for the symbolic batch dim; a trace at bucket 1 is static), dtype and device."""
+  def fn(x, lens, w):
+    h = (x @ w).double()  # [N, 3] float64, made inside
+    o = torch.empty_like(h)
+    toys.toy_planned(o, h, lens)
+    return o
+  f = fgraph.jit(fn, batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=buckets)
+  toys.calls["avals"].clear()
+  out = f(torch.ones(1, 2), torch.tensor([3]), torch.ones(2, 3))
+  assert out.tolist() == [[6.0, 6.0, 6.0]]
+  want = {"out": fgraph.Aval((rows, 3), torch.float64, "cpu"), "x": fgraph.Aval((rows, 3), torch.float64, "cpu"),
+          "lens": fgraph.Aval((rows,), torch.int64, "cpu")}
+  assert toys.calls["avals"] == [want, want]  # the capture's hook and the call's
+  assert toys.calls["avals"][0] is toys.calls["avals"][1]  # read once per trace, not per call
+
+
+def test_call_sites_with_other_avals_are_planned_apart():
+  """Two breaks with equal constant arguments over the same batched input are one plan site when their tensor
+  arguments have the same avals, two when they differ (a hook may make per-shape state for each)."""
+  def fn(x, lens, dtype):
+    outs = []
+    for h in (x + 1, x * 2, (x + 3).to(dtype)):  # made inside: the sites read only `lens` as an input
+      outs.append(torch.empty_like(h))
+      toys.toy_planned(outs[-1], h, lens)
+    return outs
+  for dtype, sites in [(torch.float32, 1), (torch.float64, 2)]:
+    f = fgraph.jit(fn, static=["dtype"], batch={"x": Batched(), "lens": Batched(pad=1)}, mode="FULL", buckets=[4])
+    toys.calls["avals"].clear()
+    f(torch.ones(3, 2), torch.tensor([1, 2, 3]), dtype=dtype)
+    (e,) = f.entries.values()
+    assert len(e.plans) == sites and len(toys.calls["avals"]) == 2 * sites
+    assert {a["x"].dtype for a in toys.calls["avals"]} == {torch.float32, dtype}
+
+
 @pytest.mark.parametrize("planned", [True, False])
 def test_plan_needed_rules_out_call_sites_once_per_trace(planned):
   def fn(x, lens):

@@ -5,7 +5,7 @@ import fgraph
 from fgraph import Batched, Support
 from fgraph import _primitives as P
 
-calls = {"scale": 0, "plan": []}
+calls = {"scale": 0, "plan": [], "avals": []}
 
 
 @fgraph.primitive("toy_scale")
@@ -28,6 +28,7 @@ def toy_decode_only(out: torch.Tensor, x: torch.Tensor) -> None:
 
 def _record_plan(call: fgraph.PlanCall) -> None:
   calls["plan"].append((call.bucket, call.n, call.capturing, {k: v.clone() for k, v in call.inputs.items()}))
+  calls["avals"].append(call.avals)
 
 
 @fgraph.primitive("toy_planned", plan=_record_plan)

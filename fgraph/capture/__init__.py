@@ -207,8 +207,7 @@ class DoneEvent:
   def record(self) -> None:
     pass
 
-  def synchronize(self) -> None:
-    pass
+  synchronize = record
 
 
 class _Mirror:

@@ -8,8 +8,10 @@
 
 `plan()` (the host-side scheduling that fills those buffers) never runs inside a graph. fgraph's plan hook
 calls `on_plan` with the call's host (CPU int32) metadata before every execution of a signature, so FULL
-decode graphs replay on fresh plans without a device sync. Wrappers are created lazily by the first eager
-run of their signature (warm-up), which plans them from the hook's metadata.
+decode graphs replay on fresh plans without a device sync. Before a decode capture the hook makes the call
+site's wrapper for the bucket from the traced shapes and dtypes of q and k_cache (PlanCall.avals, _config: the
+same construction as the eager rule's from the tensors), so no graph capture makes one. Otherwise wrappers are
+made by the first eager run of their signature, which plans them from the hook's metadata.
 
 Decode plan cost (per step, host). The hook builds the host metadata with numpy (HostPlan), uploads it to the
 shared device buffers once (one pinned non-blocking copy), then, per decode wrapper of the bucket:
@@ -216,7 +218,8 @@ TENSOR_CORE_PLAN_PATHS = True  # False: tensor-core decode wrappers re-plan thro
 _BY_HAND = object()  # the token of a plan made outside any fgraph execution (A.plan_attention)
 _workspaces: dict[str, torch.Tensor] = {}
 _decode_bufs: dict[str, _DecodeBuffers] = {}
-_wrappers: dict[tuple, _Wrapper] = {}   # (routine, bucket or None, device, cfg) -> wrapper
+_devices: dict = {}                     # torch.device or str -> its key (_device)
+_wrappers: dict[tuple, _Wrapper] = {}   # (routine, bucket or None, device, cfg, width or None) -> wrapper
 _groups: dict[tuple, list] = {}         # (routine, bucket or None, page_size, scale) -> its wrappers
 _states: dict[tuple, _State] = {}       # (routine, bucket, page_size) -> state
 
@@ -243,11 +246,29 @@ def _buffers(batch: int, max_pages: int, device) -> _DecodeBuffers:
   return b
 
 
+def _device(device) -> str:
+  """How wrappers, workspaces and buffers key a device: "cuda:0", never a bare "cuda" (tensors, real or fake,
+  carry the index; a bare "cuda" is the current device). Cached: the eager rule asks once per layer."""
+  name = _devices.get(device)
+  if name is None:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+      return f"cuda:{torch.cuda.current_device()}"  # not cached: the current device may change
+    name = _devices[device] = str(d)
+  return name
+
+
+def _config(q, k_cache, scale: float) -> tuple[str, tuple]:
+  """(device, _Wrapper.cfg) of an attention call, from its tensors (the eager rule) or their avals (the plan hook
+  before a capture): one construction, so the hook makes the very wrapper the graph's capture will look up.
+  q: [B, Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and .device (torch.device or str)."""
+  _, hq, d = q.shape
+  return _device(q.device), (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, float(scale))
+
+
 def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
              scale: float) -> _Wrapper:
-  B, hq, d = q.shape
-  cfg = (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, scale)
-  return _wrapper_for(routine, B, str(q.device), cfg, block_table.shape[1])
+  return _wrapper_for(routine, q.shape[0], *_config(q, k_cache, scale), block_table.shape[1])
 
 
 def _wrapper_for(routine: str, B: int, device: str, cfg: tuple, width: int) -> _Wrapper:
@@ -272,15 +293,20 @@ def _wrapper_for(routine: str, B: int, device: str, cfg: tuple, width: int) -> _
   return w
 
 
-def _decode_wrappers_like_others(bucket: int, page_size: int, scale: float, width: int) -> list:
-  """This bucket's decode wrappers in every configuration (device, heads, head size, dtypes) any bucket has one
-  for, made where missing. Before a capture, the hook makes and plans them, so a FULL graph of this bucket is
-  captured without an eager warm-up run of the whole model first (~15-30 ms each on 0.5B, 51 buckets): the
-  first bucket's warm-up made the model's configurations. (Wrappers of other models in the process are made
-  too: a bucket's existing wrappers may all be another model's, as the H200 showed in session 7.)"""
-  cfgs = {(key[2], w.cfg) for key, w in _wrappers.items()
-          if key[0] == "decode" and w.cfg[3] == page_size and w.cfg[6] == scale}
-  return [_wrapper_for("decode", bucket, device, cfg, width) for device, cfg in sorted(cfgs, key=repr)]
+def _decode_wrapper_of(avals, bucket: int, scale: float, width: int) -> bool:
+  """Before a decode capture: make this call site's wrapper for the bucket from the avals of its q and k_cache
+  (fgraph.PlanCall.avals), exactly the one its eager rule would make from the tensors, so the FULL graph is
+  captured without an eager warm-up run of the whole model first (~15-30 ms each on 0.5B, 51 buckets), and
+  only this model's wrappers are made (each holds flashinfer's pinned buffers). False where the avals do not
+  tell (a hook called by hand; a head count or size not static in the trace): wrappers come from a warm-up."""
+  q, k_cache = avals.get("q"), avals.get("k_cache")
+  if q is None or k_cache is None:
+    return False
+  device, cfg = _config(q, k_cache, scale)
+  if any(x is None for x in cfg[:4]):
+    return False
+  _wrapper_for("decode", bucket, device, cfg, width)
+  return True
 
 
 def _group_key(routine: str, bucket: int | None, page_size: int, scale: float) -> tuple:
@@ -310,10 +336,11 @@ def stats() -> dict:
 
 
 # --------------------------------------------------------------------------------------------- plan, run
-def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs, capturing: bool = False) -> bool:
-  """fgraph's plan hook for this backend: host metadata -> plan every wrapper this signature uses. Before a
-  capture, a decode bucket gets its wrappers in every configuration seen (_decode_wrappers_like_others) and the
-  hook returns True when there are any: this signature's capture then needs no eager warm-up."""
+def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs, capturing: bool = False,
+            avals=None) -> bool:
+  """fgraph's plan hook for this backend: host metadata -> plan every wrapper of the group this call uses.
+  Before a decode capture with the call site's avals (fgraph.PlanCall.avals), it first makes the site's wrapper
+  for this bucket (_decode_wrapper_of) and returns True: this signature's capture then needs no eager warm-up."""
   missing = [k for k in ("query_start_loc", "seq_lens", "block_table") if k not in inputs]
   if missing:
     raise FgraphError(f"attention(backend='flashinfer'): the plan hook did not get {missing} as per-call inputs, "
@@ -327,12 +354,11 @@ def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs, cap
   token = executing()
   _states[(routine, bucket, page_size)] = _State(gen, host, token=token or _BY_HAND, ident=None)
   in_graph = token is not None and token.in_graph  # a FULL graph that copies the metadata in itself
-  capturing = capturing and routine == "decode"
-  group = _decode_wrappers_like_others(bucket, page_size, scale, inputs["block_table"].shape[1]) if capturing \
-      else _group(routine, bucket, page_size, scale)
-  for w in group:
+  made = capturing and routine == "decode" and bool(avals) and \
+      _decode_wrapper_of(avals, bucket, scale, inputs["block_table"].shape[1])
+  for w in _group(routine, bucket, page_size, scale):
     w.plan(host, gen, in_graph)
-  return capturing and bool(group)
+  return made
 
 
 def _version(t: torch.Tensor):

@@ -215,12 +215,13 @@ def _support(args) -> tuple[Support, str]:
 
 def _plan(call: PlanCall) -> bool:
   """Before every execution: flashinfer plans its kernels from the call's host metadata (others: nothing).
-  True when its wrappers for this call exist and are planned (see fgraph.primitive)."""
+  True when its wrappers for this call exist and are planned (see fgraph.primitive): before a decode capture
+  it makes them from the traced q and k_cache (call.avals), which a call by hand (plan_attention) lacks."""
   if call.args.get("backend") != "flashinfer":
     return True
   bucket = call.bucket if call.bucket is not None else int(call.inputs["query_start_loc"][-1])
   return _module("flashinfer").on_plan(call.args["routine"], bucket, call.args["page_size"], call.args["scale"],
-                                       call.inputs, call.capturing)
+                                       call.inputs, call.capturing, call.avals)
 
 
 @primitive("attention", mutates_args=("out", "k_cache", "v_cache"), support=_support, plan=_plan,
@@ -240,7 +241,8 @@ def attention_p(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 def plan_attention(meta: AttentionMetadata, *, backend: str, routine: str, page_size: int, scale: float,
                    capturing: bool = False) -> None:
   """Run the plan hook by hand, as fgraph.jit does before each execution (for driving CUDA graphs yourself).
-  meta: this call's padded host metadata; scale: the one attention() gets (default head_dim ** -0.5)."""
+  meta: this call's padded host metadata; scale: the one attention() gets (default head_dim ** -0.5). Knowing
+  no shapes or dtypes of q and the cache, it makes no flashinfer wrapper: run one eager call before capturing."""
   bucket = meta.seq_lens.shape[0]
   inputs = {"query_start_loc": meta.query_start_loc, "seq_lens": meta.seq_lens, "block_table": meta.block_table,
             "slot_mapping": meta.slot_mapping}
