@@ -259,6 +259,73 @@ def test_flash_attn_split_count_depends_on_shapes_only():
     assert 1 <= _attn_flash.decode_num_splits(b, 2, 7, 64, 1 << 17, 132) <= _attn_flash.MAX_SPLITS
 
 
+class FakeFlashAttnExtension:
+  """flash_attn_2_cuda's two entry points as the flash_attn backend calls them, on the CPU, with the output
+  contract read from flash-attn's source (flash_api.cpp): fwd_kvcache writes k/v at position cache_seqlens[b]
+  through the block table, then attends over cache_seqlens[b] + 1 keys; with GQA and one query per sequence it
+  folds the group into the query length, checks `out` as [B, G, Hkv, D] (head hkv * G + g at [b, g, hkv]) and
+  returns it unfolded; varlen_fwd at max_seqlen_q == 1 with GQA computes in a temporary it returns, leaving
+  `out` alone (the case the backend must copy)."""
+
+  def __init__(self):
+    self.copies_needed = 0
+
+  def fwd_kvcache(self, q, k_cache, v_cache, k, v, cache_seqlens, cos, sin, batch_idx, leftpad, block_table,
+                  alibi, out, scale, causal, wl, wr, softcap, interleaved, num_splits):
+    assert causal and (wl, wr) == (-1, -1) and cos is None and num_splits >= 1 and out is not None
+    B, _, Hq, D = q.shape
+    Hkv, page = k_cache.shape[2], k_cache.shape[1]
+    G = Hq // Hkv
+    pos = cache_seqlens.long()
+    slots = block_table[torch.arange(B), pos // page].long() * page + pos % page
+    k_cache.view(-1, Hkv, D)[slots], v_cache.view(-1, Hkv, D)[slots] = k[:, 0], v[:, 0]
+    meta = A.AttentionMetadata(torch.arange(B + 1, dtype=torch.int32), cache_seqlens + 1, block_table, slots)
+    res = reference(q[:, 0], k_cache, v_cache, meta, scale).to(q.dtype)           # [B, Hq, D]
+    if G > 1:
+      assert out.shape == (B, G, Hkv, D), out.shape
+      out.copy_(res.view(B, Hkv, G, D).transpose(1, 2))  # through out's own strides, as the kernel writes
+      return out.transpose(1, 2).reshape(B, 1, Hq, D), None
+    assert out.shape == (B, 1, Hq, D)
+    out.copy_(res[:, None])
+    return out, None
+
+  def varlen_fwd(self, q, k_cache, v_cache, out, cu_q, cu_k, seqused_k, leftpad, block_table, alibi, max_q, max_k,
+                 dropout, scale, zero, causal, wl, wr, softcap, return_softmax, gen):
+    assert causal and dropout == 0.0 and seqused_k is None and out.shape == q.shape
+    meta = A.AttentionMetadata(cu_q, cu_k.diff(), block_table, None)
+    res = reference(q, k_cache, v_cache, meta, scale).to(q.dtype)
+    if max_q == 1 and q.shape[1] > k_cache.shape[2]:
+      self.copies_needed += 1
+      return res, None
+    out.copy_(res)
+    return out, None
+
+
+@pytest.mark.parametrize("hq, hkv", GQA)
+@pytest.mark.parametrize("routine, lens", [("decode", DECODE), ("mixed", MIXED), ("mixed", ([1], [6]))])
+def test_flash_attn_results_land_in_out(routine, lens, hq, hkv, monkeypatch):
+  """The flash_attn backend hands the kernels the break's `out` (a strided view of it for folded GQA decode) and
+  gets every head back where `out` keeps it, with no copy; a result computed elsewhere is copied in. The extension is a CPU
+  stand-in (FakeFlashAttnExtension); the H200 tests check the real one against the same reference."""
+  fake = FakeFlashAttnExtension()
+  monkeypatch.setattr(_attn_flash, "_api", lambda: fake)
+  monkeypatch.setattr(_attn_flash, "_num_sms", lambda index: 132)
+  in_place, into = [], _attn_flash._into  # whether the kernel's result already was `out` (no copy kernel)
+  monkeypatch.setattr(_attn_flash, "_into", lambda out, o: (in_place.append(o.data_ptr() == out.data_ptr()),
+                                                            into(out, o)))
+  case = Case(*lens, hq, hkv)
+  m = case.meta
+  k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+  out = torch.full_like(case.q, NAN)
+  _attn_flash.forward(out, case.q, case.k, case.v, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_table,
+                      m.slot_mapping, routine=routine, scale=D ** -0.5, max_seq_len=64)
+  torch.testing.assert_close(out, case.expected())
+  same(k_cache, case.written()[0])
+  same(v_cache, case.written()[1])
+  copied = routine == "mixed" and case.q.shape[0] == 1 and hq > hkv
+  assert fake.copies_needed == copied and in_place == [not copied]
+
+
 def test_trace_is_one_break_that_writes_the_cache():
   """Under fgraph's tracer attention is one break node that does the KV write itself: no index_copy_ or
   index_put_ outside it (Inductor would turn such a write into a copy of the cache layer), and the op's schema
