@@ -262,7 +262,8 @@ def kernels(cfg, params):
       if side != "compile":
         cdt = os.environ.get("KERNELS_CDT") == "1"
         f = make_jitted(cfg, backend, "FULL+C", 4096, [B], {"coordinate_descent_tuning": True} if cdt else None)
-        table(f"fgraph FULL+C{' (coordinate descent)' if cdt else ''} {backend} B={B}", lambda: f(params, cache, batch, routine="decode"))
+        table(f"fgraph FULL+C{' (coordinate descent)' if cdt else ''} {backend} B={B}",
+              functools.partial(f, params, cache, batch, routine="decode"))
         del f
       else:
         from torch import _dynamo
