@@ -222,9 +222,9 @@ class Entry:
       ready = self._plan(host, call.n, call.statics, capturing=True)
       # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
       # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
-      # signature that its plan hook did not make (flashinfer's per-bucket wrappers: an eager run makes the
-      # first, the hook the rest). PIECEWISE runs its breaks eagerly in the capture pass itself. An eager run
-      # costs a step of the eager model (15-30 ms on 0.5B).
+      # signature that its plan hook did not make (flashinfer's per-bucket wrappers, which its hook makes from
+      # the traced shapes: only a hook called without avals leaves them to an eager run). PIECEWISE runs its
+      # breaks eagerly in the capture pass itself. An eager run costs a step of the eager model (15-30 ms on 0.5B).
       if self.traced.warmed and compile is None and (ready or self.mode is Mode.PIECEWISE):
         warmups = 0
       for _ in range(warmups):
