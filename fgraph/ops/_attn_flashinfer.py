@@ -218,7 +218,6 @@ TENSOR_CORE_PLAN_PATHS = True  # False: tensor-core decode wrappers re-plan thro
 _BY_HAND = object()  # the token of a plan made outside any fgraph execution (A.plan_attention)
 _workspaces: dict[str, torch.Tensor] = {}
 _decode_bufs: dict[str, _DecodeBuffers] = {}
-_devices: dict = {}                     # torch.device or str -> its key (_device)
 _wrappers: dict[tuple, _Wrapper] = {}   # (routine, bucket or None, device, cfg, width or None) -> wrapper
 _groups: dict[tuple, list] = {}         # (routine, bucket or None, page_size, scale) -> its wrappers
 _states: dict[tuple, _State] = {}       # (routine, bucket, page_size) -> state
@@ -246,24 +245,13 @@ def _buffers(batch: int, max_pages: int, device) -> _DecodeBuffers:
   return b
 
 
-def _device(device) -> str:
-  """How wrappers, workspaces and buffers key a device: "cuda:0", never a bare "cuda" (tensors, real or fake,
-  carry the index; a bare "cuda" is the current device). Cached: the eager rule asks once per layer."""
-  name = _devices.get(device)
-  if name is None:
-    d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-      return f"cuda:{torch.cuda.current_device()}"  # not cached: the current device may change
-    name = _devices[device] = str(d)
-  return name
-
-
 def _config(q, k_cache, scale: float) -> tuple[str, tuple]:
   """(device, _Wrapper.cfg) of an attention call, from its tensors (the eager rule) or their avals (the plan hook
   before a capture): one construction, so the hook makes the very wrapper the graph's capture will look up.
-  q: [B, Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and .device (torch.device or str)."""
+  q: [B, Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and .device (a tensor's torch.device or an
+  aval's str of one: both name the index, "cuda:0")."""
   _, hq, d = q.shape
-  return _device(q.device), (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, float(scale))
+  return str(q.device), (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, float(scale))
 
 
 def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
