@@ -19,6 +19,7 @@ Rows go to <out>/<name>.jsonl as soon as they are measured; the end writes <name
 usage (device): source .gpu/activate.sh; python3 -m benchmarks.decode_bench --models qwen2.5-0.5b --capture
        (CPU):   python3 -m benchmarks.decode_bench --smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,423 +46,523 @@ SLEEP_CYCLES = 6_000_000  # ~3 ms of GPU spin at H200 clocks: longer than any ho
 
 # ------------------------------------------------------------------------------------------------ sizes
 def weight_bytes(params) -> int:
-  """What a decode step reads: every layer, the final norm and the head (embedding rows read are negligible)."""
-  leaves = [params.norm, params.lm_head if params.lm_head is not None else params.embed]
-  leaves += [t for layer in params.layers for t in (layer.attn_norm, layer.wqkv, layer.bqkv, layer.wo,
-                                                     layer.mlp_norm, layer.w13, layer.w2) if t is not None]
-  return sum(t.numel() * t.element_size() for t in leaves)
+    """What a decode step reads: every layer, the final norm and the head (embedding rows read are negligible)."""
+    leaves = [params.norm, params.lm_head if params.lm_head is not None else params.embed]
+    leaves += [
+        t
+        for layer in params.layers
+        for t in (layer.attn_norm, layer.wqkv, layer.bqkv, layer.wo, layer.mlp_norm, layer.w13, layer.w2)
+        if t is not None
+    ]
+    return sum(t.numel() * t.element_size() for t in leaves)
 
 
 def kv_token_bytes(cfg, dtype) -> int:
-  return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    return cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def cache_pages(cells, ps) -> int:
-  return 1 + max(B * -(-ctx // ps) for ctx, B in cells)  # + the scratch page
+    return 1 + max(B * -(-ctx // ps) for ctx, B in cells)  # + the scratch page
 
 
 # ------------------------------------------------------------------------------------------------ fgraph
 def make_jitted(cfg, backend, mode, max_ctx, buckets, inductor=None):
-  """mode "FULL+C": the same mode with Inductor-compiled pieces (jit(compile=...): `inductor`, Inductor's
-  options, or its defaults)."""
-  step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
-  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-  return fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, mode=mode.split("+")[0],
-                    compile=dict(inductor or {}) if mode.endswith("+C") else False, buckets=buckets)
+    """mode "FULL+C": the same mode with Inductor-compiled pieces (jit(compile=...): `inductor`, Inductor's
+    options, or its defaults)."""
+    step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
+    spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+    return fgraph.jit(
+        step,
+        static=["routine"],
+        donate=["cache"],
+        batch={"batch": spec},
+        mode=mode.split("+")[0],
+        compile=dict(inductor or {}) if mode.endswith("+C") else False,
+        buckets=buckets,
+    )
 
 
 def decode_entry(f, B):
-  bucket = min(b for b in f.buckets if b >= B)
-  return next(e for e in f.entries.values()
-              if e.sig.bucket == bucket and dict(e.sig.statics).get("routine") == "decode")
+    bucket = min(b for b in f.buckets if b >= B)
+    return next(
+        e for e in f.entries.values() if e.sig.bucket == bucket and dict(e.sig.statics).get("routine") == "decode"
+    )
 
 
 HOST_ROUNDS, HOST_CALLS = 4, 25  # host time: rounds over the cell's FULL modes in turn, calls per mode a round
 
 
 def host_times(fs: dict, params, cache, batch, dev) -> dict:
-  """Host µs of a FULL decode call per mode ({mode: jitted}): HOST_ROUNDS rounds of HOST_CALLS calls of each
-  mode in turn, so drift of the host within the process (session 6: 2x between two runs of the same cell) is
-  billed to every mode alike. {mode: host_time's dict, or a note}."""
-  samples = {m: ([], [], []) for m in fs}
-  notes = {}
-  for _ in range(HOST_ROUNDS):
-    for m, f in fs.items():
-      got = host_samples(f, params, cache, batch, dev, HOST_CALLS)
-      if isinstance(got, str):
-        notes[m] = {"host_note": got}
-      else:
-        for acc, xs in zip(samples[m], got):
-          acc += xs
-  med = lambda xs: statistics.median(xs) * 1e6
-  return {m: notes.get(m) or {"host_us": med(t), "launch_us": med(la), "plan_us": med(p),
-                              "noplan_us": statistics.median(a - b for a, b in zip(la, p)) * 1e6}
-          for m, (t, la, p) in samples.items()}
+    """Host µs of a FULL decode call per mode ({mode: jitted}): HOST_ROUNDS rounds of HOST_CALLS calls of each
+    mode in turn, so drift of the host within the process (session 6: 2x between two runs of the same cell) is
+    billed to every mode alike. {mode: host_time's dict, or a note}."""
+    samples = {m: ([], [], []) for m in fs}
+    notes = {}
+    for _ in range(HOST_ROUNDS):
+        for m, f in fs.items():
+            got = host_samples(f, params, cache, batch, dev, HOST_CALLS)
+            if isinstance(got, str):
+                notes[m] = {"host_note": got}
+            else:
+                for acc, xs in zip(samples[m], got):
+                    acc += xs
+    med = lambda xs: statistics.median(xs) * 1e6
+    return {
+        m: notes.get(m)
+        or {
+            "host_us": med(t),
+            "launch_us": med(la),
+            "plan_us": med(p),
+            "noplan_us": statistics.median(a - b for a, b in zip(la, p)) * 1e6,
+        }
+        for m, (t, la, p) in samples.items()
+    }
 
 
 def host_samples(f, params, cache, batch, dev, n: int):
-  """Seconds of n FULL decode calls: (entry -> return, entry -> graph launch, the plan hook inside it), or why
-  there are none.
+    """Seconds of n FULL decode calls: (entry -> return, entry -> graph launch, the plan hook inside it), or why
+    there are none.
 
-  Method: before each call the GPU is given ~3 ms of spinning (torch.cuda._sleep), so the call runs with the
-  GPU queue non-empty, as in a serving loop; perf_counter brackets the call, and the graph's replay and the
-  entry's plan hook are wrapped (on this entry only) to stamp the launch and time the plan. A call that waited
-  for the GPU (a hidden sync) would show as ~ms; the queue is drained after each sample, outside the timing."""
-  entry = decode_entry(f, batch.tokens.shape[0])
-  if entry.full is None:
-    return f"no FULL graph (mode {entry.mode.name}: {entry.reason})"
-  stamp = {"launch": 0.0, "plan": 0.0}
-  replay, plan = entry.full.replay, entry._plan
+    Method: before each call the GPU is given ~3 ms of spinning (torch.cuda._sleep), so the call runs with the
+    GPU queue non-empty, as in a serving loop; perf_counter brackets the call, and the graph's replay and the
+    entry's plan hook are wrapped (on this entry only) to stamp the launch and time the plan. A call that waited
+    for the GPU (a hidden sync) would show as ~ms; the queue is drained after each sample, outside the timing."""
+    entry = decode_entry(f, batch.tokens.shape[0])
+    if entry.full is None:
+        return f"no FULL graph (mode {entry.mode.name}: {entry.reason})"
+    stamp = {"launch": 0.0, "plan": 0.0}
+    replay, plan = entry.full.replay, entry._plan
 
-  def timed_replay():
-    stamp["launch"] = time.perf_counter()
-    return replay()
+    def timed_replay():
+        stamp["launch"] = time.perf_counter()
+        return replay()
 
-  def timed_plan(*a, **k):
-    t = time.perf_counter()
-    plan(*a, **k)
-    stamp["plan"] += time.perf_counter() - t
+    def timed_plan(*a, **k):
+        t = time.perf_counter()
+        plan(*a, **k)
+        stamp["plan"] += time.perf_counter() - t
 
-  entry.full.replay, entry._plan = timed_replay, timed_plan
-  cuda = str(dev).startswith("cuda")
-  total, launch, planned = [], [], []
-  try:
-    for _ in range(n):
-      if cuda:
-        torch.cuda._sleep(SLEEP_CYCLES)
-      stamp["plan"] = 0.0
-      t0 = time.perf_counter()
-      f(params, cache, batch, routine="decode")
-      t1 = time.perf_counter()
-      total.append(t1 - t0)
-      launch.append(stamp["launch"] - t0)
-      planned.append(stamp["plan"])
-      sync(dev)
-  finally:
-    del entry.full.replay, entry._plan  # back to the class methods
-  return total, launch, planned
+    entry.full.replay, entry._plan = timed_replay, timed_plan
+    cuda = str(dev).startswith("cuda")
+    total, launch, planned = [], [], []
+    try:
+        for _ in range(n):
+            if cuda:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            stamp["plan"] = 0.0
+            t0 = time.perf_counter()
+            f(params, cache, batch, routine="decode")
+            t1 = time.perf_counter()
+            total.append(t1 - t0)
+            launch.append(stamp["launch"] - t0)
+            planned.append(stamp["plan"])
+            sync(dev)
+    finally:
+        del entry.full.replay, entry._plan  # back to the class methods
+    return total, launch, planned
 
 
 def fgraph_cell(jitted, params, cache, batch, dev, backend, host) -> dict:
-  row = {}
-  for mode, f in jitted.items():
-    key = f"{backend}/{mode}"
-    try:
-      t0 = time.perf_counter()
-      f(params, cache, batch, routine="decode")  # traces (first bucket of a family) and captures this bucket
-      sync(dev)
-      row[f"{key}_setup_s"] = time.perf_counter() - t0
-      row[f"{key}_ms"] = time_ms(lambda: f(params, cache, batch, routine="decode"), dev)
-    except Exception as e:  # a failing mode is a result too; the others still run
-      row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-  if host:  # after every mode's setup: their host times in alternating rounds
-    full = {m: f for m, f in jitted.items() if m.startswith("FULL") and f"{backend}/{m}_error" not in row}
-    for mode, got in host_times(full, params, cache, batch, dev).items():
-      row.update({f"{backend}/{mode}/{k}": v for k, v in got.items()})
-  return row
+    row = {}
+    for mode, f in jitted.items():
+        key = f"{backend}/{mode}"
+        try:
+            t0 = time.perf_counter()
+            f(params, cache, batch, routine="decode")  # traces (first bucket of a family) and captures this bucket
+            sync(dev)
+            row[f"{key}_setup_s"] = time.perf_counter() - t0
+            row[f"{key}_ms"] = time_ms(lambda: f(params, cache, batch, routine="decode"), dev)
+        except Exception as e:  # a failing mode is a result too; the others still run
+            row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if host:  # after every mode's setup: their host times in alternating rounds
+        full = {m: f for m, f in jitted.items() if m.startswith("FULL") and f"{backend}/{m}_error" not in row}
+        for mode, got in host_times(full, params, cache, batch, dev).items():
+            row.update({f"{backend}/{mode}/{k}": v for k, v in got.items()})
+    return row
 
 
 # ------------------------------------------------------------------------------------------------ peers
 def on_device(batch, dev):
-  return llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
+    return llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
 
 
 def peers_cell(step, params, cache, batch, dev) -> dict:
-  """eager and one torch.cuda.graph of the eager step (its outputs are dropped: nothing kept across calls)."""
-  row, b = {}, on_device(batch, dev)
-  row["eager_ms"] = time_ms(lambda: step(params, cache, b, "decode"), dev)
-  if not str(dev).startswith("cuda"):
-    row["graph_skipped"] = "needs CUDA"
+    """eager and one torch.cuda.graph of the eager step (its outputs are dropped: nothing kept across calls)."""
+    row, b = {}, on_device(batch, dev)
+    row["eager_ms"] = time_ms(lambda: step(params, cache, b, "decode"), dev)
+    if not str(dev).startswith("cuda"):
+        row["graph_skipped"] = "needs CUDA"
+        return row
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(params, cache, b, "decode")
+    torch.cuda.current_stream().wait_stream(s)
+    t0 = time.perf_counter()
+    with torch.cuda.graph(g):
+        step(params, cache, b, "decode")
+    row["graph_capture_s"] = time.perf_counter() - t0
+    row["graph_ms"] = time_ms(g.replay, dev)
+    del g
     return row
-  g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-  s.wait_stream(torch.cuda.current_stream())
-  with torch.cuda.stream(s):
-    step(params, cache, b, "decode")
-  torch.cuda.current_stream().wait_stream(s)
-  t0 = time.perf_counter()
-  with torch.cuda.graph(g):
-    step(params, cache, b, "decode")
-  row["graph_capture_s"] = time.perf_counter() - t0
-  row["graph_ms"] = time_ms(g.replay, dev)
-  del g
-  return row
 
 
 def compile_peer(cfg, params, cache, backend, max_ctx, inductor=None):
-  """`call(batch on the device)`: one decode step of torch.compile(step, mode="reduce-overhead", fullgraph=True,
-  dynamic=False); with `inductor` (options), the same with these options added (reduce-overhead is
-  {"triton.cudagraphs": True}). Params and cache are marked static addresses, so cudagraph trees accept the
-  in-place cache write. Caller: torch._dynamo.reset() when done."""
-  import torch._dynamo
-  for t in pytree.tree_leaves(params) + pytree.tree_leaves(cache):
-    if isinstance(t, torch.Tensor):
-      torch._dynamo.mark_static_address(t)
-  how = {"options": {"triton.cudagraphs": True, **inductor}} if inductor else {"mode": "reduce-overhead"}
-  comp = torch.compile(llama.make_step(cfg, backend=backend, max_seq_len=max_ctx), fullgraph=True, dynamic=False,
-                       **how)
+    """`call(batch on the device)`: one decode step of torch.compile(step, mode="reduce-overhead", fullgraph=True,
+    dynamic=False); with `inductor` (options), the same with these options added (reduce-overhead is
+    {"triton.cudagraphs": True}). Params and cache are marked static addresses, so cudagraph trees accept the
+    in-place cache write. Caller: torch._dynamo.reset() when done."""
+    import torch._dynamo
 
-  def call(b):
-    torch.compiler.cudagraph_mark_step_begin()
-    comp(params, cache, b, "decode")
-  return call
+    for t in pytree.tree_leaves(params) + pytree.tree_leaves(cache):
+        if isinstance(t, torch.Tensor):
+            torch._dynamo.mark_static_address(t)
+    how = {"options": {"triton.cudagraphs": True, **inductor}} if inductor else {"mode": "reduce-overhead"}
+    comp = torch.compile(
+        llama.make_step(cfg, backend=backend, max_seq_len=max_ctx), fullgraph=True, dynamic=False, **how
+    )
+
+    def call(b):
+        torch.compiler.cudagraph_mark_step_begin()
+        comp(params, cache, b, "decode")
+
+    return call
 
 
 def compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, est_s, base):
-  """The torch.compile peer (compile_peer): one compile per batch size (dynamic=False; the contexts share
-  shapes), measured on each context of that size while the budget lasts, else a row saying why not."""
-  import torch._dynamo
-  from torch._dynamo.utils import counters
-  call = compile_peer(cfg, params, cache, backend, max_ctx)
-  error = None
-  for B in sorted({B for _, B in cells}):
-    ctxs = [ctx for ctx, b in cells if b == B]
-    why = error or budget.why_not(est_s + 3 * len(ctxs))
-    if why:
-      for ctx in ctxs:
-        rec({**base, "ctx": ctx, "batch": B, "compile_skipped": why})
-      continue
-    try:
-      skips0 = counters["inductor"]["cudagraph_skips"]
-      batches = {ctx: on_device(decode_batch(cfg.vocab_size, B, ctx, A.page_size_for(backend), max_ctx)[0], dev)
-                 for ctx in ctxs}
-      t0 = time.perf_counter()
-      for _ in range(3):  # compile, then cudagraph trees' warm-up run and recording
-        call(batches[ctxs[0]])
-      sync(dev)
-      secs = time.perf_counter() - t0
-      est_s = max(est_s, 1.2 * secs)
-      for ctx in ctxs:
-        ms = time_ms(lambda b=batches[ctx]: call(b), dev)
-        rec({**base, "ctx": ctx, "batch": B, "compile_ms": ms, "compile_s": secs,
-             "compile_cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips0})
-    except Exception as e:
-      error = f"compile failed at B={B}: {type(e).__name__}: {str(e)[:300]}"
-      for ctx in ctxs:
-        rec({**base, "ctx": ctx, "batch": B, "compile_error": error})
-  del call
-  torch._dynamo.reset()
+    """The torch.compile peer (compile_peer): one compile per batch size (dynamic=False; the contexts share
+    shapes), measured on each context of that size while the budget lasts, else a row saying why not."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    call = compile_peer(cfg, params, cache, backend, max_ctx)
+    error = None
+    for B in sorted({B for _, B in cells}):
+        ctxs = [ctx for ctx, b in cells if b == B]
+        why = error or budget.why_not(est_s + 3 * len(ctxs))
+        if why:
+            for ctx in ctxs:
+                rec({**base, "ctx": ctx, "batch": B, "compile_skipped": why})
+            continue
+        try:
+            skips0 = counters["inductor"]["cudagraph_skips"]
+            batches = {
+                ctx: on_device(decode_batch(cfg.vocab_size, B, ctx, A.page_size_for(backend), max_ctx)[0], dev)
+                for ctx in ctxs
+            }
+            t0 = time.perf_counter()
+            for _ in range(3):  # compile, then cudagraph trees' warm-up run and recording
+                call(batches[ctxs[0]])
+            sync(dev)
+            secs = time.perf_counter() - t0
+            est_s = max(est_s, 1.2 * secs)
+            for ctx in ctxs:
+                ms = time_ms(lambda b=batches[ctx]: call(b), dev)
+                rec(
+                    {
+                        **base,
+                        "ctx": ctx,
+                        "batch": B,
+                        "compile_ms": ms,
+                        "compile_s": secs,
+                        "compile_cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips0,
+                    }
+                )
+        except Exception as e:
+            error = f"compile failed at B={B}: {type(e).__name__}: {str(e)[:300]}"
+            for ctx in ctxs:
+                rec({**base, "ctx": ctx, "batch": B, "compile_error": error})
+    del call
+    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------------------------ passes
 def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base):
-  """Every cell for one attention backend, with one KV cache (sized for the largest cell) shared by all cells."""
-  dev, ps, max_ctx = a.device, A.page_size_for(backend), max(ctx for ctx, _ in cells)
-  cache = llama.init_cache(cfg, cache_pages(cells, ps), ps, a.dtype, dev)
-  jitted = {m: make_jitted(cfg, backend, m, max_ctx, a.buckets) for m in modes}
-  step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
-  with torch.no_grad():
-    for ctx, B in cells:
-      why = budget.why_not(a.cell_est_s)
-      if why:
-        rec({**base, "ctx": ctx, "batch": B, f"{backend}_skipped": why,
-             **{f"{p}_skipped": why for p in peers if p != "compile"}})
-        continue
-      batch, _ = decode_batch(cfg.vocab_size, B, ctx, ps, max_ctx)
-      row = fgraph_cell(jitted, params, cache, batch, dev, backend, a.host)
-      if {"eager", "graph"} & set(peers):
-        row.update(peers_cell(step, params, cache, batch, dev))
-      rec({**base, "ctx": ctx, "batch": B, **row})
-    del jitted
+    """Every cell for one attention backend, with one KV cache (sized for the largest cell) shared by all cells."""
+    dev, ps, max_ctx = a.device, A.page_size_for(backend), max(ctx for ctx, _ in cells)
+    cache = llama.init_cache(cfg, cache_pages(cells, ps), ps, a.dtype, dev)
+    jitted = {m: make_jitted(cfg, backend, m, max_ctx, a.buckets) for m in modes}
+    step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
+    with torch.no_grad():
+        for ctx, B in cells:
+            why = budget.why_not(a.cell_est_s)
+            if why:
+                rec(
+                    {
+                        **base,
+                        "ctx": ctx,
+                        "batch": B,
+                        f"{backend}_skipped": why,
+                        **{f"{p}_skipped": why for p in peers if p != "compile"},
+                    }
+                )
+                continue
+            batch, _ = decode_batch(cfg.vocab_size, B, ctx, ps, max_ctx)
+            row = fgraph_cell(jitted, params, cache, batch, dev, backend, a.host)
+            if {"eager", "graph"} & set(peers):
+                row.update(peers_cell(step, params, cache, batch, dev))
+            rec({**base, "ctx": ctx, "batch": B, **row})
+        del jitted
+        gc.collect()
+        if "compile" in peers:
+            compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, a.compile_est_s, base)
+    del cache
     gc.collect()
-    if "compile" in peers:
-      compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, a.compile_est_s, base)
-  del cache
-  gc.collect()
-  if str(dev).startswith("cuda"):
-    torch.cuda.empty_cache()
+    if str(dev).startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def first_trace_s(dev) -> float:
-  """The one-off cost of a process's first fgraph trace (make_fx's symbolic machinery imports torch._dynamo,
-  sympy...: 1-3 s on the H200's host), paid on a toy function before the captures so that each backend's capture
-  time is its own, whichever runs first; reported beside them."""
-  t0 = time.perf_counter()
-  f = fgraph.jit(lambda x: x * 2 + 1, batch={"x": fgraph.Batched()}, buckets=[4], mode="NONE")
-  f(torch.ones(3, 2, device=dev))
-  return time.perf_counter() - t0
+    """The one-off cost of a process's first fgraph trace (make_fx's symbolic machinery imports torch._dynamo,
+    sympy...: 1-3 s on the H200's host), paid on a toy function before the captures so that each backend's capture
+    time is its own, whichever runs first; reported beside them."""
+    t0 = time.perf_counter()
+    f = fgraph.jit(lambda x: x * 2 + 1, batch={"x": fgraph.Batched()}, buckets=[4], mode="NONE")
+    f(torch.ones(3, 2, device=dev))
+    return time.perf_counter() - t0
 
 
 def backend_import_s(backend: str) -> float | None:
-  """The one-off import of the backend's library, paid before its capture like the first trace and reported beside
-  it: flashinfer's took 1.45 s of a 14.6 s capture on the H200's host (results/s7/diagnose-capture.txt), and is
-  inside the capture times of sessions 3-7's first run."""
-  if backend not in ("flash_attn", "flashinfer"):
-    return None  # (the torch backend imports nothing)
-  t0 = time.perf_counter()
-  importlib.import_module(backend)
-  return time.perf_counter() - t0
+    """The one-off import of the backend's library, paid before its capture like the first trace and reported beside
+    it: flashinfer's took 1.45 s of a 14.6 s capture on the H200's host (results/s7/diagnose-capture.txt), and is
+    inside the capture times of sessions 3-7's first run."""
+    if backend not in ("flash_attn", "flashinfer"):
+        return None  # (the torch backend imports nothing)
+    t0 = time.perf_counter()
+    importlib.import_module(backend)
+    return time.perf_counter() - t0
 
 
 def capture_cost(cfg, params, backend, a) -> dict:
-  """Capture of 2 routines x the default buckets, FULL_AND_PIECEWISE: seconds, graphs, pool GiB, per signature."""
-  import_s = backend_import_s(backend)
-  dev, ps = a.device, A.page_size_for(backend)
-  batch, pages = decode_batch(cfg.vocab_size, 1, 1024, ps)
-  cache = llama.init_cache(cfg, pages, ps, a.dtype, dev)
-  spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-  f = fgraph.jit(llama.make_step(cfg, backend=backend, max_seq_len=1024), static=["routine"], donate=["cache"],
-                 batch={"batch": spec}, mode="FULL_AND_PIECEWISE",
-                 buckets=fgraph.default_buckets(a.capture_max_bucket))
-  cuda = str(dev).startswith("cuda")
-  if cuda:
-    torch.cuda.empty_cache()
-  r0 = torch.cuda.memory_reserved() if cuda else 0
-  t0 = time.perf_counter()
-  f.capture(params, cache, batch, routine=["decode", "mixed"], progress=False)
-  sync(dev)
-  secs = time.perf_counter() - t0
-  per = [{"routine": dict(e.sig.statics).get("routine"), "bucket": e.sig.bucket, "mode": e.mode.name,
-          "traced": e.stats.traces, "graphs": len(e.graphs), "capture_s": e.capture_seconds,
-          "pool_MiB": e.pool_bytes / 2**20} for e in f.entries.values()]
-  traces = {id(e.traced): e.traced.seconds for e in f.entries.values()}  # make_fx + split, once per trace
-  out = {"backend": backend, "buckets": len(f.buckets), "capture_s": secs, "import_s": import_s, "signatures": len(per),
-         "trace_s": sum(traces.values()), "graphs_s": sum(p["capture_s"] for p in per),
-         "graphs": sum(p["graphs"] for p in per), "traces": sum(p["traced"] for p in per),
-         "pool_GiB": sum(p["pool_MiB"] for p in per) / 1024,
-         "reserved_GiB": ((torch.cuda.memory_reserved() if cuda else 0) - r0) / 2**30, "per_signature": per}
-  del f, cache
-  gc.collect()
-  if cuda:
-    torch.cuda.empty_cache()
-  return out
+    """Capture of 2 routines x the default buckets, FULL_AND_PIECEWISE: seconds, graphs, pool GiB, per signature."""
+    import_s = backend_import_s(backend)
+    dev, ps = a.device, A.page_size_for(backend)
+    batch, pages = decode_batch(cfg.vocab_size, 1, 1024, ps)
+    cache = llama.init_cache(cfg, pages, ps, a.dtype, dev)
+    spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+    f = fgraph.jit(
+        llama.make_step(cfg, backend=backend, max_seq_len=1024),
+        static=["routine"],
+        donate=["cache"],
+        batch={"batch": spec},
+        mode="FULL_AND_PIECEWISE",
+        buckets=fgraph.default_buckets(a.capture_max_bucket),
+    )
+    cuda = str(dev).startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+    r0 = torch.cuda.memory_reserved() if cuda else 0
+    t0 = time.perf_counter()
+    f.capture(params, cache, batch, routine=["decode", "mixed"], progress=False)
+    sync(dev)
+    secs = time.perf_counter() - t0
+    per = [
+        {
+            "routine": dict(e.sig.statics).get("routine"),
+            "bucket": e.sig.bucket,
+            "mode": e.mode.name,
+            "traced": e.stats.traces,
+            "graphs": len(e.graphs),
+            "capture_s": e.capture_seconds,
+            "pool_MiB": e.pool_bytes / 2**20,
+        }
+        for e in f.entries.values()
+    ]
+    traces = {id(e.traced): e.traced.seconds for e in f.entries.values()}  # make_fx + split, once per trace
+    out = {
+        "backend": backend,
+        "buckets": len(f.buckets),
+        "capture_s": secs,
+        "import_s": import_s,
+        "signatures": len(per),
+        "trace_s": sum(traces.values()),
+        "graphs_s": sum(p["capture_s"] for p in per),
+        "graphs": sum(p["graphs"] for p in per),
+        "traces": sum(p["traced"] for p in per),
+        "pool_GiB": sum(p["pool_MiB"] for p in per) / 1024,
+        "reserved_GiB": ((torch.cuda.memory_reserved() if cuda else 0) - r0) / 2**30,
+        "per_signature": per,
+    }
+    del f, cache
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
 
 
 def capture_line(c: dict) -> str:
-  per = c["per_signature"]
-  slow = sorted(per, key=lambda p: -p["capture_s"])[:3]
-  big = sorted(per, key=lambda p: -p["pool_MiB"])[:3]
-  fmt = lambda p, v: f"{p['routine']}/{p['bucket']}({p['mode']}) {v}"
-  split = (f" (traces {c['trace_s']:.1f} s, warm-up + graphs {c['graphs_s']:.1f} s, the rest "
-           f"{c['capture_s'] - c['trace_s'] - c['graphs_s']:.1f} s)") if "trace_s" in c else ""
-  split += f" (+ {c['import_s']:.1f} s importing {c['backend']} before it)" if c.get("import_s") else ""
-  return (f"capture {c['model']} {c['backend']}: {c['capture_s']:.1f} s{split}, {c['signatures']} signatures, "
-          f"{c['graphs']} graphs, {c['traces']} traces, pool {c['pool_GiB']:.2f} GiB (reserved +"
-          f"{c['reserved_GiB']:.2f}); slowest " + ", ".join(fmt(p, f"{p['capture_s']:.2f}s") for p in slow)
-          + "; largest " + ", ".join(fmt(p, f"{p['pool_MiB']:.0f}MiB") for p in big))
+    per = c["per_signature"]
+    slow = sorted(per, key=lambda p: -p["capture_s"])[:3]
+    big = sorted(per, key=lambda p: -p["pool_MiB"])[:3]
+    fmt = lambda p, v: f"{p['routine']}/{p['bucket']}({p['mode']}) {v}"
+    split = (
+        (
+            f" (traces {c['trace_s']:.1f} s, warm-up + graphs {c['graphs_s']:.1f} s, the rest "
+            f"{c['capture_s'] - c['trace_s'] - c['graphs_s']:.1f} s)"
+        )
+        if "trace_s" in c
+        else ""
+    )
+    split += f" (+ {c['import_s']:.1f} s importing {c['backend']} before it)" if c.get("import_s") else ""
+    return (
+        f"capture {c['model']} {c['backend']}: {c['capture_s']:.1f} s{split}, {c['signatures']} signatures, "
+        f"{c['graphs']} graphs, {c['traces']} traces, pool {c['pool_GiB']:.2f} GiB (reserved +"
+        f"{c['reserved_GiB']:.2f}); slowest "
+        + ", ".join(fmt(p, f"{p['capture_s']:.2f}s") for p in slow)
+        + "; largest "
+        + ", ".join(fmt(p, f"{p['pool_MiB']:.0f}MiB") for p in big)
+    )
 
 
 def run_model(name, a, rec, budget, bw):
-  dev = a.device
-  cfg = llama.preset(name)
-  params = llama.init_params(cfg, a.dtype, dev)
-  base = {"model": name}
-  cells = [tuple(map(int, c.split(":"))) for c in a.cells] if a.cells else \
-      [(ctx, B) for ctx in a.ctx for B in a.batches]
-  fits = []
-  for ctx, B in cells:
-    kv = kv_token_bytes(cfg, a.dtype) * cache_pages([(ctx, B)], 16) * 16
-    if kv > a.max_kv_gb * 1e9:
-      rec({**base, "ctx": ctx, "batch": B, "skipped": f"KV cache {kv / 1e9:.0f} GB > --max-kv-gb {a.max_kv_gb:g}"})
-    else:
-      fits.append((ctx, B))
-  if not fits:
-    return
-  if a.capture:
-    one_off = first_trace_s(dev)
-    rec({"kind": "process", **base, "first_trace_s": one_off},
-        show=f"the process's first trace (one-off imports, before the captures): {one_off:.1f} s")
-    for backend in a.backends:
-      why = budget.why_not(a.capture_est_s)
-      c = {"kind": "capture", **base, "backend": backend}
-      if why:
-        rec({**c, "skipped": why})
-        continue
-      c.update(capture_cost(cfg, params, backend, a))
-      rec(c, show=capture_line(c))
-  wb = weight_bytes(params)
-  for ctx, B in fits:
-    kv_read = kv_token_bytes(cfg, a.dtype) * B * (ctx // 2 + 1)
-    rec({**base, "ctx": ctx, "batch": B, "weights_GB": wb / 1e9, "kv_read_GB": kv_read / 1e9,
-         "floor_ms": (wb + kv_read) / bw * 1e3})
-  peers = [p for p in a.peers if p != "none"]
-  order = [b for b in a.backends if b != a.peer_backend] + [a.peer_backend] if peers else list(a.backends)
-  for backend in order:
-    modes = a.modes if backend in a.backends else []
-    backend_pass(cfg, params, backend, modes, fits, a, rec, budget, peers if backend == a.peer_backend else [],
-                 base)
-  del params
-  gc.collect()
-  if str(dev).startswith("cuda"):
-    torch.cuda.empty_cache()
+    dev = a.device
+    cfg = llama.preset(name)
+    params = llama.init_params(cfg, a.dtype, dev)
+    base = {"model": name}
+    cells = (
+        [tuple(map(int, c.split(":"))) for c in a.cells] if a.cells else [(ctx, B) for ctx in a.ctx for B in a.batches]
+    )
+    fits = []
+    for ctx, B in cells:
+        kv = kv_token_bytes(cfg, a.dtype) * cache_pages([(ctx, B)], 16) * 16
+        if kv > a.max_kv_gb * 1e9:
+            rec(
+                {**base, "ctx": ctx, "batch": B, "skipped": f"KV cache {kv / 1e9:.0f} GB > --max-kv-gb {a.max_kv_gb:g}"}
+            )
+        else:
+            fits.append((ctx, B))
+    if not fits:
+        return
+    if a.capture:
+        one_off = first_trace_s(dev)
+        rec(
+            {"kind": "process", **base, "first_trace_s": one_off},
+            show=f"the process's first trace (one-off imports, before the captures): {one_off:.1f} s",
+        )
+        for backend in a.backends:
+            why = budget.why_not(a.capture_est_s)
+            c = {"kind": "capture", **base, "backend": backend}
+            if why:
+                rec({**c, "skipped": why})
+                continue
+            c.update(capture_cost(cfg, params, backend, a))
+            rec(c, show=capture_line(c))
+    wb = weight_bytes(params)
+    for ctx, B in fits:
+        kv_read = kv_token_bytes(cfg, a.dtype) * B * (ctx // 2 + 1)
+        rec(
+            {
+                **base,
+                "ctx": ctx,
+                "batch": B,
+                "weights_GB": wb / 1e9,
+                "kv_read_GB": kv_read / 1e9,
+                "floor_ms": (wb + kv_read) / bw * 1e3,
+            }
+        )
+    peers = [p for p in a.peers if p != "none"]
+    order = [b for b in a.backends if b != a.peer_backend] + [a.peer_backend] if peers else list(a.backends)
+    for backend in order:
+        modes = a.modes if backend in a.backends else []
+        backend_pass(
+            cfg, params, backend, modes, fits, a, rec, budget, peers if backend == a.peer_backend else [], base
+        )
+    del params
+    gc.collect()
+    if str(dev).startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------ main
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
-  ap.add_argument("--ctx", nargs="+", type=int, default=[1024, 8192])
-  ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
-  ap.add_argument("--cells", nargs="*", default=None, help="ctx:batch pairs (default: --ctx x --batches)")
-  ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
-  ap.add_argument("--modes", nargs="*", default=["NONE", "PIECEWISE", "FULL"], help='"FULL+C": Inductor pieces')
-  ap.add_argument("--buckets", nargs="+", type=int, default=[1, 8, 64, 256], help="of the benchmarked jit")
-  ap.add_argument("--peers", nargs="+", default=["eager", "graph", "compile"], help='subset, or "none"')
-  ap.add_argument("--peer-backend", default=None, help="attention backend of the peers (default: flash_attn)")
-  ap.add_argument("--no-host", dest="host", action="store_false", help="skip host time per FULL call")
-  ap.add_argument("--inputs-by-call", dest="inputs_in_graph", action="store_false",
-                  help="fgraph.config.inputs_in_graph = False: each call copies its inputs (the default before s6)")
-  ap.add_argument("--capture", action="store_true", help="capture cost of 2 routines x default buckets")
-  ap.add_argument("--capture-max-bucket", type=int, default=512, help="default buckets up to this")
-  ap.add_argument("--max-kv-gb", type=float, default=90.0, help="skip cells whose KV cache is larger")
-  ap.add_argument("--budget-s", type=float, default=520.0, help="wall budget; what does not fit is skipped")
-  ap.add_argument("--cell-est-s", type=float, default=12.0, help="budget reserved per cell and backend")
-  ap.add_argument("--capture-est-s", type=float, default=60.0, help="budget reserved per capture measurement")
-  ap.add_argument("--compile-est-s", type=float, default=60.0, help="first guess of one torch.compile")
-  ap.add_argument("--device", default="cuda")
-  ap.add_argument("--smoke", action="store_true", help="CPU check of every code path: tiny preset, torch backend")
-  ap.add_argument("--name", default="decode", help="file stem of the results")
-  ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-  a = ap.parse_args(argv)
-  if a.smoke:
-    a.models, a.backends, a.device, a.cells = ["tiny"], ["torch"], "cpu", a.cells or ["64:1", "64:8", "256:8"]
-    a.capture_max_bucket = min(a.capture_max_bucket, 16)
-  a.peer_backend = a.peer_backend or ("flash_attn" if a.device.startswith("cuda") else "torch")
-  if a.peer_backend not in a.backends and a.device == "cpu":
-    a.peer_backend = a.backends[0]
-  a.dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
-  return a
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
+    ap.add_argument("--ctx", nargs="+", type=int, default=[1024, 8192])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    ap.add_argument("--cells", nargs="*", default=None, help="ctx:batch pairs (default: --ctx x --batches)")
+    ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
+    ap.add_argument("--modes", nargs="*", default=["NONE", "PIECEWISE", "FULL"], help='"FULL+C": Inductor pieces')
+    ap.add_argument("--buckets", nargs="+", type=int, default=[1, 8, 64, 256], help="of the benchmarked jit")
+    ap.add_argument("--peers", nargs="+", default=["eager", "graph", "compile"], help='subset, or "none"')
+    ap.add_argument("--peer-backend", default=None, help="attention backend of the peers (default: flash_attn)")
+    ap.add_argument("--no-host", dest="host", action="store_false", help="skip host time per FULL call")
+    ap.add_argument(
+        "--inputs-by-call",
+        dest="inputs_in_graph",
+        action="store_false",
+        help="fgraph.config.inputs_in_graph = False: each call copies its inputs (the default before s6)",
+    )
+    ap.add_argument("--capture", action="store_true", help="capture cost of 2 routines x default buckets")
+    ap.add_argument("--capture-max-bucket", type=int, default=512, help="default buckets up to this")
+    ap.add_argument("--max-kv-gb", type=float, default=90.0, help="skip cells whose KV cache is larger")
+    ap.add_argument("--budget-s", type=float, default=520.0, help="wall budget; what does not fit is skipped")
+    ap.add_argument("--cell-est-s", type=float, default=12.0, help="budget reserved per cell and backend")
+    ap.add_argument("--capture-est-s", type=float, default=60.0, help="budget reserved per capture measurement")
+    ap.add_argument("--compile-est-s", type=float, default=60.0, help="first guess of one torch.compile")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="CPU check of every code path: tiny preset, torch backend")
+    ap.add_argument("--name", default="decode", help="file stem of the results")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.models, a.backends, a.device, a.cells = ["tiny"], ["torch"], "cpu", a.cells or ["64:1", "64:8", "256:8"]
+        a.capture_max_bucket = min(a.capture_max_bucket, 16)
+    a.peer_backend = a.peer_backend or ("flash_attn" if a.device.startswith("cuda") else "torch")
+    if a.peer_backend not in a.backends and a.device == "cpu":
+        a.peer_backend = a.backends[0]
+    a.dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    return a
 
 
 class Recorder:
-  """Rows in memory and appended to the .jsonl as measured (printed whole, or as a shorter line)."""
+    """Rows in memory and appended to the .jsonl as measured (printed whole, or as a shorter line)."""
 
-  def __init__(self, path):
-    self.path, self.rows = path, []
-    open(path, "w").close()  # a new run starts a new file (its rows are appended as they come)
+    def __init__(self, path):
+        self.path, self.rows = path, []
+        open(path, "w").close()  # a new run starts a new file (its rows are appended as they come)
 
-  def __call__(self, row, show=None):
-    self.rows.append(row)
-    if show is None:
-      emit(self.path, row)
-      return
-    with open(self.path, "a") as fh:
-      fh.write(json.dumps(row, default=str) + "\n")
-    print(show, flush=True)
+    def __call__(self, row, show=None):
+        self.rows.append(row)
+        if show is None:
+            emit(self.path, row)
+            return
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(row, default=str) + "\n")
+        print(show, flush=True)
 
 
 def main(argv=None):
-  a = parse_args(argv)
-  fgraph.config.inputs_in_graph = a.inputs_in_graph
-  budget = Budget(a.budget_s)
-  os.makedirs(a.out, exist_ok=True)
-  rec = Recorder(os.path.join(a.out, f"{a.name}.jsonl"))
-  torch.manual_seed(0)
-  bw = copy_bandwidth(a.device, (2 << 30) if a.device.startswith("cuda") else (64 << 20))
-  info = {"kind": "info", "part": a.name, "device": device_name(a.device), "torch": torch.__version__,
-          "copy_TBps": bw / 1e12, "budget_s": a.budget_s, "inputs_in_graph": a.inputs_in_graph,
-          "command": "python3 -m benchmarks.decode_bench " + " ".join(sys.argv[1:] if argv is None else argv)}
-  rec(info)
-  for name in a.models:
-    run_model(name, a, rec, budget, bw)
-  cells = summarize.merge_cells(rec.rows)
-  caps = [r for r in rec.rows if r.get("kind") == "capture"]
-  with open(os.path.join(a.out, f"{a.name}.json"), "w") as fh:
-    json.dump({"info": info, "cells": cells, "capture": caps, "rows": rec.rows}, fh, indent=1, default=str)
-  print(f"\n{info['device']}, torch {info['torch']}, copy {info['copy_TBps']:.2f} TB/s, {budget.elapsed():.0f} s; "
-        f"{info['command']}")
-  print(summarize.report(rec.rows))
-  summarize.plot_decode(cells, os.path.join(a.out, f"{a.name}.png"))
+    a = parse_args(argv)
+    fgraph.config.inputs_in_graph = a.inputs_in_graph
+    budget = Budget(a.budget_s)
+    os.makedirs(a.out, exist_ok=True)
+    rec = Recorder(os.path.join(a.out, f"{a.name}.jsonl"))
+    torch.manual_seed(0)
+    bw = copy_bandwidth(a.device, (2 << 30) if a.device.startswith("cuda") else (64 << 20))
+    info = {
+        "kind": "info",
+        "part": a.name,
+        "device": device_name(a.device),
+        "torch": torch.__version__,
+        "copy_TBps": bw / 1e12,
+        "budget_s": a.budget_s,
+        "inputs_in_graph": a.inputs_in_graph,
+        "command": "python3 -m benchmarks.decode_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    rec(info)
+    for name in a.models:
+        run_model(name, a, rec, budget, bw)
+    cells = summarize.merge_cells(rec.rows)
+    caps = [r for r in rec.rows if r.get("kind") == "capture"]
+    with open(os.path.join(a.out, f"{a.name}.json"), "w") as fh:
+        json.dump({"info": info, "cells": cells, "capture": caps, "rows": rec.rows}, fh, indent=1, default=str)
+    print(
+        f"\n{info['device']}, torch {info['torch']}, copy {info['copy_TBps']:.2f} TB/s, {budget.elapsed():.0f} s; "
+        f"{info['command']}"
+    )
+    print(summarize.report(rec.rows))
+    summarize.plot_decode(cells, os.path.join(a.out, f"{a.name}.png"))
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -5,6 +5,7 @@ engine waits for the logits each step, so this adds to it one for one.
 
 usage: python3 -m benchmarks.engine_host [--modes PIECEWISE FULL_AND_PIECEWISE] [--repeats 6]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,45 +22,46 @@ V = 512  # the stub's vocabulary: prompts are folded into it
 
 
 def stub(params, cache, batch, routine):
-  """A pure step of (almost) no work: logits [N, V] from the tokens and positions, the cache untouched."""
-  return torch.nn.functional.one_hot((batch.tokens * 7 + batch.positions) % V, V).float() + params["w"], cache
+    """A pure step of (almost) no work: logits [N, V] from the tokens and positions, the cache untouched."""
+    return torch.nn.functional.one_hot((batch.tokens * 7 + batch.positions) % V, V).float() + params["w"], cache
 
 
 def host_us_per_step(mode: str, repeats: int) -> list[float]:
-  """us per step outside the model call, one value per repeat of the workload (the first, a warm-up, dropped)."""
-  cache = llama.init_cache(llama.preset("tiny"), 1 + 128 * (2048 // 16), 16, torch.float32, "cpu")
-  eng = engine.Engine(stub, {"w": torch.zeros(V)}, cache, max_seq_len=2048, mode=mode, max_batch_tokens=512,
-                      max_seqs=128)
-  inner, spent = eng.run_batch, [0.0]
+    """us per step outside the model call, one value per repeat of the workload (the first, a warm-up, dropped)."""
+    cache = llama.init_cache(llama.preset("tiny"), 1 + 128 * (2048 // 16), 16, torch.float32, "cpu")
+    eng = engine.Engine(
+        stub, {"w": torch.zeros(V)}, cache, max_seq_len=2048, mode=mode, max_batch_tokens=512, max_seqs=128
+    )
+    inner, spent = eng.run_batch, [0.0]
 
-  def timed(*a, **k):
-    t0 = time.perf_counter()
-    out = inner(*a, **k)
-    spent[0] += time.perf_counter() - t0
-    return out
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        out = inner(*a, **k)
+        spent[0] += time.perf_counter() - t0
+        return out
 
-  eng.run_batch = timed
-  reqs = [([t % V for t in p], o) for p, o in workload(200, 0, 151936)]
-  out = []
-  for _ in range(repeats + 1):
-    for p, o in reqs:
-      eng.add(p, max_new_tokens=o)
-    spent[0], t0 = 0.0, time.perf_counter()
-    rep = eng.run(progress=False)
-    out.append((time.perf_counter() - t0 - spent[0]) / rep.steps * 1e6)
-  return out[1:]
+    eng.run_batch = timed
+    reqs = [([t % V for t in p], o) for p, o in workload(200, 0, 151936)]
+    out = []
+    for _ in range(repeats + 1):
+        for p, o in reqs:
+            eng.add(p, max_new_tokens=o)
+        spent[0], t0 = 0.0, time.perf_counter()
+        rep = eng.run(progress=False)
+        out.append((time.perf_counter() - t0 - spent[0]) / rep.steps * 1e6)
+    return out[1:]
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--modes", nargs="+", default=["PIECEWISE", "FULL_AND_PIECEWISE"])
-  ap.add_argument("--repeats", type=int, default=6)
-  a = ap.parse_args(argv)
-  print("engine host time per step outside the model call, us (serve_bench's workload, model stubbed)")
-  for m in a.modes:
-    xs = host_us_per_step(m, a.repeats)
-    print(f"{m:20s} median {statistics.median(xs):6.0f}  min {min(xs):6.0f}  max {max(xs):6.0f}")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", nargs="+", default=["PIECEWISE", "FULL_AND_PIECEWISE"])
+    ap.add_argument("--repeats", type=int, default=6)
+    a = ap.parse_args(argv)
+    print("engine host time per step outside the model call, us (serve_bench's workload, model stubbed)")
+    for m in a.modes:
+        xs = host_us_per_step(m, a.repeats)
+        print(f"{m:20s} median {statistics.median(xs):6.0f}  min {min(xs):6.0f}  max {max(xs):6.0f}")
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -10,6 +10,7 @@ the CPU the write then pads into the graph's own mirror; the copy is the stubbed
 
 usage: python3 -m benchmarks.host_bench [--presets qwen2.5-0.5b llama3-8b] [--batches 1 64] [--calls 5000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,58 +29,74 @@ from .decode_bench import make_jitted
 
 
 def median_us(fn, calls: int) -> float:
-  for _ in range(min(calls, 500)):
-    fn()
-  ts = []
-  for _ in range(calls):
-    t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts) * 1e6
+    for _ in range(min(calls, 500)):
+        fn()
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e6
 
 
 def cell(preset: str, B: int, calls: int, in_graph: bool = False) -> dict:
-  cfg = llama.preset(preset)
-  cfg = attrs.evolve(cfg, dim=64, intermediate=128, vocab_size=256, n_heads=2, n_kv_heads=1, head_dim=32)
-  params = llama.init_params(cfg, torch.float32, "cpu")
-  ps = A.page_size_for("flashinfer")
-  batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
-  cache = llama.init_cache(cfg, pages + 1, ps, torch.float32, "cpu")
-  default, fgraph.config.inputs_in_graph = fgraph.config.inputs_in_graph, in_graph
-  try:
-    f = make_jitted(cfg, "torch", "FULL", 4096, [B])
-    f(params, cache, batch, routine="decode")
-  finally:
-    fgraph.config.inputs_in_graph = default
-  (entry,) = f.entries.values()
-  out = entry.full.out
-  entry.full.replay = lambda: out  # the launch, stubbed: everything else is the real replay path
-  call = lambda: f(params, cache, batch, routine="decode")  # noqa: E731
-  total = median_us(call, calls)
-  leaves = [batch.tokens, batch.positions, *(getattr(batch.meta, k) for k in
-            ("query_start_loc", "seq_lens", "block_table", "slot_mapping"))]
-  write = median_us(lambda: entry.buffers.write(leaves, entry.specs, in_graph=True), calls)
-  return {"preset": preset, "batch": B, "in_graph": in_graph, "leaves": len(entry.tensor_ix), "call_us": total,
-          "write_us": write, "rest_us": total - write}
+    cfg = llama.preset(preset)
+    cfg = attrs.evolve(cfg, dim=64, intermediate=128, vocab_size=256, n_heads=2, n_kv_heads=1, head_dim=32)
+    params = llama.init_params(cfg, torch.float32, "cpu")
+    ps = A.page_size_for("flashinfer")
+    batch, pages = decode_batch(cfg.vocab_size, B, 1024, ps, 4096)
+    cache = llama.init_cache(cfg, pages + 1, ps, torch.float32, "cpu")
+    default, fgraph.config.inputs_in_graph = fgraph.config.inputs_in_graph, in_graph
+    try:
+        f = make_jitted(cfg, "torch", "FULL", 4096, [B])
+        f(params, cache, batch, routine="decode")
+    finally:
+        fgraph.config.inputs_in_graph = default
+    (entry,) = f.entries.values()
+    out = entry.full.out
+    entry.full.replay = lambda: out  # the launch, stubbed: everything else is the real replay path
+    call = lambda: f(params, cache, batch, routine="decode")  # noqa: E731
+    total = median_us(call, calls)
+    leaves = [
+        batch.tokens,
+        batch.positions,
+        *(getattr(batch.meta, k) for k in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")),
+    ]
+    write = median_us(lambda: entry.buffers.write(leaves, entry.specs, in_graph=True), calls)
+    return {
+        "preset": preset,
+        "batch": B,
+        "in_graph": in_graph,
+        "leaves": len(entry.tensor_ix),
+        "call_us": total,
+        "write_us": write,
+        "rest_us": total - write,
+    }
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
-  ap.add_argument("--batches", nargs="+", type=int, default=[1, 64])
-  ap.add_argument("--calls", type=int, default=5000)
-  a = ap.parse_args(argv)
-  rows = [cell(p, B, a.calls, g) for p in a.presets for B in a.batches for g in (False, True)]
-  print(f"fgraph replay path on {device_name('cpu')}, torch {torch.__version__}: us per FULL decode call, the "
-        "launch stubbed (median)\n")
-  print("| preset (leaf layout) | B | inputs copied by | leaves | call | write (pad into buffers) | rest (dispatch, "
-        "outputs) |")
-  print("|---|---|---|---|---|---|---|")
-  for r in rows:
-    print(f"| {r['preset']} | {r['batch']} | {'the graph' if r['in_graph'] else 'the call'} | {r['leaves']} | "
-          f"{r['call_us']:.1f} | {r['write_us']:.1f} | {r['rest_us']:.1f} |")
-  return rows
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 64])
+    ap.add_argument("--calls", type=int, default=5000)
+    a = ap.parse_args(argv)
+    rows = [cell(p, B, a.calls, g) for p in a.presets for B in a.batches for g in (False, True)]
+    print(
+        f"fgraph replay path on {device_name('cpu')}, torch {torch.__version__}: us per FULL decode call, the "
+        "launch stubbed (median)\n"
+    )
+    print(
+        "| preset (leaf layout) | B | inputs copied by | leaves | call | write (pad into buffers) | rest (dispatch, "
+        "outputs) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['preset']} | {r['batch']} | {'the graph' if r['in_graph'] else 'the call'} | {r['leaves']} | "
+            f"{r['call_us']:.1f} | {r['write_us']:.1f} | {r['rest_us']:.1f} |"
+        )
+    return rows
 
 
 if __name__ == "__main__":
-  main()
+    main()

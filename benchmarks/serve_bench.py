@@ -15,6 +15,7 @@ measured; the end writes serve.json and the table.
 usage (device): source .gpu/activate.sh; python3 -m benchmarks.serve_bench
        (CPU):   python3 -m benchmarks.serve_bench --smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,155 +35,196 @@ from .common import Budget, device_name, emit, sync
 
 
 def workload(n: int, seed: int, vocab: int, max_prompt: int = 1024, max_output: int = 512):
-  """Log-normal lengths like ShareGPT: many short prompts/answers, a long tail, clipped to the ranges."""
-  g = torch.Generator().manual_seed(seed)
-  plen = torch.exp(torch.randn(n, generator=g) * 1.0 + 5.0).clamp(4, max_prompt).long().tolist()
-  olen = torch.exp(torch.randn(n, generator=g) * 1.0 + 4.8).clamp(4, max_output).long().tolist()
-  return [(torch.randint(1, vocab, (p,), generator=g).tolist(), o) for p, o in zip(plen, olen)]
+    """Log-normal lengths like ShareGPT: many short prompts/answers, a long tail, clipped to the ranges."""
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.exp(torch.randn(n, generator=g) * 1.0 + 5.0).clamp(4, max_prompt).long().tolist()
+    olen = torch.exp(torch.randn(n, generator=g) * 1.0 + 4.8).clamp(4, max_output).long().tolist()
+    return [(torch.randint(1, vocab, (p,), generator=g).tolist(), o) for p, o in zip(plen, olen)]
 
 
 def describe(reqs) -> dict:
-  p, o = [len(p) for p, _ in reqs], [o for _, o in reqs]
-  return {"requests": len(reqs), "prompt_tokens": sum(p), "max_output_tokens": sum(o),
-          "prompt_len_p50_max": [int(statistics.median(p)), max(p)], "output_len_p50_max": [int(statistics.median(o)),
-                                                                                             max(o)]}
+    p, o = [len(p) for p, _ in reqs], [o for _, o in reqs]
+    return {
+        "requests": len(reqs),
+        "prompt_tokens": sum(p),
+        "max_output_tokens": sum(o),
+        "prompt_len_p50_max": [int(statistics.median(p)), max(p)],
+        "output_len_p50_max": [int(statistics.median(o)), max(o)],
+    }
 
 
 def build(cfg, params, backend, mode, warm, a):
-  """One engine, built (captures every bucket of both routines) and warmed up; (engine, setup seconds)."""
-  t0 = time.perf_counter()
-  eng = engine.build(cfg, params, backend=backend, mode=mode, max_seqs=a.max_seqs, max_seq_len=a.max_seq_len,
-                     max_batch_tokens=a.max_batch_tokens)
-  sync(a.device)
-  setup = time.perf_counter() - t0
-  serve(eng, warm, a)
-  return eng, setup
+    """One engine, built (captures every bucket of both routines) and warmed up; (engine, setup seconds)."""
+    t0 = time.perf_counter()
+    eng = engine.build(
+        cfg,
+        params,
+        backend=backend,
+        mode=mode,
+        max_seqs=a.max_seqs,
+        max_seq_len=a.max_seq_len,
+        max_batch_tokens=a.max_batch_tokens,
+    )
+    sync(a.device)
+    setup = time.perf_counter() - t0
+    serve(eng, warm, a)
+    return eng, setup
 
 
 def serve(eng, reqs, a):
-  """The workload, all submitted at once, on a warm engine: its Report."""
-  for prompt, out in reqs:
-    eng.add(prompt, max_new_tokens=out)
-  sync(a.device)
-  return eng.run(progress=False)
+    """The workload, all submitted at once, on a warm engine: its Report."""
+    for prompt, out in reqs:
+        eng.add(prompt, max_new_tokens=out)
+    sync(a.device)
+    return eng.run(progress=False)
 
 
 def summary(eng, setup: float, reports) -> dict:
-  """One mode's row from its runs: medians over runs (each run's TTFT / TPOT is its own median)."""
-  med = lambda xs: statistics.median([x for x in xs if x is not None] or [float("nan")]) * 1e3
-  st = eng.step_fn.stats() if hasattr(eng.step_fn, "stats") else {"total": {}, "fallbacks": {}}
-  tput = [r.throughput for r in reports]
-  return {"setup_s": setup, "runs": len(reports), "throughput_runs": tput,
-          "elapsed_s": statistics.median(r.elapsed for r in reports), "steps": reports[0].steps,
-          "output_tokens": reports[0].output_tokens, "throughput_tok_s": statistics.median(tput),
-          "ttft_p50_ms": statistics.median(med(r.ttft) for r in reports),
-          "tpot_p50_ms": statistics.median(med(r.tpot) for r in reports),
-          "waiting_share": statistics.median(r.waited / r.elapsed for r in reports),  # host waiting for the device
-          "graphs": st["total"].get("captures"), "replays": st["total"].get("replays"),
-          "eager_calls": st["total"].get("eager"), "fallbacks": st["fallbacks"]}
+    """One mode's row from its runs: medians over runs (each run's TTFT / TPOT is its own median)."""
+    med = lambda xs: statistics.median([x for x in xs if x is not None] or [float("nan")]) * 1e3
+    st = eng.step_fn.stats() if hasattr(eng.step_fn, "stats") else {"total": {}, "fallbacks": {}}
+    tput = [r.throughput for r in reports]
+    return {
+        "setup_s": setup,
+        "runs": len(reports),
+        "throughput_runs": tput,
+        "elapsed_s": statistics.median(r.elapsed for r in reports),
+        "steps": reports[0].steps,
+        "output_tokens": reports[0].output_tokens,
+        "throughput_tok_s": statistics.median(tput),
+        "ttft_p50_ms": statistics.median(med(r.ttft) for r in reports),
+        "tpot_p50_ms": statistics.median(med(r.tpot) for r in reports),
+        "waiting_share": statistics.median(r.waited / r.elapsed for r in reports),  # host waiting for the device
+        "graphs": st["total"].get("captures"),
+        "replays": st["total"].get("replays"),
+        "eager_calls": st["total"].get("eager"),
+        "fallbacks": st["fallbacks"],
+    }
 
 
 def backend_rows(cfg, params, backend, reqs, warm, a) -> list[dict]:
-  """Every mode of one backend: engines side by side, --repeats rounds of the modes in turn."""
-  engines = {m: build(cfg, params, backend, m, warm, a) for m in a.modes}
-  reports = {m: [] for m in a.modes}
-  for _ in range(a.repeats):
+    """Every mode of one backend: engines side by side, --repeats rounds of the modes in turn."""
+    engines = {m: build(cfg, params, backend, m, warm, a) for m in a.modes}
+    reports = {m: [] for m in a.modes}
+    for _ in range(a.repeats):
+        for m in a.modes:
+            reports[m].append(serve(engines[m][0], reqs, a))
+    base = reports[a.modes[0]][0].tokens
+    rows = []
     for m in a.modes:
-      reports[m].append(serve(engines[m][0], reqs, a))
-  base = reports[a.modes[0]][0].tokens
-  rows = []
-  for m in a.modes:
-    row = {"kind": "serve", "model": a.preset, "backend": backend, "mode": m, "requests": len(reqs),
-           **summary(*engines[m], reports[m])}
-    diff = [mismatches(base, r.tokens) for r in reports[m]]
-    row["mismatched_requests"] = max(n for n, _ in diff)
-    row["first_mismatch"] = next((i for _, i in diff if i is not None), None)
-    row["compared_with"] = f"{a.modes[0]} (first run)"
-    if "PIECEWISE" in reports and m != "PIECEWISE":  # paired: each round ran both modes back to back
-      row["gain_paired"] = statistics.median(x.throughput / p.throughput - 1
-                                             for x, p in zip(reports[m], reports["PIECEWISE"]))
-    rows.append(row)
-  del engines, reports
-  gc.collect()
-  if a.device.startswith("cuda"):
-    torch.cuda.empty_cache()
-  return rows
+        row = {
+            "kind": "serve",
+            "model": a.preset,
+            "backend": backend,
+            "mode": m,
+            "requests": len(reqs),
+            **summary(*engines[m], reports[m]),
+        }
+        diff = [mismatches(base, r.tokens) for r in reports[m]]
+        row["mismatched_requests"] = max(n for n, _ in diff)
+        row["first_mismatch"] = next((i for _, i in diff if i is not None), None)
+        row["compared_with"] = f"{a.modes[0]} (first run)"
+        if "PIECEWISE" in reports and m != "PIECEWISE":  # paired: each round ran both modes back to back
+            row["gain_paired"] = statistics.median(
+                x.throughput / p.throughput - 1 for x, p in zip(reports[m], reports["PIECEWISE"])
+            )
+        rows.append(row)
+    del engines, reports
+    gc.collect()
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
 
 
 def mismatches(a_tokens, b_tokens) -> tuple[int, int | None]:
-  """(requests whose tokens differ, index of the first differing request or None)."""
-  diff = [i for i, (x, y) in enumerate(zip(a_tokens, b_tokens)) if x != y]
-  diff += list(range(min(len(a_tokens), len(b_tokens)), max(len(a_tokens), len(b_tokens))))
-  return len(diff), (diff[0] if diff else None)
+    """(requests whose tokens differ, index of the first differing request or None)."""
+    diff = [i for i, (x, y) in enumerate(zip(a_tokens, b_tokens)) if x != y]
+    diff += list(range(min(len(a_tokens), len(b_tokens)), max(len(a_tokens), len(b_tokens))))
+    return len(diff), (diff[0] if diff else None)
 
 
 def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--preset", default="qwen2.5-0.5b")
-  ap.add_argument("--requests", type=int, default=200)
-  ap.add_argument("--max-prompt", type=int, default=1024)
-  ap.add_argument("--max-output", type=int, default=512)
-  ap.add_argument("--warmup-requests", type=int, default=16)
-  ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
-  ap.add_argument("--modes", nargs="+", default=["PIECEWISE", "FULL_AND_PIECEWISE"])
-  ap.add_argument("--max-seqs", type=int, default=128)
-  ap.add_argument("--max-batch-tokens", type=int, default=512)
-  ap.add_argument("--max-seq-len", type=int, default=2048)
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--repeats", type=int, default=None, help="measured runs per mode, the modes alternating (5; "
-                  "--smoke: 2)")
-  ap.add_argument("--budget-s", type=float, default=520.0, help="wall budget; runs that do not fit are skipped")
-  ap.add_argument("--run-est-s", type=float, default=90.0, help="first guess of one backend (builds + runs)")
-  ap.add_argument("--device", default="cuda")
-  ap.add_argument("--smoke", action="store_true", help="CPU check: tiny preset, torch backend, 6 short requests")
-  ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-  a = ap.parse_args(argv)
-  if a.smoke:
-    a.preset, a.backends, a.device, a.requests, a.warmup_requests = "tiny", ["torch"], "cpu", 6, 2
-    a.max_prompt, a.max_output, a.max_seqs, a.max_batch_tokens, a.max_seq_len = 48, 8, 4, 64, 128
-  a.repeats = a.repeats or (2 if a.smoke else 5)
-  return a
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=512)
+    ap.add_argument("--warmup-requests", type=int, default=16)
+    ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
+    ap.add_argument("--modes", nargs="+", default=["PIECEWISE", "FULL_AND_PIECEWISE"])
+    ap.add_argument("--max-seqs", type=int, default=128)
+    ap.add_argument("--max-batch-tokens", type=int, default=512)
+    ap.add_argument("--max-seq-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="measured runs per mode, the modes alternating (5; --smoke: 2)"
+    )
+    ap.add_argument("--budget-s", type=float, default=520.0, help="wall budget; runs that do not fit are skipped")
+    ap.add_argument("--run-est-s", type=float, default=90.0, help="first guess of one backend (builds + runs)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="CPU check: tiny preset, torch backend, 6 short requests")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.preset, a.backends, a.device, a.requests, a.warmup_requests = "tiny", ["torch"], "cpu", 6, 2
+        a.max_prompt, a.max_output, a.max_seqs, a.max_batch_tokens, a.max_seq_len = 48, 8, 4, 64, 128
+    a.repeats = a.repeats or (2 if a.smoke else 5)
+    return a
 
 
 def main(argv=None):
-  a = parse_args(argv)
-  budget = Budget(a.budget_s)
-  path = os.path.join(a.out, "serve.jsonl")
-  os.makedirs(a.out, exist_ok=True)
-  open(path, "w").close()  # a new run starts a new file (its rows are appended as they come)
-  cfg = llama.preset(a.preset)
-  dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
-  params = llama.init_params(cfg, dtype, a.device)
-  reqs = workload(a.requests, a.seed, cfg.vocab_size, a.max_prompt, a.max_output)
-  warm = workload(a.warmup_requests, a.seed + 1, cfg.vocab_size, a.max_prompt, a.max_output)
-  info = {"kind": "info", "part": "serve", "device": device_name(a.device), "torch": torch.__version__,
-          "preset": a.preset, **describe(reqs), "warmup_requests": len(warm), "max_seqs": a.max_seqs,
-          "max_batch_tokens": a.max_batch_tokens, "seed": a.seed, "repeats": a.repeats,
-          "command": "python3 -m benchmarks.serve_bench " + " ".join(sys.argv[1:] if argv is None else argv)}
-  emit(path, info)
-  rows, est = [info], a.run_est_s
-  for backend in a.backends:
-    outcome, why = "skipped", budget.why_not(est)
-    t0 = time.perf_counter()
-    try:
-      got = [] if why else backend_rows(cfg, params, backend, reqs, warm, a)
-    except Exception as e:  # one failing backend is a result; the others still run
-      outcome, why = "error", f"{type(e).__name__}: {str(e)[:300]}"
-    if why:
-      got = [{"kind": "serve", "model": a.preset, "backend": backend, "mode": m, "requests": len(reqs), outcome: why}
-             for m in a.modes]
-    else:
-      est = max(est, 1.2 * (time.perf_counter() - t0))
-    for row in got:
-      emit(path, row)
-    rows += got
-  with open(os.path.join(a.out, "serve.json"), "w") as fh:
-    json.dump({"info": info, "rows": rows[1:]}, fh, indent=1, default=str)
-  print(f"\n{info['device']}; {info['requests']} requests ({info['prompt_tokens']} prompt tokens, prompt p50/max "
+    a = parse_args(argv)
+    budget = Budget(a.budget_s)
+    path = os.path.join(a.out, "serve.jsonl")
+    os.makedirs(a.out, exist_ok=True)
+    open(path, "w").close()  # a new run starts a new file (its rows are appended as they come)
+    cfg = llama.preset(a.preset)
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    params = llama.init_params(cfg, dtype, a.device)
+    reqs = workload(a.requests, a.seed, cfg.vocab_size, a.max_prompt, a.max_output)
+    warm = workload(a.warmup_requests, a.seed + 1, cfg.vocab_size, a.max_prompt, a.max_output)
+    info = {
+        "kind": "info",
+        "part": "serve",
+        "device": device_name(a.device),
+        "torch": torch.__version__,
+        "preset": a.preset,
+        **describe(reqs),
+        "warmup_requests": len(warm),
+        "max_seqs": a.max_seqs,
+        "max_batch_tokens": a.max_batch_tokens,
+        "seed": a.seed,
+        "repeats": a.repeats,
+        "command": "python3 -m benchmarks.serve_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    emit(path, info)
+    rows, est = [info], a.run_est_s
+    for backend in a.backends:
+        outcome, why = "skipped", budget.why_not(est)
+        t0 = time.perf_counter()
+        try:
+            got = [] if why else backend_rows(cfg, params, backend, reqs, warm, a)
+        except Exception as e:  # one failing backend is a result; the others still run
+            outcome, why = "error", f"{type(e).__name__}: {str(e)[:300]}"
+        if why:
+            got = [
+                {"kind": "serve", "model": a.preset, "backend": backend, "mode": m, "requests": len(reqs), outcome: why}
+                for m in a.modes
+            ]
+        else:
+            est = max(est, 1.2 * (time.perf_counter() - t0))
+        for row in got:
+            emit(path, row)
+        rows += got
+    with open(os.path.join(a.out, "serve.json"), "w") as fh:
+        json.dump({"info": info, "rows": rows[1:]}, fh, indent=1, default=str)
+    print(
+        f"\n{info['device']}; {info['requests']} requests ({info['prompt_tokens']} prompt tokens, prompt p50/max "
         f"{info['prompt_len_p50_max']}, output p50/max {info['output_len_p50_max']}), {budget.elapsed():.0f} s; "
-        f"{info['command']}")
-  print(summarize.report(rows))
+        f"{info['command']}"
+    )
+    print(summarize.report(rows))
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -1,10 +1,10 @@
 """Example models and a small serving engine built on fgraph.
 
-  layers.py      shared blocks: RMSNorm, RoPE (incl. Llama-3 scaling), gated MLP, embedding/head
-  llama.py       Llama 2/3 and Qwen2/2.5 as one pure decoder step, with presets (and mlp / tp hooks)
-  qwen2_moe.py   Qwen2-MoE and Mixtral: llama's step with a MoE break as its MLP, presets, loader
-  tp.py          tensor parallelism: sharding, functional collectives, lockstep engine, process launch
-  checkpoint.py  Hugging Face model directories (config.json + *.safetensors) -> (config, params)
-  engine.py      request queue, paged KV blocks, continuous batching, sampling, metrics
-  generate.py    `python -m examples.generate` command line (dense, MoE, --tp N)
+layers.py      shared blocks: RMSNorm, RoPE (incl. Llama-3 scaling), gated MLP, embedding/head
+llama.py       Llama 2/3 and Qwen2/2.5 as one pure decoder step, with presets (and mlp / tp hooks)
+qwen2_moe.py   Qwen2-MoE and Mixtral: llama's step with a MoE break as its MLP, presets, loader
+tp.py          tensor parallelism: sharding, functional collectives, lockstep engine, process launch
+checkpoint.py  Hugging Face model directories (config.json + *.safetensors) -> (config, params)
+engine.py      request queue, paged KV blocks, continuous batching, sampling, metrics
+generate.py    `python -m examples.generate` command line (dense, MoE, --tp N)
 """

@@ -13,6 +13,7 @@ spawned here, or the processes of `torchrun --nproc-per-node N -m examples.gener
   python -m examples.generate --preset tiny-moe --moe-backend all2all --explain
   python -m examples.generate --preset llama3-8b --tp 2 --num-prompts 64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,133 +32,174 @@ from . import tp as tensor_parallel
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m examples.generate", description=__doc__.split("\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  src = p.add_mutually_exclusive_group()
-  src.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors)")
-  src.add_argument("--preset", choices=sorted(llama.presets) + sorted(qwen2_moe.presets),
-                   help="random weights of a known shape (dense or MoE)")
-  p.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3", help="a prompt as token ids (repeatable)")
-  p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt as text (needs tokenizer.json)")
-  p.add_argument("--num-prompts", type=int, default=4, help="random prompts when none is given")
-  p.add_argument("--prompt-len", type=int, default=16, help="length of the random prompts")
-  p.add_argument("--max-new-tokens", type=int, default=32)
-  p.add_argument("--greedy", action="store_true", help="argmax decoding (default: temperature / top-p sampling)")
-  p.add_argument("--temperature", type=float, default=0.8)
-  p.add_argument("--top-p", type=float, default=0.95)
-  p.add_argument("--seed", type=int, default=0, help="seeds the random weights, random prompts and sampling")
-  p.add_argument("--backend", default="auto", help="attention backend: auto, torch, flash_attn, flashinfer")
-  p.add_argument("--mode", default="FULL_AND_PIECEWISE", type=str.upper,
-                 choices=[m.value for m in fgraph.Mode] + ["EAGER"], help="capture mode, or EAGER (no fgraph.jit)")
-  p.add_argument("--device", help="default: cuda when available, else cpu")
-  p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
-  p.add_argument("--max-seqs", type=int, default=128, help="most requests running at once")
-  p.add_argument("--max-batch-tokens", type=int, default=256, help="most tokens in one step (the largest bucket)")
-  p.add_argument("--moe-backend", default="local", choices=["local", "allgather", "all2all"],
-                 help="MoE models: fgraph.ops.moe backend (expert-parallel ones use the default process group)")
-  p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each (dense models)")
-  p.add_argument("--explain", action="store_true", help="print fgraph.explain of the decode and mixed steps")
-  p.add_argument("--json", action="store_true", help='print one JSON object: {"tokens": [[...], ...], ...}')
-  p.add_argument("--no-progress", action="store_true")
-  return p.parse_args(argv)
+    p = argparse.ArgumentParser(
+        prog="python -m examples.generate",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors)")
+    src.add_argument(
+        "--preset",
+        choices=sorted(llama.presets) + sorted(qwen2_moe.presets),
+        help="random weights of a known shape (dense or MoE)",
+    )
+    p.add_argument(
+        "--prompt-ids", action="append", default=[], metavar="1,2,3", help="a prompt as token ids (repeatable)"
+    )
+    p.add_argument(
+        "--prompt", action="append", default=[], metavar="TEXT", help="a prompt as text (needs tokenizer.json)"
+    )
+    p.add_argument("--num-prompts", type=int, default=4, help="random prompts when none is given")
+    p.add_argument("--prompt-len", type=int, default=16, help="length of the random prompts")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (default: temperature / top-p sampling)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, random prompts and sampling")
+    p.add_argument("--backend", default="auto", help="attention backend: auto, torch, flash_attn, flashinfer")
+    p.add_argument(
+        "--mode",
+        default="FULL_AND_PIECEWISE",
+        type=str.upper,
+        choices=[m.value for m in fgraph.Mode] + ["EAGER"],
+        help="capture mode, or EAGER (no fgraph.jit)",
+    )
+    p.add_argument("--device", help="default: cuda when available, else cpu")
+    p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--max-seqs", type=int, default=128, help="most requests running at once")
+    p.add_argument("--max-batch-tokens", type=int, default=256, help="most tokens in one step (the largest bucket)")
+    p.add_argument(
+        "--moe-backend",
+        default="local",
+        choices=["local", "allgather", "all2all"],
+        help="MoE models: fgraph.ops.moe backend (expert-parallel ones use the default process group)",
+    )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each (dense models)")
+    p.add_argument("--explain", action="store_true", help="print fgraph.explain of the decode and mixed steps")
+    p.add_argument("--json", action="store_true", help='print one JSON object: {"tokens": [[...], ...], ...}')
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
 
 
 def load_model(args, device: str, dtype: torch.dtype, tp=None):
-  """(config, params, eos ids, tokenizer or None) from --model (loader picked by its architecture), --preset or
-  the embedded tiny default. Under tensor parallelism: the global config and this rank's shard."""
-  if args.model:
-    if checkpoint.architecture(args.model) in qwen2_moe.ARCHITECTURES:
-      cfg, params = qwen2_moe.load(args.model, dtype, device, args.moe_backend)
-    elif tp is not None:
-      cfg, params = tensor_parallel.load(args.model, tp, dtype, device)
-    else:
-      cfg, params = checkpoint.load(args.model, dtype, device)
-    return cfg, params, checkpoint.eos_token_ids(args.model), checkpoint.load_tokenizer(args.model)
-  name = args.preset or "tiny"
-  if name in qwen2_moe.presets:
-    cfg = qwen2_moe.preset(name, moe_backend=args.moe_backend)
-    return cfg, qwen2_moe.init_params(cfg, dtype, device, seed=args.seed), (), None
-  cfg = llama.preset(name)
-  params = llama.init_params(cfg, dtype, device, seed=args.seed)  # the same on every rank: one seed
-  return cfg, params if tp is None else tensor_parallel.shard_params(params, cfg, tp), (), None
+    """(config, params, eos ids, tokenizer or None) from --model (loader picked by its architecture), --preset or
+    the embedded tiny default. Under tensor parallelism: the global config and this rank's shard."""
+    if args.model:
+        if checkpoint.architecture(args.model) in qwen2_moe.ARCHITECTURES:
+            cfg, params = qwen2_moe.load(args.model, dtype, device, args.moe_backend)
+        elif tp is not None:
+            cfg, params = tensor_parallel.load(args.model, tp, dtype, device)
+        else:
+            cfg, params = checkpoint.load(args.model, dtype, device)
+        return cfg, params, checkpoint.eos_token_ids(args.model), checkpoint.load_tokenizer(args.model)
+    name = args.preset or "tiny"
+    if name in qwen2_moe.presets:
+        cfg = qwen2_moe.preset(name, moe_backend=args.moe_backend)
+        return cfg, qwen2_moe.init_params(cfg, dtype, device, seed=args.seed), (), None
+    cfg = llama.preset(name)
+    params = llama.init_params(cfg, dtype, device, seed=args.seed)  # the same on every rank: one seed
+    return cfg, params if tp is None else tensor_parallel.shard_params(params, cfg, tp), (), None
 
 
 def build_engine(cfg, params, tp=None, **kw) -> engine.Engine:
-  """The engine for the model's family: a TPEngine per rank, or the dense / MoE step."""
-  if tp is not None:
-    return tensor_parallel.build(cfg, params, tp, **kw)
-  make_step = qwen2_moe.make_step if isinstance(cfg, qwen2_moe.MoEConfig) else llama.make_step
-  return engine.build(cfg, params, make_step=make_step, **kw)
+    """The engine for the model's family: a TPEngine per rank, or the dense / MoE step."""
+    if tp is not None:
+        return tensor_parallel.build(cfg, params, tp, **kw)
+    make_step = qwen2_moe.make_step if isinstance(cfg, qwen2_moe.MoEConfig) else llama.make_step
+    return engine.build(cfg, params, make_step=make_step, **kw)
 
 
 def prompts_of(args, cfg, tokenizer) -> list[list[int]]:
-  try:
-    ids = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
-  except ValueError:
-    raise fgraph.FgraphError(f"--prompt-ids {args.prompt_ids}: not comma-separated integers", "--prompt-ids 1,2,3")
-  if args.prompt:
-    if tokenizer is None:
-      raise fgraph.FgraphError("--prompt needs a tokenizer.json in the --model directory",
-                               "pass --prompt-ids instead, or a --model directory with tokenizer.json")
-    ids += [tokenizer.encode(t).ids for t in args.prompt]
-  if not ids:  # benchmark / demo: random prompts
-    g = torch.Generator().manual_seed(args.seed)
-    ids = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)]
-  return ids
+    try:
+        ids = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
+    except ValueError:
+        raise fgraph.FgraphError(f"--prompt-ids {args.prompt_ids}: not comma-separated integers", "--prompt-ids 1,2,3")
+    if args.prompt:
+        if tokenizer is None:
+            raise fgraph.FgraphError(
+                "--prompt needs a tokenizer.json in the --model directory",
+                "pass --prompt-ids instead, or a --model directory with tokenizer.json",
+            )
+        ids += [tokenizer.encode(t).ids for t in args.prompt]
+    if not ids:  # benchmark / demo: random prompts
+        g = torch.Generator().manual_seed(args.seed)
+        ids = [
+            torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_prompts)
+        ]
+    return ids
 
 
 def _rank_main(tp, argv):  # one tensor-parallel rank of a spawned run (module level: spawn pickles it)
-  return main(argv)
+    return main(argv)
 
 
 def main(argv=None) -> dict:
-  args = parse_args(argv)
-  if args.tp > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:  # not under torchrun
-    return tensor_parallel.launch(_rank_main, args.tp, sys.argv[1:] if argv is None else list(argv))
-  tp = tensor_parallel.init() if args.tp > 1 else None
-  if tp is not None and tp.world != args.tp:
-    raise fgraph.FgraphError(f"--tp {args.tp} in a process group of {tp.world} ranks", f"pass --tp {tp.world}")
-  device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-  if tp is not None and device == "cuda":
-    device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU (tp.init set it)
-  dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
-  cfg, params, eos, tokenizer = load_model(args, device, dtype, tp)
-  prompts = prompts_of(args, cfg, tokenizer)  # the same on every rank (one seed): ranks must run in lockstep
-  max_seqs = min(args.max_seqs, len(prompts))
-  # A short run needs no bucket larger than all of its prompts together: fewer signatures to capture.
-  max_batch_tokens = max(min(args.max_batch_tokens, sum(map(len, prompts))), max_seqs)
-  quiet = tp is not None and tp.rank != 0  # rank 0 speaks for all
-  log = open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stderr if args.json else sys.stdout)
-  with log as log, contextlib.redirect_stdout(log):  # --json: stdout carries the JSON object only
-    eng = build_engine(cfg, params, tp, backend=args.backend, mode="eager" if args.mode == "EAGER" else args.mode,
-                       max_seqs=max_seqs, max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
-                       max_batch_tokens=max_batch_tokens, eos_ids=eos, seed=args.seed)
-    if args.explain:
-      if args.mode == "EAGER":
-        print("--explain: nothing to explain in EAGER mode (no fgraph.jit)")
-      else:
-        for routine in ("decode", "mixed"):
-          print(eng.explain(routine))
-  for p in prompts:
-    eng.add(p, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature, top_p=args.top_p)
-  report = eng.run(progress=not (args.no_progress or quiet))
-  out = {"tokens": report.tokens, "ttft_s": report.ttft, "tpot_s": report.tpot,
-         "throughput_tok_s": report.throughput, "elapsed_s": report.elapsed, "steps": report.steps,
-         "device": device, "dtype": str(dtype).removeprefix("torch."), "mode": args.mode,
-         "model": args.model or args.preset or "tiny", "tp": args.tp}
-  if tokenizer is not None:
-    out["text"] = [tokenizer.decode(t) for t in report.tokens]
-  if quiet:
+    args = parse_args(argv)
+    if args.tp > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:  # not under torchrun
+        return tensor_parallel.launch(_rank_main, args.tp, sys.argv[1:] if argv is None else list(argv))
+    tp = tensor_parallel.init() if args.tp > 1 else None
+    if tp is not None and tp.world != args.tp:
+        raise fgraph.FgraphError(f"--tp {args.tp} in a process group of {tp.world} ranks", f"pass --tp {tp.world}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if tp is not None and device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU (tp.init set it)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    cfg, params, eos, tokenizer = load_model(args, device, dtype, tp)
+    prompts = prompts_of(args, cfg, tokenizer)  # the same on every rank (one seed): ranks must run in lockstep
+    max_seqs = min(args.max_seqs, len(prompts))
+    # A short run needs no bucket larger than all of its prompts together: fewer signatures to capture.
+    max_batch_tokens = max(min(args.max_batch_tokens, sum(map(len, prompts))), max_seqs)
+    quiet = tp is not None and tp.rank != 0  # rank 0 speaks for all
+    log = open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stderr if args.json else sys.stdout)
+    with log as log, contextlib.redirect_stdout(log):  # --json: stdout carries the JSON object only
+        eng = build_engine(
+            cfg,
+            params,
+            tp,
+            backend=args.backend,
+            mode="eager" if args.mode == "EAGER" else args.mode,
+            max_seqs=max_seqs,
+            max_seq_len=max(map(len, prompts)) + args.max_new_tokens,
+            max_batch_tokens=max_batch_tokens,
+            eos_ids=eos,
+            seed=args.seed,
+        )
+        if args.explain:
+            if args.mode == "EAGER":
+                print("--explain: nothing to explain in EAGER mode (no fgraph.jit)")
+            else:
+                for routine in ("decode", "mixed"):
+                    print(eng.explain(routine))
+    for p in prompts:
+        eng.add(p, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature, top_p=args.top_p)
+    report = eng.run(progress=not (args.no_progress or quiet))
+    out = {
+        "tokens": report.tokens,
+        "ttft_s": report.ttft,
+        "tpot_s": report.tpot,
+        "throughput_tok_s": report.throughput,
+        "elapsed_s": report.elapsed,
+        "steps": report.steps,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "mode": args.mode,
+        "model": args.model or args.preset or "tiny",
+        "tp": args.tp,
+    }
+    if tokenizer is not None:
+        out["text"] = [tokenizer.decode(t) for t in report.tokens]
+    if quiet:
+        return out
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for i, (p, t) in enumerate(zip(prompts, report.tokens)):
+            shown = repr(out["text"][i]) if tokenizer is not None else t
+            print(f"[{i}] {len(p)} prompt tokens -> {shown}")
+        print(report.summary())
     return out
-  if args.json:
-    print(json.dumps(out))
-  else:
-    for i, (p, t) in enumerate(zip(prompts, report.tokens)):
-      shown = repr(out["text"][i]) if tokenizer is not None else t
-      print(f"[{i}] {len(p)} prompt tokens -> {shown}")
-    print(report.summary())
-  return out
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -1,4 +1,5 @@
 """fgraph: JAX-style functional tracing over PyTorch that captures CUDA graphs per static signature."""
+
 from ._errors import CaptureError as CaptureError, FgraphError as FgraphError
 from ._errors import SignatureError as SignatureError, TraceError as TraceError
 from ._explain import explain as explain

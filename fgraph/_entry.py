@@ -1,5 +1,6 @@
 """Entry: what fgraph keeps per signature (trace, program, mode, graphs, input buffers, counters), and how a
 call runs through it: copy inputs in, plan, replay (or run the program), hand outputs back."""
+
 from __future__ import annotations
 
 import time
@@ -19,394 +20,443 @@ from ._trace import check, trace
 
 
 class Call(NamedTuple):
-  """One call, flattened, with its bucket found (batched leaves stay unpadded: the entry pads them into its
-  input buffers): everything dispatch needs."""
-  sig: Signature
-  statics: dict[str, Any]
-  paths: list            # key path per leaf
-  leaves: list           # leaves as passed (batched ones unpadded: the entry pads them into its buffers)
-  specs: list            # Batched | None per leaf
-  n: int | None          # real tokens
-  bound: dict            # argument name -> value, as passed
+    """One call, flattened, with its bucket found (batched leaves stay unpadded: the entry pads them into its
+    input buffers): everything dispatch needs."""
+
+    sig: Signature
+    statics: dict[str, Any]
+    paths: list  # key path per leaf
+    leaves: list  # leaves as passed (batched ones unpadded: the entry pads them into its buffers)
+    specs: list  # Batched | None per leaf
+    n: int | None  # real tokens
+    bound: dict  # argument name -> value, as passed
 
 
 class Stats:
-  __slots__ = ("traces", "captures", "warmups", "replays", "eager", "calls", "padded")
+    __slots__ = ("traces", "captures", "warmups", "replays", "eager", "calls", "padded")
 
-  def __init__(self):
-    self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.padded = 0
+    def __init__(self):
+        self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.padded = 0
 
-  def as_dict(self):
-    return {k: getattr(self, k) for k in self.__slots__}
+    def as_dict(self):
+        return {k: getattr(self, k) for k in self.__slots__}
 
 
 class Traced:
-  """One trace and its split program, shared by every signature (bucket) its symbolic batch dims fit."""
+    """One trace and its split program, shared by every signature (bucket) its symbolic batch dims fit."""
 
-  def __init__(self, jitted, call: Call, device: str):
-    fname = jitted.name
-    tensor_ix = [i for i, x in enumerate(call.leaves) if isinstance(x, torch.Tensor)]
-    self.tensor_ix, self.paths = tensor_ix, [path_str(p) for p in call.paths]
-    self.batched_ix = [i for i in tensor_ix if call.specs[i] is not None]
-    self.address_ix = [i for i in tensor_ix if call.specs[i] is None]
-    self.out_spec, self.out_args = None, {}
-    consts = list(call.leaves)
+    def __init__(self, jitted, call: Call, device: str):
+        fname = jitted.name
+        tensor_ix = [i for i, x in enumerate(call.leaves) if isinstance(x, torch.Tensor)]
+        self.tensor_ix, self.paths = tensor_ix, [path_str(p) for p in call.paths]
+        self.batched_ix = [i for i in tensor_ix if call.specs[i] is not None]
+        self.address_ix = [i for i in tensor_ix if call.specs[i] is None]
+        self.out_spec, self.out_args = None, {}
+        consts = list(call.leaves)
 
-    def flat_fn(*tensors):
-      leaves = list(consts)
-      for i, t in zip(tensor_ix, tensors):
-        leaves[i] = t
-      dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
-      out = jitted.fn(**dyn, **call.statics)
-      out_leaves, self.out_spec = pytree.tree_flatten(out)
-      if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back, which
-        # also spares unflattening it on every call
-        self.out_args = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}
-        if self.out_args:
-          self.out_recipe, self.out_spec = _fold_arguments(out, self.out_args)
-      return out_leaves
+        def flat_fn(*tensors):
+            leaves = list(consts)
+            for i, t in zip(tensor_ix, tensors):
+                leaves[i] = t
+            dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
+            out = jitted.fn(**dyn, **call.statics)
+            out_leaves, self.out_spec = pytree.tree_flatten(out)
+            if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back, which
+                # also spares unflattening it on every call
+                self.out_args = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}
+                if self.out_args:
+                    self.out_recipe, self.out_spec = _fold_arguments(out, self.out_args)
+            return out_leaves
 
-    t0 = time.perf_counter()
-    # batched inputs may come from the host but live on the device inside the program. A first call at bucket 1
-    # is traced with static shapes (a symbol traced at 1 would be specialised to it); later buckets, 1 included,
-    # reuse a symbolic trace whose guards they satisfy (Shapes.fits)
-    example = [call.leaves[i] if call.specs[i] is None else
-               torch.empty(call.sig.leaves[i].shape, dtype=call.leaves[i].dtype, device=device)
-               for i in tensor_ix]
-    symbolic = call.sig.bucket is not None and call.sig.bucket > 1
-    axes = [(call.specs[i].axis, call.specs[i].extra) if symbolic and call.specs[i] is not None else None
-            for i in tensor_ix]
-    gm, self.shapes = trace(fname, flat_fn, example, axes)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
-    donated_roots = set(jitted.donate)
-    check(fname, gm, ph_paths, lambda ph: ph_paths[ph].split("[")[0].split(".")[0] in donated_roots, device)
-    is_break = breaks_filter(jitted.breaks)
-    decode = call.statics.get(jitted.routine) == "decode"
-    self.mode, self.reason = resolve_mode(fname, jitted.mode, decode, gm, is_break)
-    self.program: Program = split(gm, is_break, {ph.name: ph_paths[ph] for ph in placeholders})
-    self.seconds = time.perf_counter() - t0
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    ph_pos = {ph: k for k, ph in enumerate(placeholders)}
-    self.outs = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out_node.args[0]]
-    self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(out_node.args[0]) if o in ph_pos}
-    self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
-    self.bucket = call.sig.bucket
-    self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
-    self._direct: dict[str, fx.GraphModule] = {}
+        t0 = time.perf_counter()
+        # batched inputs may come from the host but live on the device inside the program. A first call at bucket 1
+        # is traced with static shapes (a symbol traced at 1 would be specialised to it); later buckets, 1 included,
+        # reuse a symbolic trace whose guards they satisfy (Shapes.fits)
+        example = [
+            call.leaves[i]
+            if call.specs[i] is None
+            else torch.empty(call.sig.leaves[i].shape, dtype=call.leaves[i].dtype, device=device)
+            for i in tensor_ix
+        ]
+        symbolic = call.sig.bucket is not None and call.sig.bucket > 1
+        axes = [
+            (call.specs[i].axis, call.specs[i].extra) if symbolic and call.specs[i] is not None else None
+            for i in tensor_ix
+        ]
+        gm, self.shapes = trace(fname, flat_fn, example, axes)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
+        donated_roots = set(jitted.donate)
+        check(fname, gm, ph_paths, lambda ph: ph_paths[ph].split("[")[0].split(".")[0] in donated_roots, device)
+        is_break = breaks_filter(jitted.breaks)
+        decode = call.statics.get(jitted.routine) == "decode"
+        self.mode, self.reason = resolve_mode(fname, jitted.mode, decode, gm, is_break)
+        self.program: Program = split(gm, is_break, {ph.name: ph_paths[ph] for ph in placeholders})
+        self.seconds = time.perf_counter() - t0
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        ph_pos = {ph: k for k, ph in enumerate(placeholders)}
+        self.outs = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out_node.args[0]]
+        self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(out_node.args[0]) if o in ph_pos}
+        self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
+        self.bucket = call.sig.bucket
+        self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
+        self._direct: dict[str, fx.GraphModule] = {}
 
-  def direct(self, piece) -> fx.GraphModule:
-    """The break piece as run between PIECEWISE graphs (see _direct); made once per trace, shared by every
-    signature (a break piece holds no state)."""
-    m = self._direct.get(piece.name)
-    if m is None:
-      m = self._direct[piece.name] = _direct(piece.module)
-    return m
+    def direct(self, piece) -> fx.GraphModule:
+        """The break piece as run between PIECEWISE graphs (see _direct); made once per trace, shared by every
+        signature (a break piece holds no state)."""
+        m = self._direct.get(piece.name)
+        if m is None:
+            m = self._direct[piece.name] = _direct(piece.module)
+        return m
 
-  def fits(self, bucket: int | None) -> bool:
-    return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
+    def fits(self, bucket: int | None) -> bool:
+        return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
 
-  def batched_outputs(self, bucket: int | None) -> list[int]:
-    """Outputs whose first dim is the bucket (sliced back to N per call); the caller's own tensors never are."""
-    if bucket is None:
-      return []
-    size = (lambda d: d) if self.shapes is None else (lambda d: self.shapes.size(d, bucket))
-    return [j for j, v in enumerate(self.outs) if j not in self.out_passthrough and isinstance(v, torch.Tensor)
-            and v.dim() > 0 and size(v.shape[0]) == bucket]
+    def batched_outputs(self, bucket: int | None) -> list[int]:
+        """Outputs whose first dim is the bucket (sliced back to N per call); the caller's own tensors never are."""
+        if bucket is None:
+            return []
+        size = (lambda d: d) if self.shapes is None else (lambda d: self.shapes.size(d, bucket))
+        return [
+            j
+            for j, v in enumerate(self.outs)
+            if j not in self.out_passthrough
+            and isinstance(v, torch.Tensor)
+            and v.dim() > 0
+            and size(v.shape[0]) == bucket
+        ]
 
 
 class Entry:
-  """One signature: a trace (shared across buckets), its own copy of the program's top level (so its piece
-  runners are its own), its graphs, its input buffers and its counters."""
+    """One signature: a trace (shared across buckets), its own copy of the program's top level (so its piece
+    runners are its own), its graphs, its input buffers and its counters."""
 
-  def __init__(self, traced: Traced, call: Call, device: str, new_trace: bool):
-    self.traced, self.sig, self.stats, self.device = traced, call.sig, Stats(), device
-    self.statics = dict(call.statics)  # the signature's static values (what plan hooks see)
-    self.stats.traces = int(new_trace)
-    self.program, self.mode, self.reason = traced.program, traced.mode, traced.reason
-    self.module = _own_top_level(traced.program.module)
-    for k in ("tensor_ix", "paths", "batched_ix", "address_ix", "out_spec", "out_args", "out_passthrough",
-              "plans"):
-      setattr(self, k, getattr(traced, k))
-    self.out_recipe = getattr(traced, "out_recipe", None)
-    self.unflatten = unflattener(self.out_spec)
-    # outputs that are inputs handed back, minus those inside a folded argument (the caller's own object is
-    # returned whole: a decode step's 48-64 cache tensors need no per-call copying into the output list)
-    used = set(range(len(traced.outs))) if self.out_recipe is None else {x for x in self.out_recipe if type(x) is int}
-    self.passthrough = [(j, i) for j, i in self.out_passthrough.items() if j in used]
-    self.out_batched = traced.batched_outputs(call.sig.bucket)
-    self.specs = [call.specs[i] for i in self.batched_ix]
-    self.graphs: list = []
-    self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
-    self.full, self.buffers = None, None
-    self.capture_seconds, self.pool_bytes = 0.0, 0
+    def __init__(self, traced: Traced, call: Call, device: str, new_trace: bool):
+        self.traced, self.sig, self.stats, self.device = traced, call.sig, Stats(), device
+        self.statics = dict(call.statics)  # the signature's static values (what plan hooks see)
+        self.stats.traces = int(new_trace)
+        self.program, self.mode, self.reason = traced.program, traced.mode, traced.reason
+        self.module = _own_top_level(traced.program.module)
+        for k in ("tensor_ix", "paths", "batched_ix", "address_ix", "out_spec", "out_args", "out_passthrough", "plans"):
+            setattr(self, k, getattr(traced, k))
+        self.out_recipe = getattr(traced, "out_recipe", None)
+        self.unflatten = unflattener(self.out_spec)
+        # outputs that are inputs handed back, minus those inside a folded argument (the caller's own object is
+        # returned whole: a decode step's 48-64 cache tensors need no per-call copying into the output list)
+        used = (
+            set(range(len(traced.outs))) if self.out_recipe is None else {x for x in self.out_recipe if type(x) is int}
+        )
+        self.passthrough = [(j, i) for j, i in self.out_passthrough.items() if j in used]
+        self.out_batched = traced.batched_outputs(call.sig.bucket)
+        self.specs = [call.specs[i] for i in self.batched_ix]
+        self.graphs: list = []
+        self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
+        self.full, self.buffers = None, None
+        self.capture_seconds, self.pool_bytes = 0.0, 0
 
-  # -- running ----------------------------------------------------------------------------------------------
-  def _args(self, leaves):
-    """The program's positional inputs: the static buffers for batched leaves, the caller's tensors otherwise."""
-    args = list(leaves)
-    for i, b in zip(self.batched_ix, self.buffers.dev):
-      args[i] = b
-    return [args[i] for i in self.tensor_ix]
+    # -- running ----------------------------------------------------------------------------------------------
+    def _args(self, leaves):
+        """The program's positional inputs: the static buffers for batched leaves, the caller's tensors otherwise."""
+        args = list(leaves)
+        for i, b in zip(self.batched_ix, self.buffers.dev):
+            args[i] = b
+        return [args[i] for i in self.tensor_ix]
 
-  def _plan(self, host: list[torch.Tensor], n: int | None, statics, capturing: bool) -> bool:
-    """Run the plan hooks; host: the padded host-side views of the batched leaves (InputBuffers.write). True
-    when every hook said the host state its break needs is made (PlanCall): no eager warm-up needed."""
-    host = dict(zip(self.batched_ix, host))
-    return all([P.plan_rules[p](P.PlanCall(p, args, {k: host[i] for k, i in inputs.items()}, self.sig.bucket,
-                                           n or 0, statics, capturing, avals)) is True
-                for p, args, inputs, avals in self.plans])
+    def _plan(self, host: list[torch.Tensor], n: int | None, statics, capturing: bool) -> bool:
+        """Run the plan hooks; host: the padded host-side views of the batched leaves (InputBuffers.write). True
+        when every hook said the host state its break needs is made (PlanCall): no eager warm-up needed."""
+        host = dict(zip(self.batched_ix, host))
+        return all(
+            [
+                P.plan_rules[p](
+                    P.PlanCall(
+                        p,
+                        args,
+                        {k: host[i] for k, i in inputs.items()},
+                        self.sig.bucket,
+                        n or 0,
+                        statics,
+                        capturing,
+                        avals,
+                    )
+                )
+                is True
+                for p, args, inputs, avals in self.plans
+            ]
+        )
 
-  def run(self, leaves: list, n: int | None, bound: dict, copy_outputs: bool, check: bool):
-    """One call: inputs in, plan, replay (or run the program), outputs out. `check`: verify the tensors
-    captured by address (skipped when dispatch knows these are the very containers already verified)."""
-    st = self.stats
-    st.calls += 1
-    if n is not None:
-      st.padded += self.sig.bucket - n
-    # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
-    in_graph = self.full is not None and self.buffers.graph_mirror is not None  # the graph copies its inputs
-    host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=in_graph)
-    if self.full is None and not self.graphs:
-      st.eager += 1
-    else:
-      if check:
-        self._check_addresses(leaves)
-      st.replays += 1
-    with P.execution(in_graph=in_graph):
-      if self.plans:
-        self._plan(host, n, self.statics, capturing=False)
-      outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
-    return self._outputs(leaves, n, bound, outs, copy_outputs)
-
-  def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
-    outs = list(outs)
-    for j, i in self.passthrough:
-      outs[j] = leaves[i]
-    if n is not None and n != self.sig.bucket:
-      for j in self.out_batched:
-        outs[j] = outs[j][:n]
-    if copy_outputs:
-      outs = [o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o
-              for j, o in enumerate(outs)]
-    if not self.out_args:
-      return self.unflatten(iter(outs))
-    return self.unflatten(iter([outs[x] if type(x) is int else bound[x] for x in self.out_recipe]))
-
-  def _check_addresses(self, leaves):
-    ptrs = tuple(leaves[i].data_ptr() for i in self.address_ix)
-    if ptrs != self.addresses:
-      k = next(k for k, (a, b) in enumerate(zip(ptrs, self.addresses)) if a != b)
-      raise SignatureError(f"fgraph.jit: {self.paths[self.address_ix[k]]} is not the tensor the graph of signature "
-                           f"{self.sig.describe()} was captured with (graphs read state by address)",
-                           "update state in place and pass the same tensors back (donate=[...]), "
-                           "or call .reset() to drop the graphs after replacing them")
-
-  # -- capturing -------------------------------------------------------------------------------------------
-  def capture(self, call: Call, pool, warmups: int, compile: dict | None = None, inputs_in_graph: bool = False):
-    """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
-    With `compile` (Inductor config options; {}: the defaults), Inductor compiles each graph piece first
-    (fusing norms, RoPE, activations, residuals); breaks stay as they are. inputs_in_graph (FULL): the graph
-    itself copies the batched inputs in (InputBuffers.copy_in_graph)."""
-    t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
-    if compile is not None:
-      for piece in self.program.pieces:
-        if not piece.is_break:
-          setattr(self.module, piece.name, Compiled(piece.module, compile))
-    self.buffers = C.InputBuffers([(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
-                                  self.device)
-    host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
-    args = self._args(call.leaves)
-    self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
-    with P.execution() as token:  # one execution: the plan made here serves the warm-up and the capture
-      ready = self._plan(host, call.n, call.statics, capturing=True)
-      # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
-      # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
-      # signature that its plan hook did not make (flashinfer's per-bucket wrappers, which its hook makes from
-      # the traced shapes: only a hook called without avals leaves them to an eager run). PIECEWISE runs its
-      # breaks eagerly in the capture pass itself. An eager run costs a step of the eager model (15-30 ms on 0.5B).
-      if self.traced.warmed and compile is None and (ready or self.mode is Mode.PIECEWISE):
-        warmups = 0
-      for _ in range(warmups):
-        self.module(*args)
-      self.stats.warmups += warmups
-      self.traced.warmed = self.traced.warmed or warmups > 0
-      if self.device.startswith("cuda"):
-        torch.cuda.synchronize()
-      Graph = C.graph_class(self.device)
-      if self.mode is Mode.PIECEWISE:
-        pieces = self.program.pieces
-        runners = [PieceRunner(p, self.traced.direct(p) if p.is_break else getattr(self.module, p.name), Graph, pool)
-                   for p in pieces]
-        for r in runners:
-          setattr(self.module, r.piece.name, r)
-        self.module(*args)  # the runners capture on this first call, replay on later ones
-        self.graphs = [r.graph for r in runners if not r.piece.is_break]
-      elif self.mode is Mode.FULL:
-        self.full = Graph(pool)
-        if inputs_in_graph:
-          token.in_graph = True  # breaks capture their own staged inputs' copies too (P.Token)
-          self.full.capture(_after(self.buffers.copy_in_graph(), self.module), *args)
+    def run(self, leaves: list, n: int | None, bound: dict, copy_outputs: bool, check: bool):
+        """One call: inputs in, plan, replay (or run the program), outputs out. `check`: verify the tensors
+        captured by address (skipped when dispatch knows these are the very containers already verified)."""
+        st = self.stats
+        st.calls += 1
+        if n is not None:
+            st.padded += self.sig.bucket - n
+        # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
+        in_graph = self.full is not None and self.buffers.graph_mirror is not None  # the graph copies its inputs
+        host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=in_graph)
+        if self.full is None and not self.graphs:
+            st.eager += 1
         else:
-          self.full.capture(self.module, *args)
-        self.graphs.append(self.full)
-    for g in self.graphs:  # only now: the pieces of this signature must not reuse each other's outputs
-      g.weaken()
-    self.stats.captures += len(self.graphs)
-    if self.device.startswith("cuda"):
-      torch.cuda.synchronize()
-    self.capture_seconds = time.perf_counter() - t0
-    self.pool_bytes = C.pool_bytes(self.device) - mem0
+            if check:
+                self._check_addresses(leaves)
+            st.replays += 1
+        with P.execution(in_graph=in_graph):
+            if self.plans:
+                self._plan(host, n, self.statics, capturing=False)
+            outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
+        return self._outputs(leaves, n, bound, outs, copy_outputs)
+
+    def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
+        outs = list(outs)
+        for j, i in self.passthrough:
+            outs[j] = leaves[i]
+        if n is not None and n != self.sig.bucket:
+            for j in self.out_batched:
+                outs[j] = outs[j][:n]
+        if copy_outputs:
+            outs = [
+                o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o
+                for j, o in enumerate(outs)
+            ]
+        if not self.out_args:
+            return self.unflatten(iter(outs))
+        return self.unflatten(iter([outs[x] if type(x) is int else bound[x] for x in self.out_recipe]))
+
+    def _check_addresses(self, leaves):
+        ptrs = tuple(leaves[i].data_ptr() for i in self.address_ix)
+        if ptrs != self.addresses:
+            k = next(k for k, (a, b) in enumerate(zip(ptrs, self.addresses)) if a != b)
+            raise SignatureError(
+                f"fgraph.jit: {self.paths[self.address_ix[k]]} is not the tensor the graph of signature "
+                f"{self.sig.describe()} was captured with (graphs read state by address)",
+                "update state in place and pass the same tensors back (donate=[...]), "
+                "or call .reset() to drop the graphs after replacing them",
+            )
+
+    # -- capturing -------------------------------------------------------------------------------------------
+    def capture(self, call: Call, pool, warmups: int, compile: dict | None = None, inputs_in_graph: bool = False):
+        """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
+        With `compile` (Inductor config options; {}: the defaults), Inductor compiles each graph piece first
+        (fusing norms, RoPE, activations, residuals); breaks stay as they are. inputs_in_graph (FULL): the graph
+        itself copies the batched inputs in (InputBuffers.copy_in_graph)."""
+        t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
+        if compile is not None:
+            for piece in self.program.pieces:
+                if not piece.is_break:
+                    setattr(self.module, piece.name, Compiled(piece.module, compile))
+        self.buffers = C.InputBuffers(
+            [(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix], self.device
+        )
+        host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
+        args = self._args(call.leaves)
+        self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
+        with P.execution() as token:  # one execution: the plan made here serves the warm-up and the capture
+            ready = self._plan(host, call.n, call.statics, capturing=True)
+            # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
+            # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
+            # signature that its plan hook did not make (flashinfer's per-bucket wrappers, which its hook makes from
+            # the traced shapes: only a hook called without avals leaves them to an eager run). PIECEWISE runs its
+            # breaks eagerly in the capture pass itself. An eager run costs a step of the eager model (15-30 ms on 0.5B).
+            if self.traced.warmed and compile is None and (ready or self.mode is Mode.PIECEWISE):
+                warmups = 0
+            for _ in range(warmups):
+                self.module(*args)
+            self.stats.warmups += warmups
+            self.traced.warmed = self.traced.warmed or warmups > 0
+            if self.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            Graph = C.graph_class(self.device)
+            if self.mode is Mode.PIECEWISE:
+                pieces = self.program.pieces
+                runners = [
+                    PieceRunner(p, self.traced.direct(p) if p.is_break else getattr(self.module, p.name), Graph, pool)
+                    for p in pieces
+                ]
+                for r in runners:
+                    setattr(self.module, r.piece.name, r)
+                self.module(*args)  # the runners capture on this first call, replay on later ones
+                self.graphs = [r.graph for r in runners if not r.piece.is_break]
+            elif self.mode is Mode.FULL:
+                self.full = Graph(pool)
+                if inputs_in_graph:
+                    token.in_graph = True  # breaks capture their own staged inputs' copies too (P.Token)
+                    self.full.capture(_after(self.buffers.copy_in_graph(), self.module), *args)
+                else:
+                    self.full.capture(self.module, *args)
+                self.graphs.append(self.full)
+        for g in self.graphs:  # only now: the pieces of this signature must not reuse each other's outputs
+            g.weaken()
+        self.stats.captures += len(self.graphs)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.pool_bytes = C.pool_bytes(self.device) - mem0
 
 
 def _after(first: Callable[[], None], fn: Callable) -> Callable:
-  """fn, with `first()` run before it (captured first, when captured)."""
-  def run(*args):
-    first()
-    return fn(*args)
-  return run
+    """fn, with `first()` run before it (captured first, when captured)."""
+
+    def run(*args):
+        first()
+        return fn(*args)
+
+    return run
 
 
 def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
-  """A copy of the program's top level with its own submodule table (piece runners are set per signature) that
-  shares the generated code: fx.GraphModule(gm, graph) would regenerate and recompile every piece's Python,
-  which was half of capture time (~0.2 s per signature on 0.5B)."""
-  m = object.__new__(type(gm))
-  m.__dict__.update(gm.__dict__)
-  m.__dict__["_modules"] = dict(gm._modules)
-  return m
+    """A copy of the program's top level with its own submodule table (piece runners are set per signature) that
+    shares the generated code: fx.GraphModule(gm, graph) would regenerate and recompile every piece's Python,
+    which was half of capture time (~0.2 s per signature on 0.5B)."""
+    m = object.__new__(type(gm))
+    m.__dict__.update(gm.__dict__)
+    m.__dict__["_modules"] = dict(gm._modules)
+    return m
 
 
 def _fold_arguments(out: tuple, out_args: dict[int, str]):
-  """Outputs that are the caller's own arguments become one leaf each: (recipe, spec), where the recipe lists,
-  per leaf of the folded tree, the index of the graph output to use, or the argument name to hand back."""
-  recipe, base = [], 0
-  for k, o in enumerate(out):
-    n = len(pytree.tree_leaves(o))
-    recipe.extend([out_args[k]] if k in out_args else range(base, base + n))
-    base += n
-  return recipe, pytree.tree_flatten(tuple(None if k in out_args else o for k, o in enumerate(out)))[1]
+    """Outputs that are the caller's own arguments become one leaf each: (recipe, spec), where the recipe lists,
+    per leaf of the folded tree, the index of the graph output to use, or the argument name to hand back."""
+    recipe, base = [], 0
+    for k, o in enumerate(out):
+        n = len(pytree.tree_leaves(o))
+        recipe.extend([out_args[k]] if k in out_args else range(base, base + n))
+        base += n
+    return recipe, pytree.tree_flatten(tuple(None if k in out_args else o for k, o in enumerate(out)))[1]
 
 
 class Compiled(torch.nn.Module):
-  """A graph piece compiled by Inductor on its first call (for the shapes of that call: one signature)."""
+    """A graph piece compiled by Inductor on its first call (for the shapes of that call: one signature)."""
 
-  def __init__(self, module: fx.GraphModule, options: dict):
-    super().__init__()
-    self.module, self.options, self.fn = module, options, None
+    def __init__(self, module: fx.GraphModule, options: dict):
+        super().__init__()
+        self.module, self.options, self.fn = module, options, None
 
-  def forward(self, *args):
-    if self.fn is None:
-      from torch._inductor import config
-      from torch._inductor.compile_fx import compile_fx
-      with config.patch({**self.options, "post_grad_custom_post_pass": _residual_adds_out_of_gemms()}):
-        self.fn = compile_fx(self.module, list(args))
-    return self.fn(*args)
+    def forward(self, *args):
+        if self.fn is None:
+            from torch._inductor import config
+            from torch._inductor.compile_fx import compile_fx
+
+            with config.patch({**self.options, "post_grad_custom_post_pass": _residual_adds_out_of_gemms()}):
+                self.fn = compile_fx(self.module, list(args))
+        return self.fn(*args)
 
 
 def _residual_adds_out_of_gemms():
-  """An Inductor post-grad pass for the pieces. Inductor folds `x + a @ b` into addmm(x, a, b) when the sum
-  has a non-pointwise user, and a piece's residual stream always has one: the piece's output (the next piece's
-  input, across a break). cuBLAS's addmm then first copies x into its output: a device copy per residual add,
-  2 per layer (46 copies, ~4 % of a 0.5B decode step on the H200), which torch.compile of the whole step, having
-  no boundary there, does not make. Undone here for full-size addends (biases keep their GEMM epilogue): a plain
-  mm, and the add as a pointwise op Inductor fuses into the neighbouring norm kernel."""
-  from torch._inductor.custom_graph_pass import CustomGraphPass
-  aten = torch.ops.aten
+    """An Inductor post-grad pass for the pieces. Inductor folds `x + a @ b` into addmm(x, a, b) when the sum
+    has a non-pointwise user, and a piece's residual stream always has one: the piece's output (the next piece's
+    input, across a break). cuBLAS's addmm then first copies x into its output: a device copy per residual add,
+    2 per layer (46 copies, ~4 % of a 0.5B decode step on the H200), which torch.compile of the whole step, having
+    no boundary there, does not make. Undone here for full-size addends (biases keep their GEMM epilogue): a plain
+    mm, and the add as a pointwise op Inductor fuses into the neighbouring norm kernel."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-  class ResidualAddsOutOfGemms(CustomGraphPass):
-    def __call__(self, graph: fx.Graph) -> None:
-      for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.addmm.default or len(node.args) != 3:
-          continue
-        inp, a, b = node.args
-        val = node.meta.get("val")
-        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or val is None or \
-            not isinstance(inp, fx.Node) or getattr(inp.meta.get("val"), "shape", None) != val.shape:
-          continue
-        with graph.inserting_before(node):
-          mm = graph.call_function(aten.mm.default, (a, b))
-          add = graph.call_function(aten.add.Tensor, (inp, mm))
-        mm.meta.update(node.meta)
-        add.meta.update(node.meta)
-        node.replace_all_uses_with(add)
-        graph.erase_node(node)
+    aten = torch.ops.aten
 
-    def uuid(self):
-      return "fgraph.residual_adds_out_of_gemms.v1"
+    class ResidualAddsOutOfGemms(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            for node in list(graph.nodes):
+                if node.op != "call_function" or node.target is not aten.addmm.default or len(node.args) != 3:
+                    continue
+                inp, a, b = node.args
+                val = node.meta.get("val")
+                if (
+                    node.kwargs.get("beta", 1) != 1
+                    or node.kwargs.get("alpha", 1) != 1
+                    or val is None
+                    or not isinstance(inp, fx.Node)
+                    or getattr(inp.meta.get("val"), "shape", None) != val.shape
+                ):
+                    continue
+                with graph.inserting_before(node):
+                    mm = graph.call_function(aten.mm.default, (a, b))
+                    add = graph.call_function(aten.add.Tensor, (inp, mm))
+                mm.meta.update(node.meta)
+                add.meta.update(node.meta)
+                node.replace_all_uses_with(add)
+                graph.erase_node(node)
 
-  return ResidualAddsOutOfGemms()
+        def uuid(self):
+            return "fgraph.residual_adds_out_of_gemms.v1"
+
+    return ResidualAddsOutOfGemms()
 
 
 class PieceRunner(torch.nn.Module):
-  """Stands in for one piece of the program: captures a graph piece on its first call and replays it after;
-  a break piece runs eagerly every time and copies any tensors it returns into stable buffers."""
+    """Stands in for one piece of the program: captures a graph piece on its first call and replays it after;
+    a break piece runs eagerly every time and copies any tensors it returns into stable buffers."""
 
-  def __init__(self, piece, module, Graph, pool):
-    super().__init__()
-    self.piece, self.module, self.graph, self.out = piece, module, None, None
-    self._Graph, self._pool = Graph, pool
+    def __init__(self, piece, module, Graph, pool):
+        super().__init__()
+        self.piece, self.module, self.graph, self.out = piece, module, None, None
+        self._Graph, self._pool = Graph, pool
 
-  def forward(self, *args):
-    if self.piece.is_break:
-      out = self.module(*args)
-      if self.out is None:
-        self.out = out
-      else:
-        for old, new in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(out)):
-          if isinstance(old, torch.Tensor) and old is not new:
-            old.copy_(new)
-      return self.out
-    if self.graph is None:
-      self.graph = self._Graph(self._pool)
-      return self.graph.capture(self.module, *args)
-    return self.graph.replay()
+    def forward(self, *args):
+        if self.piece.is_break:
+            out = self.module(*args)
+            if self.out is None:
+                self.out = out
+            else:
+                for old, new in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(out)):
+                    if isinstance(old, torch.Tensor) and old is not new:
+                        old.copy_(new)
+            return self.out
+        if self.graph is None:
+            self.graph = self._Graph(self._pool)
+            return self.graph.capture(self.module, *args)
+        return self.graph.replay()
 
 
 def _direct(module: fx.GraphModule) -> fx.GraphModule:
-  """A break piece that calls its primitives' eager rules as plain Python functions: the same call, minus the
-  dispatcher and torch.library's wrapper around it (tens of µs per break, paid by every eager break of every
-  PIECEWISE step). Only for running outside a graph: under capture the op goes through the dispatcher."""
-  graph = fx.Graph()
-  env = {}
-  for node in module.graph.nodes:
-    env[node] = new = graph.node_copy(node, lambda n: env[n])
-    p = P.primitive_of(node)
-    if p is not None:
-      new.target = P.eager_rules[p]
-  return fx.GraphModule(module, graph)
+    """A break piece that calls its primitives' eager rules as plain Python functions: the same call, minus the
+    dispatcher and torch.library's wrapper around it (tens of µs per break, paid by every eager break of every
+    PIECEWISE step). Only for running outside a graph: under capture the op goes through the dispatcher."""
+    graph = fx.Graph()
+    env = {}
+    for node in module.graph.nodes:
+        env[node] = new = graph.node_copy(node, lambda n: env[n])
+        p = P.primitive_of(node)
+        if p is not None:
+            new.target = P.eager_rules[p]
+    return fx.GraphModule(module, graph)
 
 
 def _plan_sites(gm, ph_pos, tensor_ix, specs):
-  """Plan hooks to run per call: one per distinct (primitive, constant args, batched inputs, tensor avals)."""
-  sites = {}
-  for node in gm.graph.nodes:
-    p = P.primitive_of(node)
-    if p is None or p not in P.plan_rules:
-      continue
-    args = P.constant_args(node)
-    if p in P.plan_filters and not P.plan_filters[p](args):
-      continue
-    tensors = {k: v for k, v in P.node_args(node).items() if isinstance(v, fx.Node)}
-    inputs = {k: tensor_ix[ph_pos[v]] for k, v in tensors.items()
-              if v in ph_pos and specs[tensor_ix[ph_pos[v]]] is not None}
-    avals = {k: aval_of(v.meta["val"]) for k, v in tensors.items() if isinstance(v.meta.get("val"), torch.Tensor)}
-    key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())), tuple(avals.items()))
-    sites.setdefault(key, (p, args, inputs, avals))
-  return list(sites.values())
+    """Plan hooks to run per call: one per distinct (primitive, constant args, batched inputs, tensor avals)."""
+    sites = {}
+    for node in gm.graph.nodes:
+        p = P.primitive_of(node)
+        if p is None or p not in P.plan_rules:
+            continue
+        args = P.constant_args(node)
+        if p in P.plan_filters and not P.plan_filters[p](args):
+            continue
+        tensors = {k: v for k, v in P.node_args(node).items() if isinstance(v, fx.Node)}
+        inputs = {
+            k: tensor_ix[ph_pos[v]]
+            for k, v in tensors.items()
+            if v in ph_pos and specs[tensor_ix[ph_pos[v]]] is not None
+        }
+        avals = {k: aval_of(v.meta["val"]) for k, v in tensors.items() if isinstance(v.meta.get("val"), torch.Tensor)}
+        key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())), tuple(avals.items()))
+        sites.setdefault(key, (p, args, inputs, avals))
+    return list(sites.values())
 
 
 def _device_of(fname: str, call: Call) -> str:
-  """The signature's device: where its non-batched tensors live (batched inputs may come from the host)."""
-  devs = {}
-  for p, x, s in zip(call.paths, call.leaves, call.specs):
-    if isinstance(x, torch.Tensor) and s is None:
-      devs.setdefault(str(x.device) if x.device.type != "cuda" else f"cuda:{x.device.index or 0}", p)
-  if len(devs) > 1:
-    (d1, p1), (d2, p2) = sorted(devs.items())[:2]
-    raise SignatureError(f"fgraph.jit({fname}): {path_str(p1)} is on {d1} but {path_str(p2)} is on {d2}",
-                         "put params and state on one device (only Batched inputs may come from the host)")
-  if devs:
-    return next(iter(devs))
-  batched = [x for x, s in zip(call.leaves, call.specs) if isinstance(x, torch.Tensor)]
-  return str(batched[0].device) if batched else "cpu"
+    """The signature's device: where its non-batched tensors live (batched inputs may come from the host)."""
+    devs = {}
+    for p, x, s in zip(call.paths, call.leaves, call.specs):
+        if isinstance(x, torch.Tensor) and s is None:
+            devs.setdefault(str(x.device) if x.device.type != "cuda" else f"cuda:{x.device.index or 0}", p)
+    if len(devs) > 1:
+        (d1, p1), (d2, p2) = sorted(devs.items())[:2]
+        raise SignatureError(
+            f"fgraph.jit({fname}): {path_str(p1)} is on {d1} but {path_str(p2)} is on {d2}",
+            "put params and state on one device (only Batched inputs may come from the host)",
+        )
+    if devs:
+        return next(iter(devs))
+    batched = [x for x, s in zip(call.leaves, call.specs) if isinstance(x, torch.Tensor)]
+    return str(batched[0].device) if batched else "cpu"

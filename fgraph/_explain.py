@@ -1,64 +1,73 @@
 """explain: deterministic text about what fgraph made of a function, per signature."""
+
 from __future__ import annotations
 
 from ._split import op_summary
 
 
 class Explanation:
-  def __init__(self, text: str, entries: list):
-    self.text, self.entries = text, entries
+    def __init__(self, text: str, entries: list):
+        self.text, self.entries = text, entries
 
-  def __str__(self):
-    return self.text
+    def __str__(self):
+        return self.text
 
-  __repr__ = __str__
+    __repr__ = __str__
 
 
 def _entry_text(name: str, e, n: int | None) -> str:
-  lines = [f"{name}{e.sig.describe()}"]
-  if n is not None:
-    lines.append(f"  tokens: {n} -> bucket {e.sig.bucket} ({e.sig.bucket - n} padded)")
-  lines.append(f"  mode: {e.mode.name} ({e.reason})")
-  pieces = e.program.pieces
-  lines.append(f"  pieces: {len(pieces)} ({sum(not p.is_break for p in pieces)} graph, "
-               f"{sum(p.is_break for p in pieces)} break)")
-  for p in pieces:
-    if p.is_break:
-      level, why = p.support
-      lines.append(f"  [{p.index}] break {op_summary(p.ops)}  support {level.name} ({why})")
-      continue
-    nxt = pieces[p.index + 1] if p.index + 1 < len(pieces) else None
-    ends = f"break {nxt.ops[0]}" if nxt is not None else "output"
-    lines.append(f"  [{p.index}] graph {len(p.ops)} ops: {op_summary(p.ops)}; ends at {ends}")
-    lines.append(f"      in: {', '.join(p.inputs) or '-'}")
-    lines.append(f"      out: {', '.join(p.outputs) or '-'}")
-  if e.graphs:
-    lines.append(f"  captured: {len(e.graphs)} graph{'s' if len(e.graphs) != 1 else ''} in {e.capture_seconds:.3f} s "
-                 f"after {e.stats.warmups} eager warm-up run(s), pool {e.pool_bytes / 2**30:.3f} GiB")
-  else:
-    lines.append("  captured: no graphs (runs the program eagerly)")
-  return "\n".join(lines)
+    lines = [f"{name}{e.sig.describe()}"]
+    if n is not None:
+        lines.append(f"  tokens: {n} -> bucket {e.sig.bucket} ({e.sig.bucket - n} padded)")
+    lines.append(f"  mode: {e.mode.name} ({e.reason})")
+    pieces = e.program.pieces
+    lines.append(
+        f"  pieces: {len(pieces)} ({sum(not p.is_break for p in pieces)} graph, "
+        f"{sum(p.is_break for p in pieces)} break)"
+    )
+    for p in pieces:
+        if p.is_break:
+            level, why = p.support
+            lines.append(f"  [{p.index}] break {op_summary(p.ops)}  support {level.name} ({why})")
+            continue
+        nxt = pieces[p.index + 1] if p.index + 1 < len(pieces) else None
+        ends = f"break {nxt.ops[0]}" if nxt is not None else "output"
+        lines.append(f"  [{p.index}] graph {len(p.ops)} ops: {op_summary(p.ops)}; ends at {ends}")
+        lines.append(f"      in: {', '.join(p.inputs) or '-'}")
+        lines.append(f"      out: {', '.join(p.outputs) or '-'}")
+    if e.graphs:
+        lines.append(
+            f"  captured: {len(e.graphs)} graph{'s' if len(e.graphs) != 1 else ''} in {e.capture_seconds:.3f} s "
+            f"after {e.stats.warmups} eager warm-up run(s), pool {e.pool_bytes / 2**30:.3f} GiB"
+        )
+    else:
+        lines.append("  captured: no graphs (runs the program eagerly)")
+    return "\n".join(lines)
 
 
 def explain(fn, *args, **kwargs) -> Explanation:
-  """Per signature: requested -> effective mode and why, bucket, pieces (ops, inputs, outputs, the break
-  ending each and its capture support), and after capture the time and pool bytes.
+    """Per signature: requested -> effective mode and why, bucket, pieces (ops, inputs, outputs, the break
+    ending each and its capture support), and after capture the time and pool bytes.
 
-  explain(step) covers every signature seen so far; explain(step, *args, **kwargs) the signature of that call
-  (traced on the spot, without capturing, if it is new).
-  """
-  from ._entry import Entry, Traced, _device_of
-  from ._jit import Jitted
-  if not isinstance(fn, Jitted):
-    raise TypeError(f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}; "
-                    "wrap it first: fgraph.explain(fgraph.jit(f, ...), *args)")
-  if not args and not kwargs:
-    entries = sorted(fn.entries.values(), key=lambda e: (repr(e.sig.statics), e.sig.bucket or 0))
-    return Explanation("\n".join(_entry_text(fn.name, e, None) for e in entries) or
-                       f"{fn.name}: no signatures yet", entries)
-  call = fn._bind(args, kwargs)
-  e = fn.entries.get(call.sig)
-  if e is None:  # trace only: explaining never captures
-    device = _device_of(fn.name, call)
-    e = Entry(Traced(fn, call, device), call, device, True)
-  return Explanation(_entry_text(fn.name, e, call.n), [e])
+    explain(step) covers every signature seen so far; explain(step, *args, **kwargs) the signature of that call
+    (traced on the spot, without capturing, if it is new).
+    """
+    from ._entry import Entry, Traced, _device_of
+    from ._jit import Jitted
+
+    if not isinstance(fn, Jitted):
+        raise TypeError(
+            f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}; "
+            "wrap it first: fgraph.explain(fgraph.jit(f, ...), *args)"
+        )
+    if not args and not kwargs:
+        entries = sorted(fn.entries.values(), key=lambda e: (repr(e.sig.statics), e.sig.bucket or 0))
+        return Explanation(
+            "\n".join(_entry_text(fn.name, e, None) for e in entries) or f"{fn.name}: no signatures yet", entries
+        )
+    call = fn._bind(args, kwargs)
+    e = fn.entries.get(call.sig)
+    if e is None:  # trace only: explaining never captures
+        device = _device_of(fn.name, call)
+        e = Entry(Traced(fn, call, device), call, device, True)
+    return Explanation(_entry_text(fn.name, e, call.n), [e])

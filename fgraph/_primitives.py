@@ -12,6 +12,7 @@ A primitive is data (`Primitive`); what it does lives in tables keyed by primiti
 Breaks follow vLLM's `*_with_output` convention: they return nothing and write into a caller-allocated
 `out` tensor, so the address the next piece reads is the same on every replay.
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,42 +28,44 @@ NAMESPACE = "fgraph"
 
 
 class Support(enum.IntEnum):
-  """How much of a CUDA graph a primitive tolerates (ordered: the weakest break of a signature wins)."""
-  NEVER = 0           # runs eagerly between pieces, always (host syncs, data-dependent sizes)
-  UNIFORM_DECODE = 1  # may sit inside a full graph only for decode-routine signatures
-  ALWAYS = 2          # may sit inside any full graph
+    """How much of a CUDA graph a primitive tolerates (ordered: the weakest break of a signature wins)."""
+
+    NEVER = 0  # runs eagerly between pieces, always (host syncs, data-dependent sizes)
+    UNIFORM_DECODE = 1  # may sit inside a full graph only for decode-routine signatures
+    ALWAYS = 2  # may sit inside any full graph
 
 
 @attrs.frozen
 class Primitive:
-  name: str  # "attention" -> torch.ops.fgraph.attention.default
+    name: str  # "attention" -> torch.ops.fgraph.attention.default
 
-  @property
-  def op(self) -> torch._ops.OpOverload:
-    return getattr(getattr(torch.ops, NAMESPACE), self.name).default
+    @property
+    def op(self) -> torch._ops.OpOverload:
+        return getattr(getattr(torch.ops, NAMESPACE), self.name).default
 
-  def __repr__(self):
-    return f"{self.name}_p"
+    def __repr__(self):
+        return f"{self.name}_p"
 
 
 @attrs.frozen
 class PlanCall:
-  """What a plan hook sees before each execution, once per call site (primitive, constant args, inputs, avals).
+    """What a plan hook sees before each execution, once per call site (primitive, constant args, inputs, avals).
 
-  inputs: the break's tensor arguments that are per-call (batched) inputs of the jitted function, by
-  argument name, *as the caller passed them after padding* (so host tensors stay on the host: a plan hook
-  reading them causes no device sync). Arguments computed inside the function are absent.
-  avals: every tensor argument's abstract value as traced, by name (symbolic dims None; made once per trace),
-  for host state a hook makes per shape or dtype before the first run. Empty in a call made by hand.
-  """
-  primitive: Primitive
-  args: Mapping[str, Any]          # the break's non-tensor arguments (backend name, scale, ...)
-  inputs: Mapping[str, torch.Tensor]
-  bucket: int                      # padded token count of this call's signature
-  n: int                           # real token count
-  statics: Mapping[str, Any]       # the signature's static arguments (routine=..., ...)
-  capturing: bool                  # True while fgraph warms up or captures this signature
-  avals: Mapping[str, Aval] = attrs.field(factory=dict)  # (empty by default: calls made by hand)
+    inputs: the break's tensor arguments that are per-call (batched) inputs of the jitted function, by
+    argument name, *as the caller passed them after padding* (so host tensors stay on the host: a plan hook
+    reading them causes no device sync). Arguments computed inside the function are absent.
+    avals: every tensor argument's abstract value as traced, by name (symbolic dims None; made once per trace),
+    for host state a hook makes per shape or dtype before the first run. Empty in a call made by hand.
+    """
+
+    primitive: Primitive
+    args: Mapping[str, Any]  # the break's non-tensor arguments (backend name, scale, ...)
+    inputs: Mapping[str, torch.Tensor]
+    bucket: int  # padded token count of this call's signature
+    n: int  # real token count
+    statics: Mapping[str, Any]  # the signature's static arguments (routine=..., ...)
+    capturing: bool  # True while fgraph warms up or captures this signature
+    avals: Mapping[str, Aval] = attrs.field(factory=dict)  # (empty by default: calls made by hand)
 
 
 eager_rules: dict[Primitive, Callable] = {}
@@ -77,147 +80,159 @@ _executing = [None]  # the token of the signature execution in progress (None ou
 
 
 def executing():
-  """A token for the execution of a jitted signature in progress (None outside one). fgraph sets it before the
-  plan hooks run and keeps it through the execution, so a break can tell whether host state its plan hook
-  made belongs to this very execution or is left over from an earlier one (then it must not be trusted)."""
-  return _executing[0]
+    """A token for the execution of a jitted signature in progress (None outside one). fgraph sets it before the
+    plan hooks run and keeps it through the execution, so a break can tell whether host state its plan hook
+    made belongs to this very execution or is left over from an earlier one (then it must not be trusted)."""
+    return _executing[0]
 
 
 def once_per_execution(key, compute: Callable[[], Any]):
-  """compute() once per execution of a jitted signature and key, shared by the breaks of that execution (every
-  layer's attention deriving the same tensor from the same metadata: one kernel a step, not one a layer).
-  Outside an execution it is computed each time. Under CUDA graph capture it is computed again (the warm-up,
-  which shares the capture's token, ran eagerly), so the graph holds its own computation at the first use."""
-  token = _executing[0]
-  if token is None:
-    return compute()
-  memo = token.memo = token.memo or {}
-  k = (key, torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-  if k not in memo:
-    memo[k] = compute()
-  return memo[k]
+    """compute() once per execution of a jitted signature and key, shared by the breaks of that execution (every
+    layer's attention deriving the same tensor from the same metadata: one kernel a step, not one a layer).
+    Outside an execution it is computed each time. Under CUDA graph capture it is computed again (the warm-up,
+    which shares the capture's token, ran eagerly), so the graph holds its own computation at the first use."""
+    token = _executing[0]
+    if token is None:
+        return compute()
+    memo = token.memo = token.memo or {}
+    k = (key, torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    if k not in memo:
+        memo[k] = compute()
+    return memo[k]
 
 
 class Token:
-  """One execution of a jitted signature. in_graph: it is a replay (or the capture) of a graph that copies its
-  per-call inputs in itself (fgraph.config.inputs_in_graph): a plan hook then stages host data for such a graph
-  to copy at its start, and a break captures that copy, instead of each copying on its own (a copy and an
-  event record per call, 25-35 us each on a busy GPU's host)."""
-  __slots__ = ("in_graph", "memo")
+    """One execution of a jitted signature. in_graph: it is a replay (or the capture) of a graph that copies its
+    per-call inputs in itself (fgraph.config.inputs_in_graph): a plan hook then stages host data for such a graph
+    to copy at its start, and a break captures that copy, instead of each copying on its own (a copy and an
+    event record per call, 25-35 us each on a busy GPU's host)."""
 
-  def __init__(self, in_graph: bool = False):
-    self.in_graph, self.memo = in_graph, None  # memo: once_per_execution's values
+    __slots__ = ("in_graph", "memo")
+
+    def __init__(self, in_graph: bool = False):
+        self.in_graph, self.memo = in_graph, None  # memo: once_per_execution's values
 
 
 class execution:
-  """Context manager fgraph wraps each execution in (plan hooks, then replay or run)."""
-  __slots__ = ("token", "prev", "in_graph")
+    """Context manager fgraph wraps each execution in (plan hooks, then replay or run)."""
 
-  def __init__(self, in_graph: bool = False):
-    self.in_graph = in_graph
+    __slots__ = ("token", "prev", "in_graph")
 
-  def __enter__(self):
-    self.prev, self.token = _executing[0], Token(self.in_graph)
-    _executing[0] = self.token
-    return self.token
+    def __init__(self, in_graph: bool = False):
+        self.in_graph = in_graph
 
-  def __exit__(self, *exc):
-    _executing[0] = self.prev
+    def __enter__(self):
+        self.prev, self.token = _executing[0], Token(self.in_graph)
+        _executing[0] = self.token
+        return self.token
+
+    def __exit__(self, *exc):
+        _executing[0] = self.prev
 
 
 def _as_support_rule(support) -> Callable[[Mapping[str, Any]], tuple[Support, str]]:
-  if isinstance(support, Support):
-    return lambda args: (support, f"declared {support.name}")
-  def rule(args):
-    res = support(args)
-    return res if isinstance(res, tuple) else (Support(res), f"declared {Support(res).name}")
-  return rule
+    if isinstance(support, Support):
+        return lambda args: (support, f"declared {support.name}")
+
+    def rule(args):
+        res = support(args)
+        return res if isinstance(res, tuple) else (Support(res), f"declared {Support(res).name}")
+
+    return rule
 
 
 class BreakOp:
-  """The callable a `@primitive` definition becomes: `toy(out, x)` runs `torch.ops.fgraph.toy(out, x)`."""
+    """The callable a `@primitive` definition becomes: `toy(out, x)` runs `torch.ops.fgraph.toy(out, x)`."""
 
-  def __init__(self, p: Primitive, custom_op):
-    self.p, self._custom_op = p, custom_op
-    self.__doc__ = eager_rules[p].__doc__
+    def __init__(self, p: Primitive, custom_op):
+        self.p, self._custom_op = p, custom_op
+        self.__doc__ = eager_rules[p].__doc__
 
-  def __call__(self, *args, **kwargs):
-    return self.p.op(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        return self.p.op(*args, **kwargs)
 
-  def register_fake(self, fn: Callable) -> Callable:
-    """Shape rule for a break that returns tensors (one that only writes `out` needs none)."""
-    fake_rules[self.p] = fn
-    self._custom_op.register_fake(fn)
-    return fn
+    def register_fake(self, fn: Callable) -> Callable:
+        """Shape rule for a break that returns tensors (one that only writes `out` needs none)."""
+        fake_rules[self.p] = fn
+        self._custom_op.register_fake(fn)
+        return fn
 
-  def __repr__(self):
-    return repr(self.p)
+    def __repr__(self):
+        return repr(self.p)
 
 
-def primitive(name: str, *, mutates_args: tuple[str, ...] | list[str] = ("out",),
-              support: Support | Callable = Support.ALWAYS,
-              plan: Callable[[PlanCall], bool | None] | None = None,
-              plan_needed: Callable[[Mapping[str, Any]], bool] | None = None) -> Callable[[Callable], BreakOp]:
-  """Register a break primitive. The decorated function is its eager rule; its annotations are the schema.
+def primitive(
+    name: str,
+    *,
+    mutates_args: tuple[str, ...] | list[str] = ("out",),
+    support: Support | Callable = Support.ALWAYS,
+    plan: Callable[[PlanCall], bool | None] | None = None,
+    plan_needed: Callable[[Mapping[str, Any]], bool] | None = None,
+) -> Callable[[Callable], BreakOp]:
+    """Register a break primitive. The decorated function is its eager rule; its annotations are the schema.
 
-      @fgraph.primitive("scale", support=fgraph.Support.ALWAYS)
-      def scale(out: torch.Tensor, x: torch.Tensor, s: float) -> None:
-          out.copy_(x * s)
+        @fgraph.primitive("scale", support=fgraph.Support.ALWAYS)
+        def scale(out: torch.Tensor, x: torch.Tensor, s: float) -> None:
+            out.copy_(x * s)
 
-  `support` is a level or a rule `(non-tensor args by name) -> Support | (Support, reason)`, so one op can
-  declare different support per backend (`backend: str` argument). `plan` runs on the host before every
-  execution of a signature containing the op (see `PlanCall`); `plan_needed(args)` may rule it out per call
-  site (e.g. only one backend of the op plans). A plan that returns True says it made all the host state the
-  break needs, so capturing that signature into a FULL graph needs no eager warm-up run first.
-  """
-  if name in registry:
-    raise ValueError(f"fgraph.primitive: a primitive named {name!r} is already registered; pick another name")
+    `support` is a level or a rule `(non-tensor args by name) -> Support | (Support, reason)`, so one op can
+    declare different support per backend (`backend: str` argument). `plan` runs on the host before every
+    execution of a signature containing the op (see `PlanCall`); `plan_needed(args)` may rule it out per call
+    site (e.g. only one backend of the op plans). A plan that returns True says it made all the host state the
+    break needs, so capturing that signature into a FULL graph needs no eager warm-up run first.
+    """
+    if name in registry:
+        raise ValueError(f"fgraph.primitive: a primitive named {name!r} is already registered; pick another name")
 
-  def register(fn: Callable) -> BreakOp:
-    p = Primitive(name)
-    custom = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates_args))(fn)
-    registry[name], eager_rules[p] = p, fn
-    support_rules[p] = _as_support_rule(support)
-    if plan is not None:
-      plan_rules[p] = plan
-    if plan_needed is not None:
-      plan_filters[p] = plan_needed
-    op = BreakOp(p, custom)
-    if inspect.signature(fn).return_annotation in (None, "None"):
-      fake_rules[p] = lambda *a, **k: None  # writes `out` only: shapes are the caller's
-      custom.register_fake(fake_rules[p])
-    return op
+    def register(fn: Callable) -> BreakOp:
+        p = Primitive(name)
+        custom = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates_args))(fn)
+        registry[name], eager_rules[p] = p, fn
+        support_rules[p] = _as_support_rule(support)
+        if plan is not None:
+            plan_rules[p] = plan
+        if plan_needed is not None:
+            plan_filters[p] = plan_needed
+        op = BreakOp(p, custom)
+        if inspect.signature(fn).return_annotation in (None, "None"):
+            fake_rules[p] = lambda *a, **k: None  # writes `out` only: shapes are the caller's
+            custom.register_fake(fake_rules[p])
+        return op
 
-  return register
+    return register
 
 
 def primitive_of(node: torch.fx.Node) -> Primitive | None:
-  """The break primitive an FX node calls, or None for ordinary aten ops."""
-  t = node.target
-  if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != NAMESPACE:
-    return None
-  return registry.get(t._schema.name.split("::", 1)[1])
+    """The break primitive an FX node calls, or None for ordinary aten ops."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload) or t.namespace != NAMESPACE:
+        return None
+    return registry.get(t._schema.name.split("::", 1)[1])
 
 
 def node_args(node: torch.fx.Node) -> dict[str, Any]:
-  """All arguments of a break node by schema name (tensors appear as fx Nodes)."""
-  schema = node.target._schema
-  out = {}
-  for i, a in enumerate(schema.arguments):
-    if i < len(node.args):
-      out[a.name] = node.args[i]
-    elif a.name in node.kwargs:
-      out[a.name] = node.kwargs[a.name]
-    elif a.has_default_value():
-      out[a.name] = a.default_value
-  return out
+    """All arguments of a break node by schema name (tensors appear as fx Nodes)."""
+    schema = node.target._schema
+    out = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            out[a.name] = node.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
 
 
 def constant_args(node: torch.fx.Node) -> dict[str, Any]:
-  """The non-tensor arguments of a break node (what support and plan rules key on)."""
-  return {k: v for k, v in node_args(node).items()
-          if not isinstance(v, torch.fx.Node) and not (isinstance(v, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in v))}
+    """The non-tensor arguments of a break node (what support and plan rules key on)."""
+    return {
+        k: v
+        for k, v in node_args(node).items()
+        if not isinstance(v, torch.fx.Node)
+        and not (isinstance(v, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in v))
+    }
 
 
 def support_of(node: torch.fx.Node) -> tuple[Support, str]:
-  return support_rules[primitive_of(node)](constant_args(node))
+    return support_rules[primitive_of(node)](constant_args(node))

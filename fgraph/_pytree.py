@@ -3,6 +3,7 @@
 Fields marked static (`fgraph.field(static=True)`, or `metadata={"static": True}` on a dataclass field) go
 into the tree structure, so they are part of the signature and must be hashable.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,167 +19,181 @@ keystr = pytree.keystr
 
 
 def field(*, static: bool = False, **kwargs):
-  """An attrs field; `static=True` puts its value in the treedef instead of the leaves."""
-  metadata = dict(kwargs.pop("metadata", {}) or {}, static=static)
-  return attrs.field(metadata=metadata, **kwargs)
+    """An attrs field; `static=True` puts its value in the treedef instead of the leaves."""
+    metadata = dict(kwargs.pop("metadata", {}) or {}, static=static)
+    return attrs.field(metadata=metadata, **kwargs)
 
 
 def _fields(cls):
-  fields = attrs.fields(cls) if attrs.has(cls) else dataclasses.fields(cls)
-  return [(f.name, bool(f.metadata.get("static"))) for f in fields]
+    fields = attrs.fields(cls) if attrs.has(cls) else dataclasses.fields(cls)
+    return [(f.name, bool(f.metadata.get("static"))) for f in fields]
 
 
 _RECORDS: dict[type, tuple[list[str], list[str]]] = {}  # registered record class -> (dynamic, static) fields
 
 
 def register(cls: type) -> type:
-  """Register an attrs class or dataclass as a pytree node (usable as a class decorator)."""
-  if cls in pytree.SUPPORTED_NODES:
+    """Register an attrs class or dataclass as a pytree node (usable as a class decorator)."""
+    if cls in pytree.SUPPORTED_NODES:
+        return cls
+    names = _fields(cls)
+    dynamic, static = [n for n, s in names if not s], [n for n, s in names if s]
+    _RECORDS[cls] = (dynamic, static)
+
+    def flatten(x):
+        return [getattr(x, n) for n in dynamic], tuple(getattr(x, n) for n in static)
+
+    def flatten_with_keys(x):
+        return [(pytree.GetAttrKey(n), getattr(x, n)) for n in dynamic], tuple(getattr(x, n) for n in static)
+
+    def unflatten(values, context):
+        kw = dict(zip(dynamic, values)) | dict(zip(static, context))
+        obj = object.__new__(cls)  # bypass __init__ validators/converters: values may be fx proxies or fakes
+        for k, v in kw.items():
+            object.__setattr__(obj, k, v)
+        return obj
+
+    pytree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,
+        flatten_with_keys_fn=flatten_with_keys,
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+    )
     return cls
-  names = _fields(cls)
-  dynamic, static = [n for n, s in names if not s], [n for n, s in names if s]
-  _RECORDS[cls] = (dynamic, static)
-
-  def flatten(x):
-    return [getattr(x, n) for n in dynamic], tuple(getattr(x, n) for n in static)
-
-  def flatten_with_keys(x):
-    return [(pytree.GetAttrKey(n), getattr(x, n)) for n in dynamic], tuple(getattr(x, n) for n in static)
-
-  def unflatten(values, context):
-    kw = dict(zip(dynamic, values)) | dict(zip(static, context))
-    obj = object.__new__(cls)  # bypass __init__ validators/converters: values may be fx proxies or fakes
-    for k, v in kw.items():
-      object.__setattr__(obj, k, v)
-    return obj
-
-  pytree.register_pytree_node(cls, flatten, unflatten, flatten_with_keys_fn=flatten_with_keys,
-                              serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
-  return cls
 
 
 def _is_record(x) -> bool:
-  return (attrs.has(type(x)) or dataclasses.is_dataclass(x)) and not isinstance(x, type)
+    return (attrs.has(type(x)) or dataclasses.is_dataclass(x)) and not isinstance(x, type)
 
 
 def flatten_with_paths(tree: Any) -> tuple[list[tuple[KeyPath, Any]], pytree.TreeSpec]:
-  """Flatten, registering attrs/dataclass types met on the way. Leaves come with their key paths."""
-  while True:
-    leaves, spec = pytree.tree_flatten_with_path(tree)
-    new = {type(v) for _, v in leaves if _is_record(v)}
-    if not new:
-      return leaves, spec
-    for cls in new:
-      register(cls)
+    """Flatten, registering attrs/dataclass types met on the way. Leaves come with their key paths."""
+    while True:
+        leaves, spec = pytree.tree_flatten_with_path(tree)
+        new = {type(v) for _, v in leaves if _is_record(v)}
+        if not new:
+            return leaves, spec
+        for cls in new:
+            register(cls)
 
 
 def flattener(spec: pytree.TreeSpec):
-  """`tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and
-  contexts: dict keys, attrs static fields, sequence lengths). torch's tree_flatten minus building a TreeSpec:
-  the replay path flattens the batch argument on every call. Generated as straight-line Python per structure
-  (one attribute or item read and one type check per node, no recursion): ~1 us for a batch of 6 leaves, a
-  third of a recursive walk."""
-  env, lines, leaves = {"_nodes": pytree.SUPPORTED_NODES, "_tuple": tuple}, [], []
+    """`tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and
+    contexts: dict keys, attrs static fields, sequence lengths). torch's tree_flatten minus building a TreeSpec:
+    the replay path flattens the batch argument on every call. Generated as straight-line Python per structure
+    (one attribute or item read and one type check per node, no recursion): ~1 us for a batch of 6 leaves, a
+    third of a recursive walk."""
+    env, lines, leaves = {"_nodes": pytree.SUPPORTED_NODES, "_tuple": tuple}, [], []
 
-  def const(v):
-    env[f"c{len(env)}"] = v
-    return f"c{len(env) - 1}"
+    def const(v):
+        env[f"c{len(env)}"] = v
+        return f"c{len(env) - 1}"
 
-  def emit(sp, var):
-    if sp.is_leaf():  # a container (NamedTuples are tuples) where a leaf was: another structure
-      lines.append(f"if type({var}) in _nodes or isinstance({var}, _tuple): return None")
-      leaves.append(var)
-      return
-    typ, ctx, kids = sp.type, sp.context, _children(sp)
-    names = [f"{var}_{i}" for i in range(len(kids))]
-    if typ in _RECORDS:
-      dynamic, static = _RECORDS[typ]
-      lines.append(f"if type({var}) is not {const(typ)}: return None")
-      if static:
-        lines.append(f"if ({''.join(f'{var}.{n}, ' for n in static)}) != {const(ctx)}: return None")
-      reads = [f"{var}.{n}" for n in dynamic]
-    elif typ is dict:
-      lines.append(f"if type({var}) is not dict or list({var}) != {const(list(ctx))}: return None")
-      reads = [f"{var}[{const(k)}]" for k in ctx]
-    elif typ in (list, tuple) or pytree.is_namedtuple_class(typ):
-      lines.append(f"if type({var}) is not {const(typ)} or len({var}) != {len(kids)}: return None")
-      reads = [f"{var}[{i}]" for i in range(len(kids))]
-    elif typ is type(None):
-      lines.append(f"if {var} is not None: return None")
-      reads = []
-    else:  # another registered node type: torch's own flatten of it, checked like the rest
-      walk = const(_walker(sp))
-      lines.append(f"{var}_l = []")
-      lines.append(f"if not {walk}({var}, {var}_l): return None")
-      leaves.append(f"*{var}_l")
-      return
-    for n, r, k in zip(names, reads, kids):
-      lines.append(f"{n} = {r}")
-      emit(k, n)
+    def emit(sp, var):
+        if sp.is_leaf():  # a container (NamedTuples are tuples) where a leaf was: another structure
+            lines.append(f"if type({var}) in _nodes or isinstance({var}, _tuple): return None")
+            leaves.append(var)
+            return
+        typ, ctx, kids = sp.type, sp.context, _children(sp)
+        names = [f"{var}_{i}" for i in range(len(kids))]
+        if typ in _RECORDS:
+            dynamic, static = _RECORDS[typ]
+            lines.append(f"if type({var}) is not {const(typ)}: return None")
+            if static:
+                lines.append(f"if ({''.join(f'{var}.{n}, ' for n in static)}) != {const(ctx)}: return None")
+            reads = [f"{var}.{n}" for n in dynamic]
+        elif typ is dict:
+            lines.append(f"if type({var}) is not dict or list({var}) != {const(list(ctx))}: return None")
+            reads = [f"{var}[{const(k)}]" for k in ctx]
+        elif typ in (list, tuple) or pytree.is_namedtuple_class(typ):
+            lines.append(f"if type({var}) is not {const(typ)} or len({var}) != {len(kids)}: return None")
+            reads = [f"{var}[{i}]" for i in range(len(kids))]
+        elif typ is type(None):
+            lines.append(f"if {var} is not None: return None")
+            reads = []
+        else:  # another registered node type: torch's own flatten of it, checked like the rest
+            walk = const(_walker(sp))
+            lines.append(f"{var}_l = []")
+            lines.append(f"if not {walk}({var}, {var}_l): return None")
+            leaves.append(f"*{var}_l")
+            return
+        for n, r, k in zip(names, reads, kids):
+            lines.append(f"{n} = {r}")
+            emit(k, n)
 
-  emit(spec, "x")
-  src = "def flatten(x):\n" + "".join(f"  {ln}\n" for ln in lines) + f"  return [{', '.join(leaves)}]\n"
-  exec(compile(src, f"<fgraph flattener {spec.type.__name__ if spec.type else 'leaf'}>", "exec"), env)
-  return env["flatten"]
+    emit(spec, "x")
+    src = "def flatten(x):\n" + "".join(f"  {ln}\n" for ln in lines) + f"  return [{', '.join(leaves)}]\n"
+    exec(compile(src, f"<fgraph flattener {spec.type.__name__ if spec.type else 'leaf'}>", "exec"), env)
+    return env["flatten"]
 
 
 def _walker(spec):
-  nodes = pytree.SUPPORTED_NODES
-  if spec.is_leaf():
-    def leaf(x, out):
-      if type(x) in nodes or isinstance(x, tuple):  # a container (NamedTuples are tuples) where a leaf was
-        return False
-      out.append(x)
-      return True
-    return leaf
-  typ, ctx, kids = spec.type, spec.context, [_walker(c) for c in _children(spec)]
-  flatten = nodes[typ].flatten_fn
+    nodes = pytree.SUPPORTED_NODES
+    if spec.is_leaf():
 
-  def node(x, out):
-    if pytree._get_node_type(x) is not typ:
-      return False
-    children, c = flatten(x)
-    if len(children) != len(kids) or c != ctx:
-      return False
-    return all(k(ch, out) for k, ch in zip(kids, children))
-  return node
+        def leaf(x, out):
+            if type(x) in nodes or isinstance(x, tuple):  # a container (NamedTuples are tuples) where a leaf was
+                return False
+            out.append(x)
+            return True
+
+        return leaf
+    typ, ctx, kids = spec.type, spec.context, [_walker(c) for c in _children(spec)]
+    flatten = nodes[typ].flatten_fn
+
+    def node(x, out):
+        if pytree._get_node_type(x) is not typ:
+            return False
+        children, c = flatten(x)
+        if len(children) != len(kids) or c != ctx:
+            return False
+        return all(k(ch, out) for k, ch in zip(kids, children))
+
+    return node
 
 
 def _children(spec):
-  return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.13
+    return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs  # torch < 2.13
 
 
 def unflattener(spec: pytree.TreeSpec):
-  """`iterator of leaves -> tree` for a fixed structure: tree_unflatten without re-validating the spec."""
-  if spec.is_leaf():
-    return next
-  unflatten, ctx = pytree.SUPPORTED_NODES[spec.type].unflatten_fn, spec.context
-  kids = [unflattener(c) for c in _children(spec)]
-  return lambda it: unflatten([k(it) for k in kids], ctx)
+    """`iterator of leaves -> tree` for a fixed structure: tree_unflatten without re-validating the spec."""
+    if spec.is_leaf():
+        return next
+    unflatten, ctx = pytree.SUPPORTED_NODES[spec.type].unflatten_fn, spec.context
+    kids = [unflattener(c) for c in _children(spec)]
+    return lambda it: unflatten([k(it) for k in kids], ctx)
 
 
 def check_static_fields(tree: Any, where: str) -> None:
-  """Static fields must be hashable and must not hold tensors (a frozen tensor is a silent wrong answer)."""
-  import torch
-  def visit(x, path):
-    if type(x) in pytree.SUPPORTED_NODES and _is_record(x):
-      for n, s in _fields(type(x)):
-        v = getattr(x, n)
-        if s:
-          if isinstance(v, torch.Tensor):
-            raise FgraphError(f"{where}: {path}.{n} is a tensor in a static field",
-                              "a static field is frozen into the signature; mark the field dynamic")
-          try:
-            hash(v)
-          except TypeError as e:
-            raise FgraphError(f"{where}: static field {path}.{n} is unhashable ({type(v).__name__}: {e})",
-                              "use a tuple or a frozen attrs class for static configuration") from None
-        else:
-          visit(v, f"{path}.{n}")
-    elif isinstance(x, dict):
-      for k, v in x.items():
-        visit(v, f"{path}[{k!r}]")
-    elif isinstance(x, (list, tuple)):
-      for i, v in enumerate(x):
-        visit(v, f"{path}[{i}]")
-  visit(tree, where.split(": ")[-1] if ": " in where else "")
+    """Static fields must be hashable and must not hold tensors (a frozen tensor is a silent wrong answer)."""
+    import torch
+
+    def visit(x, path):
+        if type(x) in pytree.SUPPORTED_NODES and _is_record(x):
+            for n, s in _fields(type(x)):
+                v = getattr(x, n)
+                if s:
+                    if isinstance(v, torch.Tensor):
+                        raise FgraphError(
+                            f"{where}: {path}.{n} is a tensor in a static field",
+                            "a static field is frozen into the signature; mark the field dynamic",
+                        )
+                    try:
+                        hash(v)
+                    except TypeError as e:
+                        raise FgraphError(
+                            f"{where}: static field {path}.{n} is unhashable ({type(v).__name__}: {e})",
+                            "use a tuple or a frozen attrs class for static configuration",
+                        ) from None
+                else:
+                    visit(v, f"{path}.{n}")
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                visit(v, f"{path}[{k!r}]")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                visit(v, f"{path}[{i}]")
+
+    visit(tree, where.split(": ")[-1] if ": " in where else "")

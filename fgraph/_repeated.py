@@ -12,6 +12,7 @@ The rule that makes copying sound: the function reads tensors only through its a
 uses a tensor from outside (a closure over `params.layers[i]`) would be copied with layer 0's tensor, so it is
 refused when the template is made. Sizes from outside are fine (a symbolic batch size is one value everywhere).
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,91 +30,103 @@ _SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
 
 def _dims(xs) -> tuple:
-  """Sizes as expressions, with what the trace has learnt so far substituted (a size symbol of an argument
-  found equal to another's by an op's check)."""
-  return tuple(d.node.shape_env.replace(d.node.expr) if isinstance(d, torch.SymInt) else d for d in xs)
+    """Sizes as expressions, with what the trace has learnt so far substituted (a size symbol of an argument
+    found equal to another's by an op's check)."""
+    return tuple(d.node.shape_env.replace(d.node.expr) if isinstance(d, torch.SymInt) else d for d in xs)
 
 
 def _signature(leaves: list) -> tuple:
-  """What must be equal for a call to reuse a template: each tensor's layout and identity pattern, the rest."""
-  first: dict[int, int] = {}
-  return tuple((_dims(x.shape), _dims(x.stride()), x.dtype, x.device, first.setdefault(id(x), i))
-               if isinstance(x, torch.Tensor) else (type(x), x) for i, x in enumerate(leaves))
+    """What must be equal for a call to reuse a template: each tensor's layout and identity pattern, the rest."""
+    first: dict[int, int] = {}
+    return tuple(
+        (_dims(x.shape), _dims(x.stride()), x.dtype, x.device, first.setdefault(id(x), i))
+        if isinstance(x, torch.Tensor)
+        else (type(x), x)
+        for i, x in enumerate(leaves)
+    )
 
 
 class _Template:
-  """The FX nodes one traced call added, its inputs' and outputs' nodes (None / the value for non-tensors), and
-  its outputs' fake tensors (the layout of every copy's outputs)."""
+    """The FX nodes one traced call added, its inputs' and outputs' nodes (None / the value for non-tensors), and
+    its outputs' fake tensors (the layout of every copy's outputs)."""
 
-  def __init__(self, fn: Callable, inputs: list, nodes: list[fx.Node], outputs: list, out_spec, fakes: list):
-    self.inputs, self.nodes, self.outputs, self.out_spec, self.fakes = inputs, nodes, outputs, out_spec, fakes
-    own = set(nodes) | {n for n in inputs if n is not None}
-    for node in nodes:  # refuse tensors read from outside the arguments (module docstring)
-      for used in node.all_input_nodes:
-        if used not in own and not isinstance(used.meta.get("val"), _SIZES):
-          raise TraceError(f"fgraph.repeated({getattr(fn, '__qualname__', fn)}): {node.format_node()} at "
-                           f"{node.meta.get('line')} reads {used.name}, a tensor from outside the function's arguments"
-                           "; copies would read the same tensor", "pass every tensor the function reads as an argument")
+    def __init__(self, fn: Callable, inputs: list, nodes: list[fx.Node], outputs: list, out_spec, fakes: list):
+        self.inputs, self.nodes, self.outputs, self.out_spec, self.fakes = inputs, nodes, outputs, out_spec, fakes
+        own = set(nodes) | {n for n in inputs if n is not None}
+        for node in nodes:  # refuse tensors read from outside the arguments (module docstring)
+            for used in node.all_input_nodes:
+                if used not in own and not isinstance(used.meta.get("val"), _SIZES):
+                    raise TraceError(
+                        f"fgraph.repeated({getattr(fn, '__qualname__', fn)}): {node.format_node()} at "
+                        f"{node.meta.get('line')} reads {used.name}, a tensor from outside the function's arguments"
+                        "; copies would read the same tensor",
+                        "pass every tensor the function reads as an argument",
+                    )
 
-  def copy(self, tracer, leaves: list):
-    """The template's nodes again, on these inputs; the outputs (as tensors the trace follows)."""
-    env = {t: pt.get_proxy_slot(x, tracer).proxy.node for t, x in zip(self.inputs, leaves) if t is not None}
-    graph = tracer.graph
-    for node in self.nodes:
-      env[node] = graph.node_copy(node, lambda n: env.get(n, n))
-    out = []
-    for t, fake in zip(self.outputs, self.fakes):
-      if not isinstance(t, fx.Node):
-        out.append(t)  # a non-tensor output (a Python value of the signature)
-      elif t in self.inputs:
-        out.append(leaves[self.inputs.index(t)])  # an argument handed back: the same object
-      else:
-        with pt.disable_proxy_modes_tracing():  # a fresh fake tensor of the output's layout (no node)
-          new = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device)
-        pt.track_tensor_tree(new, fx.Proxy(env[t], tracer), constant=None, tracer=tracer)
-        out.append(new)
-    return pytree.tree_unflatten(out, self.out_spec)
+    def copy(self, tracer, leaves: list):
+        """The template's nodes again, on these inputs; the outputs (as tensors the trace follows)."""
+        env = {t: pt.get_proxy_slot(x, tracer).proxy.node for t, x in zip(self.inputs, leaves) if t is not None}
+        graph = tracer.graph
+        for node in self.nodes:
+            env[node] = graph.node_copy(node, lambda n: env.get(n, n))
+        out = []
+        for t, fake in zip(self.outputs, self.fakes):
+            if not isinstance(t, fx.Node):
+                out.append(t)  # a non-tensor output (a Python value of the signature)
+            elif t in self.inputs:
+                out.append(leaves[self.inputs.index(t)])  # an argument handed back: the same object
+            else:
+                with pt.disable_proxy_modes_tracing():  # a fresh fake tensor of the output's layout (no node)
+                    new = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=fake.device)
+                pt.track_tensor_tree(new, fx.Proxy(env[t], tracer), constant=None, tracer=tracer)
+                out.append(new)
+        return pytree.tree_unflatten(out, self.out_spec)
 
 
 def repeated(fn: Callable) -> Callable:
-  """`fn`, traced once per input signature under fgraph's tracing and copied for later calls (module docstring).
-  For functions called many times with inputs of the same shapes, such as the layers of a model; `fn` must read
-  tensors only through its arguments (checked) and return a pytree of tensors."""
-  @functools.wraps(fn)
-  def call(*args, **kwargs):
-    mode = None if torch.compiler.is_compiling() else pt.get_proxy_mode()
-    if mode is None:
-      return fn(*args, **kwargs)
-    tracer = mode.tracer
-    templates = tracer.__dict__.setdefault("fgraph_templates", {})  # they live and die with this trace's graph
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    try:
-      key = (fn, spec, _signature(leaves))
-      tpl = templates.get(key)
-    except TypeError:  # an unhashable non-tensor argument: no signature, so no copies
-      return fn(*args, **kwargs)
-    if tpl is not None:
-      stats["copied"] += 1
-      return tpl.copy(tracer, leaves)
-    stats["traced"] += 1
-    def node_of(x):  # the FX node of a tensor the trace follows; False for one it does not (a real constant)
-      slot = pt.get_proxy_slot(x, tracer, None)
-      return False if slot is None else slot.proxy.node
-    inputs = [node_of(x) if isinstance(x, torch.Tensor) else None for x in leaves]
-    if False in inputs:  # no template: its copies could not be rewired to such an argument
-      return fn(*args, **kwargs)
-    last = tracer.graph._root.prev  # the graph's last node before the call
-    out = fn(*args, **kwargs)
-    nodes, node = [], last.next
-    while node is not tracer.graph._root:
-      nodes.append(node)
-      node = node.next
-    flat, out_spec = pytree.tree_flatten(out)
-    outputs = [node_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
-    if any(o is False for o in outputs):
-      return out
-    tpl = _Template(fn, inputs, nodes, outputs, out_spec, [x if isinstance(x, torch.Tensor) else None for x in flat])
-    templates[key] = templates[(fn, spec, _signature(leaves))] = tpl  # also as the next call will see it
-    return out
+    """`fn`, traced once per input signature under fgraph's tracing and copied for later calls (module docstring).
+    For functions called many times with inputs of the same shapes, such as the layers of a model; `fn` must read
+    tensors only through its arguments (checked) and return a pytree of tensors."""
 
-  return call
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        mode = None if torch.compiler.is_compiling() else pt.get_proxy_mode()
+        if mode is None:
+            return fn(*args, **kwargs)
+        tracer = mode.tracer
+        templates = tracer.__dict__.setdefault("fgraph_templates", {})  # they live and die with this trace's graph
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        try:
+            key = (fn, spec, _signature(leaves))
+            tpl = templates.get(key)
+        except TypeError:  # an unhashable non-tensor argument: no signature, so no copies
+            return fn(*args, **kwargs)
+        if tpl is not None:
+            stats["copied"] += 1
+            return tpl.copy(tracer, leaves)
+        stats["traced"] += 1
+
+        def node_of(x):  # the FX node of a tensor the trace follows; False for one it does not (a real constant)
+            slot = pt.get_proxy_slot(x, tracer, None)
+            return False if slot is None else slot.proxy.node
+
+        inputs = [node_of(x) if isinstance(x, torch.Tensor) else None for x in leaves]
+        if False in inputs:  # no template: its copies could not be rewired to such an argument
+            return fn(*args, **kwargs)
+        last = tracer.graph._root.prev  # the graph's last node before the call
+        out = fn(*args, **kwargs)
+        nodes, node = [], last.next
+        while node is not tracer.graph._root:
+            nodes.append(node)
+            node = node.next
+        flat, out_spec = pytree.tree_flatten(out)
+        outputs = [node_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
+        if any(o is False for o in outputs):
+            return out
+        tpl = _Template(
+            fn, inputs, nodes, outputs, out_spec, [x if isinstance(x, torch.Tensor) else None for x in flat]
+        )
+        templates[key] = templates[(fn, spec, _signature(leaves))] = tpl  # also as the next call will see it
+        return out
+
+    return call

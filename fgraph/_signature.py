@@ -4,6 +4,7 @@ with N tokens onto its bucket.
 A signature is  static values × bucket × tree structure × (shape, dtype, device) of every leaf,
 where batched leaves are counted at their padded size, so every N in a bucket shares one signature.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -19,158 +20,168 @@ from ._errors import SignatureError
 
 @attrs.frozen
 class Batched:
-  """Marks a leaf whose `axis` carries the token (batch) axis. It is padded to bucket + `extra` along it.
+    """Marks a leaf whose `axis` carries the token (batch) axis. It is padded to bucket + `extra` along it.
 
-  pad: a scalar fill value; "ramp" for offset arrays (a [S+1] array of segment starts): each padded row
-  continues the last value by one, clamped at the bucket, so offsets stay monotonic and end at the padded
-  total; or a callable (tensor, size) -> tensor of `size` along `axis` for any other rule.
-  Outputs are sliced back to the call's N along their first dim (where it is the bucket): whatever the
-  inputs' axis, return per-token results token-first.
-  """
-  axis: int = 0
-  pad: Any = 0
-  extra: int = 0
-  # whether the pad rows depend only on the call's length (a fill value), not on the data ("ramp", callables)
-  fixed_tail: bool = attrs.field(init=False, eq=False, repr=False)
+    pad: a scalar fill value; "ramp" for offset arrays (a [S+1] array of segment starts): each padded row
+    continues the last value by one, clamped at the bucket, so offsets stay monotonic and end at the padded
+    total; or a callable (tensor, size) -> tensor of `size` along `axis` for any other rule.
+    Outputs are sliced back to the call's N along their first dim (where it is the bucket): whatever the
+    inputs' axis, return per-token results token-first.
+    """
 
-  def __attrs_post_init__(self):
-    object.__setattr__(self, "fixed_tail", not callable(self.pad) and not (isinstance(self.pad, str)
-                                                                          and self.pad == "ramp"))
+    axis: int = 0
+    pad: Any = 0
+    extra: int = 0
+    # whether the pad rows depend only on the call's length (a fill value), not on the data ("ramp", callables)
+    fixed_tail: bool = attrs.field(init=False, eq=False, repr=False)
 
-  def padded(self, x: torch.Tensor, size: int) -> torch.Tensor:
-    if x.shape[self.axis] == size:
-      return x
-    shape = list(x.shape)
-    shape[self.axis] = size
-    out = x.new_empty(shape)
-    self.pad_into(x, out)
-    return out
+    def __attrs_post_init__(self):
+        object.__setattr__(
+            self, "fixed_tail", not callable(self.pad) and not (isinstance(self.pad, str) and self.pad == "ramp")
+        )
 
-  def pad_into(self, x: torch.Tensor, dst: torch.Tensor) -> None:
-    """Write x padded into dst (its padded shape)."""
-    have, size = x.shape[self.axis], dst.shape[self.axis]
-    if have == size:
-      dst.copy_(x)
-    elif callable(self.pad):
-      dst.copy_(self.pad(x, size))
-    else:
-      dst.narrow(self.axis, 0, have).copy_(x)
-      tail = dst.narrow(self.axis, have, size - have)
-      if self.pad == "ramp":
-        last = x.narrow(self.axis, have - 1, 1) if have else x.new_zeros(1)
-        steps = torch.arange(1, size - have + 1, dtype=x.dtype, device=x.device)
-        tail.copy_(torch.clamp(last + steps, max=size - self.extra))
-      else:
-        tail.fill_(self.pad)
+    def padded(self, x: torch.Tensor, size: int) -> torch.Tensor:
+        if x.shape[self.axis] == size:
+            return x
+        shape = list(x.shape)
+        shape[self.axis] = size
+        out = x.new_empty(shape)
+        self.pad_into(x, out)
+        return out
 
-  def pad_into_numpy(self, x, dst, tail_valid: bool) -> bool:
-    """pad_into through numpy views (the replay path: a few small rows cost far less than torch ops). With
-    tail_valid, the pad rows already in dst are right for this length and only scalar pads may skip them.
-    Returns whether dst's pad rows stay valid for a next call of the same length ("ramp" depends on data)."""
-    have = x.shape[self.axis]
-    if self.axis:  # a view with the batch axis first: the slicing below is then plain (and cheapest)
-      dst, x = np.moveaxis(dst, self.axis, 0), np.moveaxis(x, self.axis, 0)
-    dst[:have] = x
-    if not self.fixed_tail:  # "ramp" offsets: continue the last one by one per padded row, up to the bucket
-      size = dst.shape[0]
-      last = int(dst[have - 1]) if have else 0
-      dst[have:] = np.minimum(np.arange(last + 1, last + 1 + size - have), size - self.extra)
-      return False
-    if not tail_valid:
-      dst[have:] = self.pad
-    return True  # (callable pads never come here: they take the torch path)
+    def pad_into(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+        """Write x padded into dst (its padded shape)."""
+        have, size = x.shape[self.axis], dst.shape[self.axis]
+        if have == size:
+            dst.copy_(x)
+        elif callable(self.pad):
+            dst.copy_(self.pad(x, size))
+        else:
+            dst.narrow(self.axis, 0, have).copy_(x)
+            tail = dst.narrow(self.axis, have, size - have)
+            if self.pad == "ramp":
+                last = x.narrow(self.axis, have - 1, 1) if have else x.new_zeros(1)
+                steps = torch.arange(1, size - have + 1, dtype=x.dtype, device=x.device)
+                tail.copy_(torch.clamp(last + steps, max=size - self.extra))
+            else:
+                tail.fill_(self.pad)
 
-  def padded_shape(self, x: torch.Tensor, bucket: int) -> tuple[int, ...]:
-    shape = list(x.shape)
-    shape[self.axis] = bucket + self.extra
-    return tuple(shape)
+    def pad_into_numpy(self, x, dst, tail_valid: bool) -> bool:
+        """pad_into through numpy views (the replay path: a few small rows cost far less than torch ops). With
+        tail_valid, the pad rows already in dst are right for this length and only scalar pads may skip them.
+        Returns whether dst's pad rows stay valid for a next call of the same length ("ramp" depends on data)."""
+        have = x.shape[self.axis]
+        if self.axis:  # a view with the batch axis first: the slicing below is then plain (and cheapest)
+            dst, x = np.moveaxis(dst, self.axis, 0), np.moveaxis(x, self.axis, 0)
+        dst[:have] = x
+        if not self.fixed_tail:  # "ramp" offsets: continue the last one by one per padded row, up to the bucket
+            size = dst.shape[0]
+            last = int(dst[have - 1]) if have else 0
+            dst[have:] = np.minimum(np.arange(last + 1, last + 1 + size - have), size - self.extra)
+            return False
+        if not tail_valid:
+            dst[have:] = self.pad
+        return True  # (callable pads never come here: they take the torch path)
 
-  def real(self, x: torch.Tensor) -> int:
-    return x.shape[self.axis] - self.extra
+    def padded_shape(self, x: torch.Tensor, bucket: int) -> tuple[int, ...]:
+        shape = list(x.shape)
+        shape[self.axis] = bucket + self.extra
+        return tuple(shape)
+
+    def real(self, x: torch.Tensor) -> int:
+        return x.shape[self.axis] - self.extra
 
 
 def default_buckets(max_size: int = 512) -> tuple[int, ...]:
-  """vLLM's capture sizes: 1, 2, 4, multiples of 8 up to 256, then multiples of 16 up to 512."""
-  sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
-  return tuple(s for s in sizes if s <= max_size)
+    """vLLM's capture sizes: 1, 2, 4, multiples of 8 up to 256, then multiples of 16 up to 512."""
+    sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))
+    return tuple(s for s in sizes if s <= max_size)
 
 
 def bucket_for(buckets: tuple[int, ...], n: int) -> int | None:
-  """The smallest bucket >= n, or None when n exceeds the largest."""
-  i = bisect.bisect_left(buckets, n)
-  return buckets[i] if i < len(buckets) else None
+    """The smallest bucket >= n, or None when n exceeds the largest."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
 
 
 class Aval(NamedTuple):
-  """An abstract value (JAX's aval): a tensor's (shape, dtype, device), or a Python value (by value). Of a leaf
-  (leaf_of: what signatures are made of), or of a tensor in a trace (aval_of: what plan hooks see)."""
-  shape: tuple[int | None, ...] | None  # None: a Python value; a None dim: symbolic in a trace
-  dtype: torch.dtype | None
-  device: str | None                    # str(tensor.device): "cpu", "cuda:0"
-  value: Any = None
+    """An abstract value (JAX's aval): a tensor's (shape, dtype, device), or a Python value (by value). Of a leaf
+    (leaf_of: what signatures are made of), or of a tensor in a trace (aval_of: what plan hooks see)."""
 
-  def __str__(self):
-    if self.shape is None:
-      return f"{type(self.value).__name__}={self.value!r}"
-    return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}@{self.device}"
+    shape: tuple[int | None, ...] | None  # None: a Python value; a None dim: symbolic in a trace
+    dtype: torch.dtype | None
+    device: str | None  # str(tensor.device): "cpu", "cuda:0"
+    value: Any = None
+
+    def __str__(self):
+        if self.shape is None:
+            return f"{type(self.value).__name__}={self.value!r}"
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}@{self.device}"
 
 
 def leaf_of(x: Any, spec: Batched | None = None, bucket: int | None = None) -> Aval:
-  """A leaf's abstract value; a batched leaf counts at its padded shape (its device is where it came from)."""
-  if isinstance(x, torch.Tensor):
-    padded = spec is not None and bucket is not None
-    return Aval(spec.padded_shape(x, bucket) if padded else tuple(x.shape), x.dtype, str(x.device))
-  return Aval(None, None, None, x)
+    """A leaf's abstract value; a batched leaf counts at its padded shape (its device is where it came from)."""
+    if isinstance(x, torch.Tensor):
+        padded = spec is not None and bucket is not None
+        return Aval(spec.padded_shape(x, bucket) if padded else tuple(x.shape), x.dtype, str(x.device))
+    return Aval(None, None, None, x)
 
 
 def aval_of(t: torch.Tensor) -> Aval:
-  """A traced (fake) tensor's abstract value: its symbolic (batch) dims are None, the others ints."""
-  return Aval(tuple(None if isinstance(d, torch.SymInt) else d for d in t.shape), t.dtype, str(t.device))
+    """A traced (fake) tensor's abstract value: its symbolic (batch) dims are None, the others ints."""
+    return Aval(tuple(None if isinstance(d, torch.SymInt) else d for d in t.shape), t.dtype, str(t.device))
 
 
 class Signature(NamedTuple):
-  statics: tuple[tuple[str, Any], ...]
-  bucket: int | None
-  treespec: pytree.TreeSpec
-  leaves: tuple[Aval, ...]
+    statics: tuple[tuple[str, Any], ...]
+    bucket: int | None
+    treespec: pytree.TreeSpec
+    leaves: tuple[Aval, ...]
 
-  def describe(self) -> str:
-    st = ", ".join(f"{k}={v!r}" for k, v in self.statics)
-    return f"({st}{', ' if st else ''}bucket={self.bucket})"
+    def describe(self) -> str:
+        st = ", ".join(f"{k}={v!r}" for k, v in self.statics)
+        return f"({st}{', ' if st else ''}bucket={self.bucket})"
 
 
 def path_str(path) -> str:
-  """`state.k[3]` for the key path (MappingKey('state'), GetAttrKey('k'), SequenceKey(3))."""
-  if not path:
-    return "<root>"
-  head, rest = path[0], path[1:]
-  name = head.key if isinstance(head, pytree.MappingKey) else pytree.keystr((head,))
-  return f"{name}{pytree.keystr(rest)}"
+    """`state.k[3]` for the key path (MappingKey('state'), GetAttrKey('k'), SequenceKey(3))."""
+    if not path:
+        return "<root>"
+    head, rest = path[0], path[1:]
+    name = head.key if isinstance(head, pytree.MappingKey) else pytree.keystr((head,))
+    return f"{name}{pytree.keystr(rest)}"
 
 
-def batch_specs(fname: str, batch: dict[str, Any], dynamic: dict[str, Any],
-                treespec: pytree.TreeSpec, n_leaves: int) -> list[Batched | None]:
-  """Broadcast the user's per-argument prefix trees of `Batched` onto the flat leaves of the call."""
-  full = {k: batch.get(k) for k in dynamic}
-  flat = pytree._broadcast_to_and_flatten(full, treespec, is_leaf=lambda x: isinstance(x, Batched) or x is None)
-  if flat is None:
-    raise SignatureError(f"fgraph.jit({fname}): batch= {batch!r} is not a prefix of the arguments' structure",
-                         "give, per argument name, a Batched or a tree of Batched/None matching that argument")
-  assert len(flat) == n_leaves
-  return flat
+def batch_specs(
+    fname: str, batch: dict[str, Any], dynamic: dict[str, Any], treespec: pytree.TreeSpec, n_leaves: int
+) -> list[Batched | None]:
+    """Broadcast the user's per-argument prefix trees of `Batched` onto the flat leaves of the call."""
+    full = {k: batch.get(k) for k in dynamic}
+    flat = pytree._broadcast_to_and_flatten(full, treespec, is_leaf=lambda x: isinstance(x, Batched) or x is None)
+    if flat is None:
+        raise SignatureError(
+            f"fgraph.jit({fname}): batch= {batch!r} is not a prefix of the arguments' structure",
+            "give, per argument name, a Batched or a tree of Batched/None matching that argument",
+        )
+    assert len(flat) == n_leaves
+    return flat
 
 
 def pad_count(fname: str, paths, leaves, specs) -> int | None:
-  """N: the real token count of the call (max over batched leaves of size - extra)."""
-  n = None
-  for path, x, spec in zip(paths, leaves, specs):
-    if spec is None:
-      continue
-    if not isinstance(x, torch.Tensor):
-      raise SignatureError(f"fgraph.jit({fname}): {path_str(path)} is declared Batched but is a {type(x).__name__}",
-                           "declare only tensor leaves as Batched")
-    if x.dim() <= spec.axis:
-      raise SignatureError(f"fgraph.jit({fname}): {path_str(path)} has shape {list(x.shape)}, "
-                           f"expected a batch axis {spec.axis}", "fix the leaf's shape or the Batched(axis=...)")
-    n = max(n or 0, spec.real(x))
-  return n
+    """N: the real token count of the call (max over batched leaves of size - extra)."""
+    n = None
+    for path, x, spec in zip(paths, leaves, specs):
+        if spec is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise SignatureError(
+                f"fgraph.jit({fname}): {path_str(path)} is declared Batched but is a {type(x).__name__}",
+                "declare only tensor leaves as Batched",
+            )
+        if x.dim() <= spec.axis:
+            raise SignatureError(
+                f"fgraph.jit({fname}): {path_str(path)} has shape {list(x.shape)}, expected a batch axis {spec.axis}",
+                "fix the leaf's shape or the Batched(axis=...)",
+            )
+        n = max(n or 0, spec.real(x))
+    return n

@@ -1,6 +1,7 @@
 """trace: a pure function of flat leaves -> an FX graph of aten ops and break primitives (make_fx, fake mode),
 and the checks that reject what a static graph cannot honour, at trace time, with the user's source line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, \
-    free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, free_unbacked_symbols
 from torch.overrides import TorchFunctionMode
 
 from ._errors import TraceError
@@ -24,192 +24,225 @@ _LIB_DIRS = (_TORCH_DIR, os.path.join(_FGRAPH_DIR, ""))
 
 
 def user_line(skip_ops: bool = True) -> str:
-  """file:line of the innermost frame outside torch and fgraph (the user's code that caused an op)."""
-  f = sys._getframe(1)
-  while f is not None:
-    fn = f.f_code.co_filename
-    if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR) and "<frozen" not in fn:
-      return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
-    f = f.f_back
-  return "<unknown>"
+    """file:line of the innermost frame outside torch and fgraph (the user's code that caused an op)."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR) and "<frozen" not in fn:
+            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+        f = f.f_back
+    return "<unknown>"
 
 
 _HOST_SYNCS = {  # Tensor methods that need a value on the host, by name (C methods and Python ones alike)
-  "item": ".item() (or .tolist())", "tolist": ".tolist()", "cpu": ".cpu()", "numpy": ".numpy()", "__repr__": "printing a tensor",
-  "__format__": "formatting a tensor", "__bool__": "bool() of a tensor (Python control flow on a tensor value)",
-  "__int__": "int() of a tensor", "__float__": "float() of a tensor", "__index__": "using a tensor as a Python index",
+    "item": ".item() (or .tolist())",
+    "tolist": ".tolist()",
+    "cpu": ".cpu()",
+    "numpy": ".numpy()",
+    "__repr__": "printing a tensor",
+    "__format__": "formatting a tensor",
+    "__bool__": "bool() of a tensor (Python control flow on a tensor value)",
+    "__int__": "int() of a tensor",
+    "__float__": "float() of a tensor",
+    "__index__": "using a tensor as a Python index",
 }
 
 
 def _host_sync(func) -> str | None:
-  owner, _, name = getattr(func, "__qualname__", "").rpartition(".")
-  return _HOST_SYNCS.get(name) if owner in ("Tensor", "TensorBase") else None
+    owner, _, name = getattr(func, "__qualname__", "").rpartition(".")
+    return _HOST_SYNCS.get(name) if owner in ("Tensor", "TensorBase") else None
 
 
 class _RejectHostSyncs(TorchFunctionMode):
-  """Host syncs cannot be replayed by a graph: reject them where the user wrote them."""
+    """Host syncs cannot be replayed by a graph: reject them where the user wrote them."""
 
-  def __init__(self, fname: str):
-    super().__init__()
-    self.fname = fname
+    def __init__(self, fname: str):
+        super().__init__()
+        self.fname = fname
 
-  def __torch_function__(self, func, types, args=(), kwargs=None):
-    what = _host_sync(func)
-    if what is not None:
-      raise TraceError(f"fgraph.jit({self.fname}): {what} at {user_line()} needs the tensor's value on the host, "
-                       "which a captured graph cannot provide (it replays without running Python)",
-                       "keep the value on the device (torch.where instead of if, masks instead of indexing by "
-                       "values), or pass it as a static argument")
-    return func(*args, **(kwargs or {}))
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        what = _host_sync(func)
+        if what is not None:
+            raise TraceError(
+                f"fgraph.jit({self.fname}): {what} at {user_line()} needs the tensor's value on the host, "
+                "which a captured graph cannot provide (it replays without running Python)",
+                "keep the value on the device (torch.where instead of if, masks instead of indexing by "
+                "values), or pass it as a static argument",
+            )
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def _record_source_lines():
-  """Stamp each FX node with the user's source line at its creation (make_fx keeps no stack here)."""
-  create = fx.Graph.create_node
-  def create_node(self, *a, **k):
-    node = create(self, *a, **k)
-    node.meta["line"] = user_line()
-    return node
-  fx.Graph.create_node = create_node
-  try:
-    yield
-  finally:
-    fx.Graph.create_node = create
+    """Stamp each FX node with the user's source line at its creation (make_fx keeps no stack here)."""
+    create = fx.Graph.create_node
+
+    def create_node(self, *a, **k):
+        node = create(self, *a, **k)
+        node.meta["line"] = user_line()
+        return node
+
+    fx.Graph.create_node = create_node
+    try:
+        yield
+    finally:
+        fx.Graph.create_node = create
 
 
 class Shapes:
-  """The symbolic batch dims of a trace: which leaf's axis became which symbol, and the guards the trace
-  assumed, so a program traced once can be checked against every other bucket before reuse."""
+    """The symbolic batch dims of a trace: which leaf's axis became which symbol, and the guards the trace
+    assumed, so a program traced once can be checked against every other bucket before reuse."""
 
-  def __init__(self, shape_env: ShapeEnv, syms: list[tuple[Any, int]]):
-    self.shape_env, self.syms = shape_env, syms  # [(symbol, extra)] per batched leaf
+    def __init__(self, shape_env: ShapeEnv, syms: list[tuple[Any, int]]):
+        self.shape_env, self.syms = shape_env, syms  # [(symbol, extra)] per batched leaf
 
-  def values(self, bucket: int) -> dict:
-    return {sym: bucket + extra for sym, extra in self.syms}
+    def values(self, bucket: int) -> dict:
+        return {sym: bucket + extra for sym, extra in self.syms}
 
-  def fits(self, bucket: int) -> bool:
-    """Every guard recorded while tracing holds when each batched dim is bucket + extra."""
-    subst = self.values(bucket)
-    for sym, v in subst.items():
-      r = self.shape_env.var_to_range.get(sym)
-      if r is not None and not (r.lower <= v <= r.upper):
-        return False
-    return all(bool(g.expr.xreplace(subst)) is True for g in self.shape_env.guards)
+    def fits(self, bucket: int) -> bool:
+        """Every guard recorded while tracing holds when each batched dim is bucket + extra."""
+        subst = self.values(bucket)
+        for sym, v in subst.items():
+            r = self.shape_env.var_to_range.get(sym)
+            if r is not None and not (r.lower <= v <= r.upper):
+                return False
+        return all(bool(g.expr.xreplace(subst)) is True for g in self.shape_env.guards)
 
-  def size(self, d, bucket: int) -> int:
-    """A traced size (an int, or a SymInt over the batch symbols) at `bucket`."""
-    return d if isinstance(d, int) else int(d.node.expr.xreplace(self.values(bucket)))
+    def size(self, d, bucket: int) -> int:
+        """A traced size (an int, or a SymInt over the batch symbols) at `bucket`."""
+        return d if isinstance(d, int) else int(d.node.expr.xreplace(self.values(bucket)))
 
 
 def _size_oblivious():
-  """Trace batch dims without assuming they are >= 2 (torch's 0/1 specialization): a size-1 check then becomes
-  a guard like any other, so a trace whose guards hold at 1 also serves bucket 1 (Shapes.fits). Where torch
-  lacks the switch, symbols keep their [2, inf] range and bucket 1 gets a trace of its own, as before."""
-  cfg = torch.fx.experimental._config
-  return cfg.patch(backed_size_oblivious=True) if hasattr(cfg, "backed_size_oblivious") else contextlib.nullcontext()
+    """Trace batch dims without assuming they are >= 2 (torch's 0/1 specialization): a size-1 check then becomes
+    a guard like any other, so a trace whose guards hold at 1 also serves bucket 1 (Shapes.fits). Where torch
+    lacks the switch, symbols keep their [2, inf] range and bucket 1 gets a trace of its own, as before."""
+    cfg = torch.fx.experimental._config
+    return cfg.patch(backed_size_oblivious=True) if hasattr(cfg, "backed_size_oblivious") else contextlib.nullcontext()
 
 
-def trace(fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor],
-          batch_axes: list[tuple[int, int] | None]) -> tuple[fx.GraphModule, Shapes | None]:
-  """make_fx over fake tensors: nothing runs and donated state is not touched. The batch axes are traced as
-  symbols (every other dim static), so the program serves every bucket whose size satisfies its guards."""
-  shapes = None
-  try:
-    with _record_source_lines(), _RejectHostSyncs(fname):
-      if any(a is not None for a in batch_axes):
-        env = ShapeEnv()
-        mode = FakeTensorMode(shape_env=env)
-        fakes, syms = [], []
-        with _size_oblivious():  # the symbols are made here (their range) and reasoned about in make_fx
-          for t, ax in zip(example, batch_axes):  # ax: (axis, extra rows beyond the bucket) or None
-            if ax is None:  # parameters, cache: plain static shapes (a symbolic context costs symbols per dim)
-              fakes.append(mode.from_tensor(t, static_shapes=True))
-              continue
-            dims = [DimDynamic.DYNAMIC if i == ax[0] else DimDynamic.STATIC for i in range(t.dim())]
-            fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
-            syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
-          with mode:
-            gm = make_fx(flat_fn, tracing_mode="symbolic")(*fakes)
-        shapes = Shapes(env, syms)
-      else:
-        gm = make_fx(flat_fn, tracing_mode="fake")(*example)
-  except TraceError:
-    raise
-  except Exception as e:
-    name = type(e).__name__
-    if "DataDependent" in name or "GuardOnDataDependent" in name or "DynamicOutputShape" in name:
-      raise TraceError(f"fgraph.jit({fname}): the traced function depends on tensor values at {_tb_line(e)} "
-                       f"({name}): Python control flow or shapes that come from data cannot be captured",
-                       "use torch.where / masking instead of `if tensor`, keep shapes static") from None
-    raise
-  for node in gm.graph.nodes:
-    val = node.meta.get("val")
-    if isinstance(val, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(val):
-      raise TraceError(f"fgraph.jit({fname}): {node.format_node()} at {node.meta.get('line')} has a shape that "
-                       "depends on tensor values, which a captured graph cannot replay",
-                       "use torch.where / masking instead of data-dependent shapes (nonzero, boolean indexing)")
-    if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
-      raise TraceError(f"fgraph.jit({fname}): a host sync (reading a tensor value, e.g. .item()/.tolist()) "
-                       f"at {node.meta.get('line')}", "keep the value on the device or make it static")
-  return gm, shapes
+def trace(
+    fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor], batch_axes: list[tuple[int, int] | None]
+) -> tuple[fx.GraphModule, Shapes | None]:
+    """make_fx over fake tensors: nothing runs and donated state is not touched. The batch axes are traced as
+    symbols (every other dim static), so the program serves every bucket whose size satisfies its guards."""
+    shapes = None
+    try:
+        with _record_source_lines(), _RejectHostSyncs(fname):
+            if any(a is not None for a in batch_axes):
+                env = ShapeEnv()
+                mode = FakeTensorMode(shape_env=env)
+                fakes, syms = [], []
+                with _size_oblivious():  # the symbols are made here (their range) and reasoned about in make_fx
+                    for t, ax in zip(example, batch_axes):  # ax: (axis, extra rows beyond the bucket) or None
+                        if (
+                            ax is None
+                        ):  # parameters, cache: plain static shapes (a symbolic context costs symbols per dim)
+                            fakes.append(mode.from_tensor(t, static_shapes=True))
+                            continue
+                        dims = [DimDynamic.DYNAMIC if i == ax[0] else DimDynamic.STATIC for i in range(t.dim())]
+                        fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
+                        syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
+                    with mode:
+                        gm = make_fx(flat_fn, tracing_mode="symbolic")(*fakes)
+                shapes = Shapes(env, syms)
+            else:
+                gm = make_fx(flat_fn, tracing_mode="fake")(*example)
+    except TraceError:
+        raise
+    except Exception as e:
+        name = type(e).__name__
+        if "DataDependent" in name or "GuardOnDataDependent" in name or "DynamicOutputShape" in name:
+            raise TraceError(
+                f"fgraph.jit({fname}): the traced function depends on tensor values at {_tb_line(e)} "
+                f"({name}): Python control flow or shapes that come from data cannot be captured",
+                "use torch.where / masking instead of `if tensor`, keep shapes static",
+            ) from None
+        raise
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(val):
+            raise TraceError(
+                f"fgraph.jit({fname}): {node.format_node()} at {node.meta.get('line')} has a shape that "
+                "depends on tensor values, which a captured graph cannot replay",
+                "use torch.where / masking instead of data-dependent shapes (nonzero, boolean indexing)",
+            )
+        if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
+            raise TraceError(
+                f"fgraph.jit({fname}): a host sync (reading a tensor value, e.g. .item()/.tolist()) "
+                f"at {node.meta.get('line')}",
+                "keep the value on the device or make it static",
+            )
+    return gm, shapes
 
 
 def _tb_line(e: BaseException) -> str:
-  tb, line = e.__traceback__, "<unknown>"
-  while tb is not None:
-    fn = tb.tb_frame.f_code.co_filename
-    if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR):
-      line = f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{tb.tb_lineno}"
-    tb = tb.tb_next
-  return line
+    tb, line = e.__traceback__, "<unknown>"
+    while tb is not None:
+        fn = tb.tb_frame.f_code.co_filename
+        if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR):
+            line = f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return line
 
 
 def _write_targets(node: fx.Node) -> list[fx.Node]:
-  """The argument nodes an op writes in place (from its schema's alias annotations)."""
-  t = node.target
-  if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-    return []
-  out = []
-  for i, a in enumerate(t._schema.arguments):
-    if a.alias_info is not None and a.alias_info.is_write:
-      v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-      for x in (v if isinstance(v, (list, tuple)) else [v]):
-        if isinstance(x, fx.Node):
-          out.append(x)
-  return out
+    """The argument nodes an op writes in place (from its schema's alias annotations)."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return []
+    out = []
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            for x in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(x, fx.Node):
+                    out.append(x)
+    return out
 
 
 def base_of(node: Any) -> Any:
-  """Follow view ops back to the tensor they view (a placeholder, or the node that allocated it)."""
-  while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-    rets = node.target._schema.returns
-    if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write and node.args:
-      node = node.args[0]
-    else:
-      break
-  return node
+    """Follow view ops back to the tensor they view (a placeholder, or the node that allocated it)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        rets = node.target._schema.returns
+        if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write and node.args:
+            node = node.args[0]
+        else:
+            break
+    return node
 
 
-def check(fname: str, gm: fx.GraphModule, placeholder_paths: dict[fx.Node, str],
-          donated: Callable[[fx.Node], bool], device: str) -> None:
-  """Reject in-place writes to / aliasing outputs of non-donated inputs, and host tensors in a device graph."""
-  for node in gm.graph.nodes:
-    for tgt in _write_targets(node):
-      b = base_of(tgt)
-      if b in placeholder_paths and not donated(b):
-        raise TraceError(f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
-                         f"{placeholder_paths[b]}, which is not donated",
-                         "add its argument to donate=[...] (fgraph then updates it in place across calls), "
-                         "or use the out-of-place op")
-    val = node.meta.get("val")
-    if device != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" and node.op != "placeholder":
-      raise TraceError(f"fgraph.jit({fname}): a CPU tensor ({node.format_node()}) at {node.meta.get('line')} in a "
-                       f"{device} signature", "create it on the device (device=...), or pass it as an argument")
-    if node.op == "output":
-      for i, o in enumerate(node.args[0]):
-        b = base_of(o)
-        if b in placeholder_paths and not donated(b):
-          raise TraceError(f"fgraph.jit({fname}): output {i} aliases the input {placeholder_paths[b]}, which is not "
-                           "donated; a replay would hand back the caller's own buffer",
-                           "donate that argument, or return a copy (x.clone())")
+def check(
+    fname: str,
+    gm: fx.GraphModule,
+    placeholder_paths: dict[fx.Node, str],
+    donated: Callable[[fx.Node], bool],
+    device: str,
+) -> None:
+    """Reject in-place writes to / aliasing outputs of non-donated inputs, and host tensors in a device graph."""
+    for node in gm.graph.nodes:
+        for tgt in _write_targets(node):
+            b = base_of(tgt)
+            if b in placeholder_paths and not donated(b):
+                raise TraceError(
+                    f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
+                    f"{placeholder_paths[b]}, which is not donated",
+                    "add its argument to donate=[...] (fgraph then updates it in place across calls), "
+                    "or use the out-of-place op",
+                )
+        val = node.meta.get("val")
+        if device != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" and node.op != "placeholder":
+            raise TraceError(
+                f"fgraph.jit({fname}): a CPU tensor ({node.format_node()}) at {node.meta.get('line')} in a "
+                f"{device} signature",
+                "create it on the device (device=...), or pass it as an argument",
+            )
+        if node.op == "output":
+            for i, o in enumerate(node.args[0]):
+                b = base_of(o)
+                if b in placeholder_paths and not donated(b):
+                    raise TraceError(
+                        f"fgraph.jit({fname}): output {i} aliases the input {placeholder_paths[b]}, which is not "
+                        "donated; a replay would hand back the caller's own buffer",
+                        "donate that argument, or return a copy (x.clone())",
+                    )

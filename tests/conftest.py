@@ -3,9 +3,9 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-  if torch.cuda.is_available():
-    return
-  skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_tests.sh on the device")
-  for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_tests.sh on the device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,4 +1,5 @@
 """Bad input gets a clear error: the function, the argument's key path, what was expected, one fix."""
+
 import attrs
 import pytest
 import torch
@@ -10,189 +11,238 @@ from tests.toys import jitted, make
 
 
 def traced(fn, *args, donate=(), **kw):
-  """Trace fn through fgraph.jit on args (the first argument batched)."""
-  names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-  f = fgraph.jit(fn, donate=donate, batch={names[0]: Batched()}, mode="PIECEWISE", buckets=[8], **kw)
-  return f(*args)
+    """Trace fn through fgraph.jit on args (the first argument batched)."""
+    names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+    f = fgraph.jit(fn, donate=donate, batch={names[0]: Batched()}, mode="PIECEWISE", buckets=[8], **kw)
+    return f(*args)
 
 
 def test_unhashable_static():
-  f = jitted()
-  params, state, batch = make()
-  with pytest.raises(SignatureError, match=r"fgraph.jit\(step\): static argument routine=\['decode'\] is "
-                     r"unhashable \(list\)\nFix: pass a hashable value"):
-    f(params, state, batch, routine=["decode"])
+    f = jitted()
+    params, state, batch = make()
+    with pytest.raises(
+        SignatureError,
+        match=r"fgraph.jit\(step\): static argument routine=\['decode'\] is "
+        r"unhashable \(list\)\nFix: pass a hashable value",
+    ):
+        f(params, state, batch, routine=["decode"])
 
 
 def test_static_name_that_is_not_a_parameter():
-  with pytest.raises(SignatureError, match=r"static= names 'rotuine', which is not a parameter of step"):
-    fgraph.jit(toys.step, static=["rotuine"])
+    with pytest.raises(SignatureError, match=r"static= names 'rotuine', which is not a parameter of step"):
+        fgraph.jit(toys.step, static=["rotuine"])
 
 
 def test_unknown_mode():
-  with pytest.raises(SignatureError, match=r"unknown mode 'fast'\nFix: use one of \['NONE', 'PIECEWISE'"):
-    fgraph.jit(toys.step, mode="fast")
+    with pytest.raises(SignatureError, match=r"unknown mode 'fast'\nFix: use one of \['NONE', 'PIECEWISE'"):
+        fgraph.jit(toys.step, mode="fast")
 
 
 def test_unknown_break_name():
-  with pytest.raises(SignatureError, match=r"breaks= names unknown primitives \['atention'\]"):
-    fgraph.jit(toys.step, breaks=["atention"])
+    with pytest.raises(SignatureError, match=r"breaks= names unknown primitives \['atention'\]"):
+        fgraph.jit(toys.step, breaks=["atention"])
 
 
 def test_missing_argument():
-  with pytest.raises(SignatureError, match=r"fgraph.jit\(step\): missing a required argument: 'batch'"):
-    jitted()(*make()[:2])
+    with pytest.raises(SignatureError, match=r"fgraph.jit\(step\): missing a required argument: 'batch'"):
+        jitted()(*make()[:2])
 
 
 def test_item_in_traced_function():
-  def f(x):
-    return x * x.sum().item()
-  with pytest.raises(TraceError, match=r"fgraph.jit\(f\): .item\(\) \(or .tolist\(\)\) at tests/test_errors.py:\d+ needs the tensor's "
-                     r"value on the host"):
-    traced(f, torch.ones(3, 2))
+    def f(x):
+        return x * x.sum().item()
+
+    with pytest.raises(
+        TraceError,
+        match=r"fgraph.jit\(f\): .item\(\) \(or .tolist\(\)\) at tests/test_errors.py:\d+ needs the tensor's "
+        r"value on the host",
+    ):
+        traced(f, torch.ones(3, 2))
 
 
 def test_python_if_on_a_tensor():
-  def f(x):
-    return x if x.sum() > 0 else -x
-  with pytest.raises(TraceError, match=r"bool\(\) of a tensor \(Python control flow on a tensor value\) at "
-                     r"tests/test_errors.py:\d+.*\nFix: keep the value on the device \(torch.where"):
-    traced(f, torch.ones(3, 2))
+    def f(x):
+        return x if x.sum() > 0 else -x
+
+    with pytest.raises(
+        TraceError,
+        match=r"bool\(\) of a tensor \(Python control flow on a tensor value\) at "
+        r"tests/test_errors.py:\d+.*\nFix: keep the value on the device \(torch.where",
+    ):
+        traced(f, torch.ones(3, 2))
 
 
 def test_print_of_a_tensor():
-  def f(x):
-    print(x)
-    return x + 1
-  with pytest.raises(TraceError, match=r"printing a tensor at tests/test_errors.py:\d+"):
-    traced(f, torch.ones(3, 2))
+    def f(x):
+        print(x)
+        return x + 1
+
+    with pytest.raises(TraceError, match=r"printing a tensor at tests/test_errors.py:\d+"):
+        traced(f, torch.ones(3, 2))
 
 
 def test_cpu_and_tolist():
-  with pytest.raises(TraceError, match=r"\.cpu\(\) at"):
-    traced(lambda x: x.cpu() + 1, torch.ones(3, 2))
-  with pytest.raises(TraceError, match=r"\.item\(\) \(or \.tolist\(\)\) at"):
-    traced(lambda x: torch.tensor(x.tolist()), torch.ones(3, 2))
+    with pytest.raises(TraceError, match=r"\.cpu\(\) at"):
+        traced(lambda x: x.cpu() + 1, torch.ones(3, 2))
+    with pytest.raises(TraceError, match=r"\.item\(\) \(or \.tolist\(\)\) at"):
+        traced(lambda x: torch.tensor(x.tolist()), torch.ones(3, 2))
 
 
 def test_data_dependent_shape():
-  with pytest.raises(TraceError, match=r"nonzero.* at tests/test_errors.py:\d+ has a shape that depends on tensor "
-                     r"values.*\nFix: use torch.where / masking"):
-    traced(lambda x: x.nonzero(), torch.ones(3, 2))
+    with pytest.raises(
+        TraceError,
+        match=r"nonzero.* at tests/test_errors.py:\d+ has a shape that depends on tensor "
+        r"values.*\nFix: use torch.where / masking",
+    ):
+        traced(lambda x: x.nonzero(), torch.ones(3, 2))
 
 
 def test_write_into_a_non_donated_input():
-  def f(x, params):
-    params["w"].mul_(2)
-    return x @ params["w"]
-  with pytest.raises(TraceError, match=r"aten.mul_.Tensor at tests/test_errors.py:\d+ writes in place into "
-                     r"params\['w'\], which is not donated\nFix: add its argument to donate="):
-    traced(f, torch.ones(3, 2), {"w": torch.ones(2, 2)})
+    def f(x, params):
+        params["w"].mul_(2)
+        return x @ params["w"]
+
+    with pytest.raises(
+        TraceError,
+        match=r"aten.mul_.Tensor at tests/test_errors.py:\d+ writes in place into "
+        r"params\['w'\], which is not donated\nFix: add its argument to donate=",
+    ):
+        traced(f, torch.ones(3, 2), {"w": torch.ones(2, 2)})
 
 
 def test_output_aliasing_a_non_donated_input():
-  def f(x, state):
-    return x + 1, state["k"][0]
-  with pytest.raises(TraceError, match=r"output 1 aliases the input state\['k'\], which is not donated.*"
-                     r"\nFix: donate that argument, or return a copy"):
-    traced(f, torch.ones(3, 2), {"k": torch.ones(4, 2)})
+    def f(x, state):
+        return x + 1, state["k"][0]
+
+    with pytest.raises(
+        TraceError,
+        match=r"output 1 aliases the input state\['k'\], which is not donated.*"
+        r"\nFix: donate that argument, or return a copy",
+    ):
+        traced(f, torch.ones(3, 2), {"k": torch.ones(4, 2)})
 
 
 def test_donated_alias_is_fine():
-  def f(x, state):
-    state["k"][:x.shape[0]].copy_(x)  # x arrives padded to its bucket (8 rows, pad 0)
-    return x + 1, state
-  out, st = traced(f, torch.ones(3, 2), {"k": torch.zeros(16, 2)}, donate=["state"])
-  assert st["k"].sum() == 6
+    def f(x, state):
+        state["k"][: x.shape[0]].copy_(x)  # x arrives padded to its bucket (8 rows, pad 0)
+        return x + 1, state
+
+    out, st = traced(f, torch.ones(3, 2), {"k": torch.zeros(16, 2)}, donate=["state"])
+    assert st["k"].sum() == 6
 
 
 def test_oversize_in_strict_mode():
-  f = jitted(strict=True, buckets=[4])
-  params, state, _ = make()
-  with pytest.raises(SignatureError, match=r"strict=True\): 9 tokens exceed the largest bucket 4\n"
-                     r"Fix: raise buckets=\[..., N\] or split the batch"):
-    f(params, state, {"x": torch.ones(9, 8)}, routine="decode")
+    f = jitted(strict=True, buckets=[4])
+    params, state, _ = make()
+    with pytest.raises(
+        SignatureError,
+        match=r"strict=True\): 9 tokens exceed the largest bucket 4\n"
+        r"Fix: raise buckets=\[..., N\] or split the batch",
+    ):
+        f(params, state, {"x": torch.ones(9, 8)}, routine="decode")
 
 
 def test_structure_change_after_sealing_in_strict_mode():
-  f = jitted(strict=True, buckets=[8])
-  params, state, batch = make()
-  f.capture(params, state, batch, routine="decode", progress=False)
-  with pytest.raises(SignatureError, match=r"signature \(breaks=2, routine='decode', bucket=8\) was not captured; "
-                     r"closest captured signature \(breaks=2, routine='decode', bucket=8\) differs in the tree "
-                     r"structure of the arguments\nFix: add it to step.capture"):
-    f(params, {**state, "extra": torch.zeros(1)}, batch, routine="decode")
+    f = jitted(strict=True, buckets=[8])
+    params, state, batch = make()
+    f.capture(params, state, batch, routine="decode", progress=False)
+    with pytest.raises(
+        SignatureError,
+        match=r"signature \(breaks=2, routine='decode', bucket=8\) was not captured; "
+        r"closest captured signature \(breaks=2, routine='decode', bucket=8\) differs in the tree "
+        r"structure of the arguments\nFix: add it to step.capture",
+    ):
+        f(params, {**state, "extra": torch.zeros(1)}, batch, routine="decode")
 
 
 def test_wrong_dtype_after_sealing_names_the_key_path():
-  f = jitted(strict=True, buckets=[8])
-  params, state, batch = make()
-  f.capture(params, state, batch, routine="decode", progress=False)
-  with pytest.raises(SignatureError, match=r"differs in params\['w'\]: float64\[8, 8\]@cpu "
-                     r"\(captured float32\[8, 8\]@cpu\)"):
-    f({"w": params["w"].double()}, state, batch, routine="decode")
+    f = jitted(strict=True, buckets=[8])
+    params, state, batch = make()
+    f.capture(params, state, batch, routine="decode", progress=False)
+    with pytest.raises(
+        SignatureError,
+        match=r"differs in params\['w'\]: float64\[8, 8\]@cpu "
+        r"\(captured float32\[8, 8\]@cpu\)",
+    ):
+        f({"w": params["w"].double()}, state, batch, routine="decode")
 
 
 def test_state_replaced_after_capture():
-  f = jitted(mode="PIECEWISE", buckets=[8])
-  params, state, batch = make()
-  f.capture(params, state, batch, routine="decode", progress=False)
-  with pytest.raises(SignatureError, match=r"state\['count'\] is not the tensor the graph of signature .* was "
-                     r"captured with.*\nFix: update state in place"):
-    f(params, {"count": torch.zeros((), dtype=torch.int64)}, batch, routine="decode")
+    f = jitted(mode="PIECEWISE", buckets=[8])
+    params, state, batch = make()
+    f.capture(params, state, batch, routine="decode", progress=False)
+    with pytest.raises(
+        SignatureError,
+        match=r"state\['count'\] is not the tensor the graph of signature .* was "
+        r"captured with.*\nFix: update state in place",
+    ):
+        f(params, {"count": torch.zeros((), dtype=torch.int64)}, batch, routine="decode")
 
 
 def test_batched_leaf_must_be_a_tensor():
-  f = fgraph.jit(lambda x: x, batch={"x": Batched()})
-  with pytest.raises(SignatureError, match=r"x is declared Batched but is a int"):
-    f(3)
+    f = fgraph.jit(lambda x: x, batch={"x": Batched()})
+    with pytest.raises(SignatureError, match=r"x is declared Batched but is a int"):
+        f(3)
 
 
 def test_batched_axis_out_of_range():
-  f = fgraph.jit(lambda x: x + 1, batch={"x": Batched(axis=1)})
-  with pytest.raises(SignatureError, match=r"x has shape \[3\], expected a batch axis 1"):
-    f(torch.ones(3))
+    f = fgraph.jit(lambda x: x + 1, batch={"x": Batched(axis=1)})
+    with pytest.raises(SignatureError, match=r"x has shape \[3\], expected a batch axis 1"):
+        f(torch.ones(3))
 
 
 def test_params_on_two_devices():
-  f = fgraph.jit(lambda x, p: x @ p["a"] @ p["b"], batch={"x": Batched()})
-  with pytest.raises(SignatureError, match=r"p\['a'\] is on cpu but p\['b'\] is on meta\nFix: put params and state "
-                     r"on one device"):
-    f(torch.ones(3, 2), {"a": torch.ones(2, 2), "b": torch.ones(2, 2, device="meta")})
+    f = fgraph.jit(lambda x, p: x @ p["a"] @ p["b"], batch={"x": Batched()})
+    with pytest.raises(
+        SignatureError,
+        match=r"p\['a'\] is on cpu but p\['b'\] is on meta\nFix: put params and state "
+        r"on one device",
+    ):
+        f(torch.ones(3, 2), {"a": torch.ones(2, 2), "b": torch.ones(2, 2, device="meta")})
 
 
 def test_tensor_in_a_static_field():
-  @attrs.define
-  class Cfg:
-    scale: torch.Tensor = fgraph.field(static=True)
-  f = fgraph.jit(lambda x, cfg: x * 2, batch={"x": Batched()})
-  with pytest.raises(fgraph.FgraphError, match=r"cfg.scale is a tensor in a static field"):
-    f(torch.ones(3), Cfg(torch.ones(1)))
+    @attrs.define
+    class Cfg:
+        scale: torch.Tensor = fgraph.field(static=True)
+
+    f = fgraph.jit(lambda x, cfg: x * 2, batch={"x": Batched()})
+    with pytest.raises(fgraph.FgraphError, match=r"cfg.scale is a tensor in a static field"):
+        f(torch.ones(3), Cfg(torch.ones(1)))
 
 
 def test_never_capturable_primitive_kept_inside_a_graph():
-  def fn(x):
-    o = torch.empty_like(x)
-    toys.toy_never(o, x)
-    return o
-  f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", breaks=["toy_scale"], buckets=[4])
-  with pytest.raises(CaptureError, match=r"primitive 'toy_never' \(toy_never syncs with the host; support NEVER\) "
-                     r"is not in breaks=, so it would run inside a PIECEWISE CUDA graph\nFix: add 'toy_never' to "
-                     r"breaks="):
-    f(torch.ones(3, 2))
+    def fn(x):
+        o = torch.empty_like(x)
+        toys.toy_never(o, x)
+        return o
+
+    f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", breaks=["toy_scale"], buckets=[4])
+    with pytest.raises(
+        CaptureError,
+        match=r"primitive 'toy_never' \(toy_never syncs with the host; support NEVER\) "
+        r"is not in breaks=, so it would run inside a PIECEWISE CUDA graph\nFix: add 'toy_never' to "
+        r"breaks=",
+    ):
+        f(torch.ones(3, 2))
 
 
 def test_explain_of_a_plain_function():
-  with pytest.raises(TypeError, match=r"expected a function made by fgraph.jit"):
-    fgraph.explain(toys.step)
+    with pytest.raises(TypeError, match=r"expected a function made by fgraph.jit"):
+        fgraph.explain(toys.step)
 
 
 def test_host_tensor_inside_a_device_signature():
-  """A tensor made on the CPU inside a device signature is a host->device copy per replay: rejected where it is
-  made. (The meta device stands in for CUDA here; batched inputs may still come from the host.)"""
-  def f(x, p):
-    return (x @ p["w"]) * torch.tensor(2.0)
-  g = fgraph.jit(f, batch={"x": Batched()}, buckets=[4])
-  with pytest.raises(TraceError, match=r"a CPU tensor \(.*\) at tests/test_errors.py:\d+ in a meta signature\n"
-                     r"Fix: create it on the device"):
-    g(torch.ones(3, 2), {"w": torch.ones(2, 2, device="meta")})
+    """A tensor made on the CPU inside a device signature is a host->device copy per replay: rejected where it is
+    made. (The meta device stands in for CUDA here; batched inputs may still come from the host.)"""
+
+    def f(x, p):
+        return (x @ p["w"]) * torch.tensor(2.0)
+
+    g = fgraph.jit(f, batch={"x": Batched()}, buckets=[4])
+    with pytest.raises(
+        TraceError,
+        match=r"a CPU tensor \(.*\) at tests/test_errors.py:\d+ in a meta signature\n"
+        r"Fix: create it on the device",
+    ):
+        g(torch.ones(3, 2), {"w": torch.ones(2, 2, device="meta")})

@@ -1,4 +1,5 @@
 """explain: deterministic text per signature, compared with expected text."""
+
 import re
 
 import torch
@@ -9,9 +10,11 @@ from tests.toys import jitted, make
 
 
 def test_explain_one_signature_before_capture():
-  f = jitted(mode="FULL_AND_PIECEWISE", buckets=[8])
-  params, state, batch = make(n=7)
-  assert str(fgraph.explain(f, params, state, batch, routine="mixed", breaks=1)) == """\
+    f = jitted(mode="FULL_AND_PIECEWISE", buckets=[8])
+    params, state, batch = make(n=7)
+    assert (
+        str(fgraph.explain(f, params, state, batch, routine="mixed", breaks=1))
+        == """\
 step(breaks=1, routine='mixed', bucket=8)
   tokens: 7 -> bucket 8 (1 padded)
   mode: PIECEWISE (FULL_AND_PIECEWISE requested -> PIECEWISE for the mixed routine)
@@ -24,18 +27,22 @@ step(breaks=1, routine='mixed', bucket=8)
       in: %empty_like, params['w'], batch['x'], state['count']
       out: %add, %add_
   captured: no graphs (runs the program eagerly)"""
-  assert not f.entries  # explaining traces, but never captures
+    )
+    assert not f.entries  # explaining traces, but never captures
 
 
 def test_explain_shows_downgrades_and_capture_cost():
-  def fn(x, routine):
-    o = torch.empty_like(x)
-    toys.toy_decode_only(o, x)
-    return o * 2
-  f = fgraph.jit(fn, static=["routine"], batch={"x": fgraph.Batched()}, mode="FULL", buckets=[4])
-  f.capture(torch.ones(3, 2), routine=["decode", "mixed"], progress=False)
-  text = re.sub(r"in \d+\.\d+ s", "in T s", str(fgraph.explain(f)))
-  assert text == """\
+    def fn(x, routine):
+        o = torch.empty_like(x)
+        toys.toy_decode_only(o, x)
+        return o * 2
+
+    f = fgraph.jit(fn, static=["routine"], batch={"x": fgraph.Batched()}, mode="FULL", buckets=[4])
+    f.capture(torch.ones(3, 2), routine=["decode", "mixed"], progress=False)
+    text = re.sub(r"in \d+\.\d+ s", "in T s", str(fgraph.explain(f)))
+    assert (
+        text
+        == """\
 fn(routine='decode', bucket=4)
   mode: FULL (FULL requested)
   pieces: 3 (2 graph, 1 break)
@@ -59,3 +66,4 @@ supports UNIFORM_DECODE))
       in: %empty_like
       out: %mul
   captured: 2 graphs in T s after 1 eager warm-up run(s), pool 0.000 GiB"""
+    )

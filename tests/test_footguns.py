@@ -10,6 +10,7 @@ ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   state_replaced_after_capture           EASY  SignatureError naming the key path (tests/test_errors.py)
 """
+
 import pytest
 import torch
 
@@ -20,97 +21,107 @@ from tests import toys
 
 
 def scale_fn():
-  factor = {"value": 2.0}
-  def f(x):
-    return x * factor["value"]
-  return f, factor
+    factor = {"value": 2.0}
+
+    def f(x):
+        return x * factor["value"]
+
+    return f, factor
 
 
 def test_outputs_overwritten_by_next_replay():
-  f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
-  a = f(torch.ones(4))
-  b = f(torch.full((4,), 3.0))
-  assert a.tolist() == [6.0] * 4  # should be [2.0] * 4! the second replay wrote into the same buffer
-  assert a.data_ptr() == b.data_ptr()
+    f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    a = f(torch.ones(4))
+    b = f(torch.full((4,), 3.0))
+    assert a.tolist() == [6.0] * 4  # should be [2.0] * 4! the second replay wrote into the same buffer
+    assert a.data_ptr() == b.data_ptr()
 
 
 def test_copy_outputs_or_clone_keeps_them():
-  f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4], copy_outputs=True)
-  a = f(torch.ones(4))
-  f(torch.full((4,), 3.0))
-  assert a.tolist() == [2.0] * 4
+    f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4], copy_outputs=True)
+    a = f(torch.ones(4))
+    f(torch.full((4,), 3.0))
+    assert a.tolist() == [2.0] * 4
 
 
 def test_python_constants_frozen_at_trace():
-  fn, factor = scale_fn()
-  f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
-  assert f(torch.ones(4)).tolist() == [2.0] * 4
-  factor["value"] = 10.0
-  assert f(torch.ones(4)).tolist() == [2.0] * 4  # should be [10.0] * 4! the trace read it once
-  with fgraph.disable_jit():
-    assert f(torch.ones(4)).tolist() == [10.0] * 4
+    fn, factor = scale_fn()
+    f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    assert f(torch.ones(4)).tolist() == [2.0] * 4
+    factor["value"] = 10.0
+    assert f(torch.ones(4)).tolist() == [2.0] * 4  # should be [10.0] * 4! the trace read it once
+    with fgraph.disable_jit():
+        assert f(torch.ones(4)).tolist() == [10.0] * 4
 
 
 def test_warmup_and_capture_run_the_function_on_padding():
-  def bump(x, state):
-    state["calls"].add_(1)
-    return x + 1, state
-  f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
-  state = {"calls": torch.zeros(())}
-  f(torch.ones(3), state)
-  assert state["calls"].item() == 3  # should be 1! warm-up and capture ran it on the all-padding dummy too
-  f(torch.ones(3), state)
-  assert state["calls"].item() == 4  # replays are exact
+    def bump(x, state):
+        state["calls"].add_(1)
+        return x + 1, state
+
+    f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    state = {"calls": torch.zeros(())}
+    f(torch.ones(3), state)
+    assert state["calls"].item() == 3  # should be 1! warm-up and capture ran it on the all-padding dummy too
+    f(torch.ones(3), state)
+    assert state["calls"].item() == 4  # replays are exact
 
 
 def test_warmup_runs_once_per_trace_capture_once_per_signature():
-  def bump(x, state):
-    state["calls"].add_(1)
-    return x + 1, state
-  f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4, 8, 16])
-  state = {"calls": torch.zeros(())}
-  f.capture(torch.ones(3), state, progress=False)
-  assert state["calls"].item() == 1 + 3  # one warm-up (buckets >= 2 share a trace), one capture run per bucket
+    def bump(x, state):
+        state["calls"].add_(1)
+        return x + 1, state
+
+    f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4, 8, 16])
+    state = {"calls": torch.zeros(())}
+    f.capture(torch.ones(3), state, progress=False)
+    assert state["calls"].item() == 1 + 3  # one warm-up (buckets >= 2 share a trace), one capture run per bucket
 
 
-@pytest.mark.parametrize("break_op, mode, runs", [("toy_planned", "PIECEWISE", 1 + 3), ("toy_planned", "FULL", 3 + 3),
-                                                   ("toy_prepared", "FULL", 1 + 3)])
+@pytest.mark.parametrize(
+    "break_op, mode, runs",
+    [("toy_planned", "PIECEWISE", 1 + 3), ("toy_planned", "FULL", 3 + 3), ("toy_prepared", "FULL", 1 + 3)],
+)
 def test_a_planned_break_is_warmed_up_per_signature_only_inside_full_graphs(break_op, mode, runs):
-  """A break with a plan hook may keep host state per signature (flashinfer's per-bucket wrappers), so a FULL
-  graph, which records the break, warms up every signature, unless the hook says it made that state itself
-  (returns True, as flashinfer's does once a first wrapper exists). PIECEWISE runs the break eagerly in its
-  capture pass anyway: one warm-up per trace, as without plans."""
-  def bump(x, lens, state):
-    state["calls"].add_(1)
-    o = torch.empty_like(x)
-    getattr(toys, break_op)(o, x, lens)
-    return o + 1, state
-  f = fgraph.jit(bump, donate=["state"], batch={"x": Batched(), "lens": Batched()}, mode=mode, buckets=[4, 8, 16])
-  state = {"calls": torch.zeros(())}
-  f.capture(torch.ones(3, 2), torch.ones(3, dtype=torch.int32), state, progress=False)
-  assert state["calls"].item() == runs  # warm-ups + one capture run per bucket
-  assert f.stats()["total"]["warmups"] == runs - 3
+    """A break with a plan hook may keep host state per signature (flashinfer's per-bucket wrappers), so a FULL
+    graph, which records the break, warms up every signature, unless the hook says it made that state itself
+    (returns True, as flashinfer's does once a first wrapper exists). PIECEWISE runs the break eagerly in its
+    capture pass anyway: one warm-up per trace, as without plans."""
+
+    def bump(x, lens, state):
+        state["calls"].add_(1)
+        o = torch.empty_like(x)
+        getattr(toys, break_op)(o, x, lens)
+        return o + 1, state
+
+    f = fgraph.jit(bump, donate=["state"], batch={"x": Batched(), "lens": Batched()}, mode=mode, buckets=[4, 8, 16])
+    state = {"calls": torch.zeros(())}
+    f.capture(torch.ones(3, 2), torch.ones(3, dtype=torch.int32), state, progress=False)
+    assert state["calls"].item() == runs  # warm-ups + one capture run per bucket
+    assert f.stats()["total"]["warmups"] == runs - 3
 
 
 def test_python_side_effects_run_once_at_trace():
-  log = []
-  def f(x):
-    log.append("called")
-    return x + 1
-  j = fgraph.jit(f, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
-  for _ in range(3):
-    j(torch.ones(2))
-  assert log == ["called"]  # should be 3 entries! only the trace ran Python
+    log = []
+
+    def f(x):
+        log.append("called")
+        return x + 1
+
+    j = fgraph.jit(f, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    for _ in range(3):
+        j(torch.ones(2))
+    assert log == ["called"]  # should be 3 entries! only the trace ran Python
 
 
 def test_containers_read_once_by_identity():
-  """The replay path caches a container's flat layout by identity (flattening hundreds of leaves per call costs
-  more than a small model's step). Update tensors in place, or pass a new container, which is re-checked."""
-  f = fgraph.jit(lambda x, p: x * p["s"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
-  p = {"s": torch.full((1,), 2.0)}
-  f(torch.ones(4), p)
-  f(torch.ones(4), p)
-  p["s"] = torch.full((1,), 5.0)  # replaced inside the same dict
-  assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! the dict was not re-read
-  with pytest.raises(fgraph.SignatureError, match=r"p\['s'\] is not the tensor the graph .* was captured with"):
-    f(torch.ones(4), dict(p))  # a new container is flattened and checked: the replaced tensor is caught
+    """The replay path caches a container's flat layout by identity (flattening hundreds of leaves per call costs
+    more than a small model's step). Update tensors in place, or pass a new container, which is re-checked."""
+    f = fgraph.jit(lambda x, p: x * p["s"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    p = {"s": torch.full((1,), 2.0)}
+    f(torch.ones(4), p)
+    f(torch.ones(4), p)
+    p["s"] = torch.full((1,), 5.0)  # replaced inside the same dict
+    assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! the dict was not re-read
+    with pytest.raises(fgraph.SignatureError, match=r"p\['s'\] is not the tensor the graph .* was captured with"):
+        f(torch.ones(4), dict(p))  # a new container is flattened and checked: the replaced tensor is caught

@@ -1,4 +1,5 @@
 """Arguments and results are pytrees: containers, records, user types; errors name key paths."""
+
 import dataclasses
 from typing import NamedTuple
 
@@ -13,86 +14,107 @@ from fgraph._signature import path_str
 
 @attrs.define
 class Layer:
-  k: torch.Tensor
-  v: torch.Tensor
-  page_size: int = fgraph.field(static=True, default=16)
+    k: torch.Tensor
+    v: torch.Tensor
+    page_size: int = fgraph.field(static=True, default=16)
 
 
 @dataclasses.dataclass
 class Cache:
-  layers: list
-  name: str = dataclasses.field(default="kv", metadata={"static": True})
+    layers: list
+    name: str = dataclasses.field(default="kv", metadata={"static": True})
 
 
 class Pair(NamedTuple):
-  a: torch.Tensor
-  b: object
+    a: torch.Tensor
+    b: object
 
 
 def test_round_trip_with_key_paths():
-  t = lambda: torch.zeros(2)
-  tree = {"state": Cache([Layer(t(), t()), Layer(t(), t(), page_size=32)]), "meta": Pair(t(), None), "xs": [t(), (t(),)]}
-  flat, spec = flatten_with_paths(tree)
-  paths = [path_str(p) for p, _ in flat]
-  assert paths == ["state.layers[0].k", "state.layers[0].v", "state.layers[1].k", "state.layers[1].v",
-                   "meta.a", "meta.b", "xs[0]", "xs[1][0]"]  # None is a leaf: part of the signature by value
-  back = pytree.tree_unflatten([x for _, x in flat], spec)
-  assert back["state"].layers[1].page_size == 32 and back["state"].name == "kv" and back["meta"].b is None
+    t = lambda: torch.zeros(2)
+    tree = {
+        "state": Cache([Layer(t(), t()), Layer(t(), t(), page_size=32)]),
+        "meta": Pair(t(), None),
+        "xs": [t(), (t(),)],
+    }
+    flat, spec = flatten_with_paths(tree)
+    paths = [path_str(p) for p, _ in flat]
+    assert paths == [
+        "state.layers[0].k",
+        "state.layers[0].v",
+        "state.layers[1].k",
+        "state.layers[1].v",
+        "meta.a",
+        "meta.b",
+        "xs[0]",
+        "xs[1][0]",
+    ]  # None is a leaf: part of the signature by value
+    back = pytree.tree_unflatten([x for _, x in flat], spec)
+    assert back["state"].layers[1].page_size == 32 and back["state"].name == "kv" and back["meta"].b is None
 
 
 def test_static_fields_are_structure_not_leaves():
-  a, b = Layer(torch.zeros(1), torch.zeros(1), 16), Layer(torch.zeros(1), torch.zeros(1), 32)
-  (_, sa), (_, sb) = flatten_with_paths(a), flatten_with_paths(b)
-  assert sa != sb  # a different static value is a different signature
+    a, b = Layer(torch.zeros(1), torch.zeros(1), 16), Layer(torch.zeros(1), torch.zeros(1), 32)
+    (_, sa), (_, sb) = flatten_with_paths(a), flatten_with_paths(b)
+    assert sa != sb  # a different static value is a different signature
 
 
 def test_user_registered_type():
-  class Box:
-    def __init__(self, x):
-      self.x = x
-  pytree.register_pytree_node(Box, lambda b: ([b.x], None), lambda xs, _: Box(xs[0]),
-                              flatten_with_keys_fn=lambda b: ([(pytree.GetAttrKey("x"), b.x)], None))
-  flat, _ = flatten_with_paths({"box": Box(torch.ones(1))})
-  assert path_str(flat[0][0]) == "box.x"
+    class Box:
+        def __init__(self, x):
+            self.x = x
+
+    pytree.register_pytree_node(
+        Box,
+        lambda b: ([b.x], None),
+        lambda xs, _: Box(xs[0]),
+        flatten_with_keys_fn=lambda b: ([(pytree.GetAttrKey("x"), b.x)], None),
+    )
+    flat, _ = flatten_with_paths({"box": Box(torch.ones(1))})
+    assert path_str(flat[0][0]) == "box.x"
 
 
 def test_registered_record_as_argument_and_result():
-  @fgraph.jit(static=["routine"], donate=["cache"])
-  def step(cache, routine):
-    for layer in cache.layers:
-      layer.k.add_(1)
-    return cache
-  cache = Cache([Layer(torch.zeros(3), torch.zeros(3))])
-  out = step(cache, routine="decode")
-  assert isinstance(out, Cache) and out.layers[0].k is cache.layers[0].k
-  assert cache.layers[0].k.tolist() == [3.0, 3.0, 3.0]  # warm-up + capture + the call (see test_footguns)
+    @fgraph.jit(static=["routine"], donate=["cache"])
+    def step(cache, routine):
+        for layer in cache.layers:
+            layer.k.add_(1)
+        return cache
+
+    cache = Cache([Layer(torch.zeros(3), torch.zeros(3))])
+    out = step(cache, routine="decode")
+    assert isinstance(out, Cache) and out.layers[0].k is cache.layers[0].k
+    assert cache.layers[0].k.tolist() == [3.0, 3.0, 3.0]  # warm-up + capture + the call (see test_footguns)
 
 
 def test_flattener_is_tree_flatten_or_none_on_another_structure():
-  import collections
-  import torch.utils._pytree as pt
-  from fgraph._pytree import flattener, register, unflattener
+    import collections
+    import torch.utils._pytree as pt
+    from fgraph._pytree import flattener, register, unflattener
 
-  @register
-  @attrs.define
-  class Rec:
-    a: torch.Tensor
-    b: dict
-    tag: str = fgraph.field(static=True, default="x")
-  NT = collections.namedtuple("NT", "x y")
-  t = torch.zeros(1)
-  tree = Rec(t, {"k": [t, None, NT(t, t)], "j": (t,)})
-  leaves, spec = pt.tree_flatten(tree)
-  flat = flattener(spec)
-  assert flat(tree) == leaves and len(leaves) == 6  # None is a leaf
-  for other in (Rec(t, {"k": [t, None, NT(t, t)], "z": (t,)}),      # another dict key
-                Rec(t, {"k": [t, None, (t, t)], "j": (t,)}),        # a tuple where a NamedTuple was
-                Rec(t, {"k": [t, None, NT(t, [t])], "j": (t,)}),    # a list where a leaf was
-                Rec(t, {"k": [t, None], "j": (t,)}),                # a shorter list
-                Rec(t, {"k": [t, None, NT(t, t)], "j": (t,)}, tag="y"),  # another static field
-                Rec(t, {"j": (t,), "k": [t, None, NT(t, t)]}),      # the keys in another order
-                Rec(t, {"k": [t, None, NT(t, t)], "j": [t]}),       # a list where a tuple was
-                {"a": t}):
-    assert flat(other) is None, other
-  back = unflattener(spec)(iter(leaves))
-  assert pt.tree_flatten(back)[1] == spec and back.b["k"][2].y is t
+    @register
+    @attrs.define
+    class Rec:
+        a: torch.Tensor
+        b: dict
+        tag: str = fgraph.field(static=True, default="x")
+
+    NT = collections.namedtuple("NT", "x y")
+    t = torch.zeros(1)
+    tree = Rec(t, {"k": [t, None, NT(t, t)], "j": (t,)})
+    leaves, spec = pt.tree_flatten(tree)
+    flat = flattener(spec)
+    assert flat(tree) == leaves and len(leaves) == 6  # None is a leaf
+    for other in (
+        Rec(t, {"k": [t, None, NT(t, t)], "z": (t,)}),  # another dict key
+        Rec(t, {"k": [t, None, (t, t)], "j": (t,)}),  # a tuple where a NamedTuple was
+        Rec(t, {"k": [t, None, NT(t, [t])], "j": (t,)}),  # a list where a leaf was
+        Rec(t, {"k": [t, None], "j": (t,)}),  # a shorter list
+        Rec(t, {"k": [t, None, NT(t, t)], "j": (t,)}, tag="y"),  # another static field
+        Rec(t, {"j": (t,), "k": [t, None, NT(t, t)]}),  # the keys in another order
+        Rec(t, {"k": [t, None, NT(t, t)], "j": [t]}),  # a list where a tuple was
+        {"a": t},
+    ):
+        assert flat(other) is None, other
+    back = unflattener(spec)(iter(leaves))
+    assert pt.tree_flatten(back)[1] == spec and back.b["k"][2].y is t

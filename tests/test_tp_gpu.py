@@ -8,6 +8,7 @@ graphs. With the random-weight Qwen2.5-0.5B preset (14 q heads, 2 KV heads: one 
 And the TP=1 vs TP=2 decode-step latency table of benchmarks/tp_bench.py (llama3-8b, batch 1 and 64).
 Run on a 2-GPU device: `bash scripts/gpu_tests.sh tests/test_tp_gpu.py` (ranks are spawned by examples.tp.launch,
 killed past the deadline)."""
+
 import gc
 import os
 import subprocess
@@ -26,74 +27,84 @@ DEADLINE_S = 540  # under the device's 10-minute command limit
 
 
 def prompts(n: int = 21) -> list[list[int]]:
-  g = torch.Generator().manual_seed(n)
-  return [torch.randint(0, 151936, ((1, 300, 17, 64, 5, 129, 33)[i % 7] + i // 7,), generator=g).tolist()
-          for i in range(n)]
+    g = torch.Generator().manual_seed(n)
+    return [
+        torch.randint(0, 151936, ((1, 300, 17, 64, 5, 129, 33)[i % 7] + i // 7,), generator=g).tolist()
+        for i in range(n)
+    ]
 
 
 def generate_all(build, *a, **kw) -> list[list[int]]:
-  eng = build(*a, **ENGINE, **kw)  # captures every bucket of both routines up front (modes other than eager)
-  for p in prompts():
-    eng.add(p, max_new_tokens=NEW_TOKENS)
-  tokens = eng.run(progress=False).tokens
-  if kw["mode"] != "eager":
-    assert eng.step_fn.stats()["fallbacks"] == {"unseen": 0, "oversize": 0}
-  del eng
-  gc.collect()  # its graphs go now, before the process group at the end of the rank
-  torch.cuda.synchronize()
-  torch.cuda.empty_cache()
-  return tokens
+    eng = build(*a, **ENGINE, **kw)  # captures every bucket of both routines up front (modes other than eager)
+    for p in prompts():
+        eng.add(p, max_new_tokens=NEW_TOKENS)
+    tokens = eng.run(progress=False).tokens
+    if kw["mode"] != "eager":
+        assert eng.step_fn.stats()["fallbacks"] == {"unseen": 0, "oversize": 0}
+    del eng
+    gc.collect()  # its graphs go now, before the process group at the end of the rank
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return tokens
 
 
 def _tokens_per_mode(t, dtype_name: str, backend: str, with_tp1: bool):
-  """On every rank: TP=2 tokens per mode (and TP=1 eager tokens, each rank on its own GPU, when asked)."""
-  from examples import engine, llama, tp
-  cfg, dtype, dev = llama.preset("qwen2.5-0.5b"), getattr(torch, dtype_name), f"cuda:{torch.cuda.current_device()}"
-  full = llama.init_params(cfg, dtype, dev, seed=0)
-  out = {}
-  if with_tp1:
-    out["tp1"] = generate_all(engine.build, cfg, full, backend=backend, mode="eager")
-  mine = tp.shard_params(full, cfg, t)
-  del full
-  torch.cuda.empty_cache()
-  for mode in MODES:
-    out[mode] = generate_all(tp.build, cfg, mine, t, backend=backend, mode=mode)
-  return out
+    """On every rank: TP=2 tokens per mode (and TP=1 eager tokens, each rank on its own GPU, when asked)."""
+    from examples import engine, llama, tp
+
+    cfg, dtype, dev = llama.preset("qwen2.5-0.5b"), getattr(torch, dtype_name), f"cuda:{torch.cuda.current_device()}"
+    full = llama.init_params(cfg, dtype, dev, seed=0)
+    out = {}
+    if with_tp1:
+        out["tp1"] = generate_all(engine.build, cfg, full, backend=backend, mode="eager")
+    mine = tp.shard_params(full, cfg, t)
+    del full
+    torch.cuda.empty_cache()
+    for mode in MODES:
+        out[mode] = generate_all(tp.build, cfg, mine, t, backend=backend, mode=mode)
+    return out
 
 
 def first_difference(want, got) -> str | None:
-  for i, (a, b) in enumerate(zip(want, got)):
-    if a != b:
-      k = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-      return f"request {i} (prompt of {len(prompts()[i])}) differs at token {k}: {a} vs {b}"
-  return None
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            k = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+            return f"request {i} (prompt of {len(prompts()[i])}) differs at token {k}: {a} vs {b}"
+    return None
 
 
 def test_tp2_greedy_tokens_equal_tp1_in_every_mode_fp32():
-  from examples import tp
-  got = tp.launch(_tokens_per_mode, 2, "float32", "torch", True, timeout_s=DEADLINE_S)
-  assert len({tuple(t) for t in got["tp1"]}) > 1  # outputs vary with the prompt: the comparison means something
-  for mode in MODES:
-    diff = first_difference(got["tp1"], got[mode])
-    assert diff is None, f"TP=2 {mode} vs TP=1 eager (float32): {diff}"
+    from examples import tp
+
+    got = tp.launch(_tokens_per_mode, 2, "float32", "torch", True, timeout_s=DEADLINE_S)
+    assert len({tuple(t) for t in got["tp1"]}) > 1  # outputs vary with the prompt: the comparison means something
+    for mode in MODES:
+        diff = first_difference(got["tp1"], got[mode])
+        assert diff is None, f"TP=2 {mode} vs TP=1 eager (float32): {diff}"
 
 
 def test_tp2_captured_equals_tp2_eager_bf16():
-  from examples import tp
-  from fgraph.ops import attention as A
-  got = tp.launch(_tokens_per_mode, 2, "bfloat16", A.resolve_backend("auto", "cuda"), False, timeout_s=DEADLINE_S)
-  for mode in MODES[1:]:
-    diff = first_difference(got["eager"], got[mode])
-    assert diff is None, f"TP=2 {mode} vs TP=2 eager (bfloat16): {diff}"
+    from examples import tp
+    from fgraph.ops import attention as A
+
+    got = tp.launch(_tokens_per_mode, 2, "bfloat16", A.resolve_backend("auto", "cuda"), False, timeout_s=DEADLINE_S)
+    for mode in MODES[1:]:
+        diff = first_difference(got["eager"], got[mode])
+        assert diff is None, f"TP=2 {mode} vs TP=2 eager (bfloat16): {diff}"
 
 
 def test_tp_bench_prints_latency_table():
-  r = subprocess.run([sys.executable, "-m", "benchmarks.tp_bench", "--model", "llama3-8b", "--batches", "1", "64"],
-                     cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE_S,
-                     env=dict(os.environ, OUT=os.environ.get("OUT", "/tmp")))
-  print(r.stdout)
-  assert r.returncode == 0, r.stderr[-3000:]
-  table = r.stdout[r.stdout.index("decode step, ms"):]
-  for b in (1, 64):
-    assert f"llama3-8b | {b} |" in table
-  assert "FULL" in table and "x" in table
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tp_bench", "--model", "llama3-8b", "--batches", "1", "64"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        env=dict(os.environ, OUT=os.environ.get("OUT", "/tmp")),
+    )
+    print(r.stdout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = r.stdout[r.stdout.index("decode step, ms") :]
+    for b in (1, 64):
+        assert f"llama3-8b | {b} |" in table
+    assert "FULL" in table and "x" in table

@@ -27,6 +27,7 @@ a kernel still returns a tensor of its own (varlen folds the group too, at max_s
 temporary), the result is copied into `out`.
 flash_attn is imported on first use only.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,78 +43,120 @@ MAX_SPLITS = 128  # flash-attn's limit
 
 @functools.cache
 def _api():
-  """flash_attn_2_cuda, the extension behind flash_attn's functions (fwd_kvcache, varlen_fwd: module docstring)."""
-  from flash_attn import flash_attn_interface
-  return flash_attn_interface.flash_attn_gpu
+    """flash_attn_2_cuda, the extension behind flash_attn's functions (fwd_kvcache, varlen_fwd: module docstring)."""
+    from flash_attn import flash_attn_interface
+
+    return flash_attn_interface.flash_attn_gpu
 
 
 def _into(out: torch.Tensor, o: torch.Tensor) -> None:
-  """Make sure the kernel's result is in `out` (a no-op when it wrote there)."""
-  if o.data_ptr() != out.data_ptr():
-    out.copy_(o.reshape(out.shape))
+    """Make sure the kernel's result is in `out` (a no-op when it wrote there)."""
+    if o.data_ptr() != out.data_ptr():
+        out.copy_(o.reshape(out.shape))
 
 
 @functools.cache
 def _num_sms(device_index: int) -> int:
-  return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def split_heuristic(work: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
-  """flash-attn's own split-KV heuristic: the smallest split count within 85% of the best wave efficiency."""
-  if work >= 0.8 * slots:
-    return 1
-  max_splits = min(max_splits, slots, n_blocks)
-  ceil = lambda a, b: -(-a // b)
-  eff = {}
-  for s in range(1, max_splits + 1):
-    if s > 1 and ceil(n_blocks, s) == ceil(n_blocks, s - 1):
-      continue  # same blocks per split as s - 1: not a distinct choice
-    waves = work * s / slots
-    eff[s] = waves / math.ceil(waves)
-  best = max(eff.values(), default=1.0)
-  return next((s for s, e in sorted(eff.items()) if e >= 0.85 * best), 1)
+    """flash-attn's own split-KV heuristic: the smallest split count within 85% of the best wave efficiency."""
+    if work >= 0.8 * slots:
+        return 1
+    max_splits = min(max_splits, slots, n_blocks)
+    ceil = lambda a, b: -(-a // b)
+    eff = {}
+    for s in range(1, max_splits + 1):
+        if s > 1 and ceil(n_blocks, s) == ceil(n_blocks, s - 1):
+            continue  # same blocks per split as s - 1: not a distinct choice
+        waves = work * s / slots
+        eff[s] = waves / math.ceil(waves)
+    best = max(eff.values(), default=1.0)
+    return next((s for s, e in sorted(eff.items()) if e >= 0.85 * best), 1)
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int,
-                      num_sms: int) -> int:
-  """The split count for a decode signature: a function of static shapes only (never of lengths).
+def decode_num_splits(batch: int, num_kv_heads: int, group: int, head_dim: int, max_seqlen_k: int, num_sms: int) -> int:
+    """The split count for a decode signature: a function of static shapes only (never of lengths).
 
-  With GQA flash-attn folds the group into the query length (seqlen_q = group, heads = Hkv), tiles of 64
-  queries; KV blocks of 256 (D <= 64), 128 (D <= 128) or 64 keys; 2 CTAs per SM.
-  """
-  block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
-  m_blocks = -(-group // 64)
-  n_blocks = -(-max_seqlen_k // block_n)
-  return split_heuristic(batch * num_kv_heads * m_blocks, 2 * num_sms, n_blocks)
+    With GQA flash-attn folds the group into the query length (seqlen_q = group, heads = Hkv), tiles of 64
+    queries; KV blocks of 256 (D <= 64), 128 (D <= 128) or 64 keys; 2 CTAs per SM.
+    """
+    block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
+    m_blocks = -(-group // 64)
+    n_blocks = -(-max_seqlen_k // block_n)
+    return split_heuristic(batch * num_kv_heads * m_blocks, 2 * num_sms, n_blocks)
 
 
-def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine,
-            scale, max_seq_len):
-  """out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (page % 256 == 0); block_table:
-  [S, max_pages]. Writes k/v into their slots, then out."""
-  fa = _api()
-  q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # as flash_attn's functions do
-  N, Hq, D = q.shape
-  page, Hkv = k_cache.shape[1], k_cache.shape[2]
-  L = block_table.shape[1] * page
-  if routine == "decode":
-    del slot_mapping  # the kernel derives each slot from cache_seqlens and the block table (module docstring)
-    splits = decode_num_splits(N, Hkv, Hq // Hkv, D, L, _num_sms(q.device.index or 0))
-    # the KV lengths before this token, the same for every layer: one kernel a step, made at the first layer
-    before = once_per_execution(("fa2 cache_seqlens", id(seq_lens)), lambda: seq_lens - 1)
-    G = Hq // Hkv
-    o_view = out.view(N, Hkv, G, D).transpose(1, 2) if G > 1 and D % 8 == 0 else out.unsqueeze(1)  # docstring
-    # (q, k_cache, v_cache, k, v, cache_seqlens, rotary cos, sin, cache_batch_idx, leftpad_k, block_table, alibi,
-    #  out, scale, causal, window left, right, softcap, rotary_interleaved, num_splits), as flash_attn_with_kvcache
-    o, _ = fa.fwd_kvcache(q.unsqueeze(1), k_cache, v_cache, k.unsqueeze(1), v.unsqueeze(1), before, None, None,
-                          None, None, block_table, None, o_view, scale, True, -1, -1, 0.0, True, splits)
-    _into(out, o)                                                                              # [N, 1, Hq, D]
-  else:
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
-    # cu_seqlens_k: with a block table flash-attn reads each sequence's KV length as cu[s+1] - cu[s].
-    cu_k = torch.nn.functional.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))   # [S+1]
-    # (q, k, v, out, cu_q, cu_k, seqused_k, leftpad_k, block_table, alibi, max_q, max_k, dropout, scale,
-    #  zero_tensors, causal, window left, right, softcap, return_softmax, generator), as _flash_attn_varlen_forward
-    o = fa.varlen_fwd(q, k_cache, v_cache, out, query_start_loc, cu_k, None, None, block_table, None, N,
-                      min(max_seq_len, L), 0.0, scale, False, True, -1, -1, 0.0, False, None)[0]
-    _into(out, o)
+def forward(
+    out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine, scale, max_seq_len
+):
+    """out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (page % 256 == 0); block_table:
+    [S, max_pages]. Writes k/v into their slots, then out."""
+    fa = _api()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # as flash_attn's functions do
+    N, Hq, D = q.shape
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    L = block_table.shape[1] * page
+    if routine == "decode":
+        del slot_mapping  # the kernel derives each slot from cache_seqlens and the block table (module docstring)
+        splits = decode_num_splits(N, Hkv, Hq // Hkv, D, L, _num_sms(q.device.index or 0))
+        # the KV lengths before this token, the same for every layer: one kernel a step, made at the first layer
+        before = once_per_execution(("fa2 cache_seqlens", id(seq_lens)), lambda: seq_lens - 1)
+        G = Hq // Hkv
+        o_view = out.view(N, Hkv, G, D).transpose(1, 2) if G > 1 and D % 8 == 0 else out.unsqueeze(1)  # docstring
+        # (q, k_cache, v_cache, k, v, cache_seqlens, rotary cos, sin, cache_batch_idx, leftpad_k, block_table, alibi,
+        #  out, scale, causal, window left, right, softcap, rotary_interleaved, num_splits), as flash_attn_with_kvcache
+        o, _ = fa.fwd_kvcache(
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            before,
+            None,
+            None,
+            None,
+            None,
+            block_table,
+            None,
+            o_view,
+            scale,
+            True,
+            -1,
+            -1,
+            0.0,
+            True,
+            splits,
+        )
+        _into(out, o)  # [N, 1, Hq, D]
+    else:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        # cu_seqlens_k: with a block table flash-attn reads each sequence's KV length as cu[s+1] - cu[s].
+        cu_k = torch.nn.functional.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))  # [S+1]
+        # (q, k, v, out, cu_q, cu_k, seqused_k, leftpad_k, block_table, alibi, max_q, max_k, dropout, scale,
+        #  zero_tensors, causal, window left, right, softcap, return_softmax, generator), as _flash_attn_varlen_forward
+        o = fa.varlen_fwd(
+            q,
+            k_cache,
+            v_cache,
+            out,
+            query_start_loc,
+            cu_k,
+            None,
+            None,
+            block_table,
+            None,
+            N,
+            min(max_seq_len, L),
+            0.0,
+            scale,
+            False,
+            True,
+            -1,
+            -1,
+            0.0,
+            False,
+            None,
+        )[0]
+        _into(out, o)

@@ -33,6 +33,7 @@ re-plans from the device tensors (a host sync, refused during capture). (Before 
 made for one jitted call was taken as current by the next eager call of another model in the process: wrong
 attention, and an illegal address when its page tables were smaller: the H200 run of 2026-11-29.)
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,353 +54,391 @@ _gen = itertools.count(1)
 
 @functools.cache
 def _fi():
-  import flashinfer
-  return flashinfer
+    import flashinfer
+
+    return flashinfer
 
 
 # ------------------------------------------------------------------------------------------- wrappers
 def _fast_decode_plan():
-  """flashinfer.decode.fast_decode_plan (what vLLM and sglang replan CUDA-graph decode wrappers with): plan()
-  minus the buffer copies (`upload` made them) and minus plan's O(batch) Python work. None if absent."""
-  return getattr(getattr(_fi(), "decode", None), "fast_decode_plan", None)
+    """flashinfer.decode.fast_decode_plan (what vLLM and sglang replan CUDA-graph decode wrappers with): plan()
+    minus the buffer copies (`upload` made them) and minus plan's O(batch) Python work. None if absent."""
+    return getattr(getattr(_fi(), "decode", None), "fast_decode_plan", None)
 
 
 class _Recorder:
-  """Stands in for a flashinfer wrapper's `_cached_module` during one fast_decode_plan call: records the
-  arguments of its module-level `plan` call (and forwards it), so later plans can make that call directly."""
+    """Stands in for a flashinfer wrapper's `_cached_module` during one fast_decode_plan call: records the
+    arguments of its module-level `plan` call (and forwards it), so later plans can make that call directly."""
 
-  def __init__(self, inner):
-    self.inner, self.call = inner, None
+    def __init__(self, inner):
+        self.inner, self.call = inner, None
 
-  def __getattr__(self, name):
-    return getattr(self.inner, name)
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
-  def plan(self, *args, **kwargs):
-    self.call = (args, kwargs)
-    return self.inner.plan(*args, **kwargs)
+    def plan(self, *args, **kwargs):
+        self.call = (args, kwargs)
+        return self.inner.plan(*args, **kwargs)
 
 
 class _ModulePlan:
-  """A decode wrapper's replan as one call of its JIT module's `plan` (C++: DecodePlan, or PrefillPlan for the
-  tensor-core decode), with the argument list fast_decode_plan built on the first replan, in which only the
-  host indptr (and, tensor cores, the host kv lengths) change: they are persistent CPU tensors refilled in
-  place. What fast_decode_plan does per call besides this one call is constant for a wrapper of fixed
-  bucket and head config: dtype strings, two empty device tensors (dtype carriers), a range buffer, the
-  kv-length torch ops, a device context, the same attributes set again (~40-80 us of Python and torch ops).
+    """A decode wrapper's replan as one call of its JIT module's `plan` (C++: DecodePlan, or PrefillPlan for the
+    tensor-core decode), with the argument list fast_decode_plan built on the first replan, in which only the
+    host indptr (and, tensor cores, the host kv lengths) change: they are persistent CPU tensors refilled in
+    place. What fast_decode_plan does per call besides this one call is constant for a wrapper of fixed
+    bucket and head config: dtype strings, two empty device tensors (dtype carriers), a range buffer, the
+    kv-length torch ops, a device context, the same attributes set again (~40-80 us of Python and torch ops).
 
-  What the plan computes, read from flashinfer's source (include/flashinfer/attention/scheduler.cuh
-  DecodePlan / PrefillPlan, csrc batch_decode.cu / batch_prefill.cu, flashinfer/decode.py): from the host
-  indptr alone (page counts per sequence; the tensor-core plan ignores kv_len_arr) and the static shapes, the
-  split-KV schedule (request / kv-tile indices, o_indptr, chunk size, valid mask) written to the wrapper's
-  own pinned buffer and copied (cudaMemcpyAsync) into the wrapper's own int workspace, and the plan info
-  (offsets, padded batch, split flag) returned to Python. The kernels read last-page lengths and page ids from
-  the device buffers at run time. So a plan is reusable as long as the host indptr is the same.
-  """
+    What the plan computes, read from flashinfer's source (include/flashinfer/attention/scheduler.cuh
+    DecodePlan / PrefillPlan, csrc batch_decode.cu / batch_prefill.cu, flashinfer/decode.py): from the host
+    indptr alone (page counts per sequence; the tensor-core plan ignores kv_len_arr) and the static shapes, the
+    split-KV schedule (request / kv-tile indices, o_indptr, chunk size, valid mask) written to the wrapper's
+    own pinned buffer and copied (cudaMemcpyAsync) into the wrapper's own int workspace, and the plan info
+    (offsets, padded batch, split flag) returned to Python. The kernels read last-page lengths and page ids from
+    the device buffers at run time. So a plan is reusable as long as the host indptr is the same.
+    """
 
-  def __init__(self, fi_wrapper, call, indptr: torch.Tensor, batch: int):
-    args, self.kwargs = list(call[0]), call[1]
-    at = [i for i, a in enumerate(args) if a is indptr]
-    if len(at) != 1:
-      raise LookupError(f"the host indptr is argument {at} of the module's plan call")  # caught: no replay
-    self.indptr = torch.zeros(batch + 1, dtype=torch.int32)  # persistent: the argument list holds them
-    self.indptr_np = self.indptr.numpy()
-    args[at[0]] = self.indptr
-    self.lens_np = None
-    nxt = args[at[0] + 1] if at[0] + 1 < len(args) else None
-    if isinstance(nxt, torch.Tensor) and nxt.device.type == "cpu" and nxt.dtype == torch.int32 and \
-        nxt.shape == (batch,):  # the tensor-core plan's kv lengths (get_seq_lens of indptr and last)
-      lens = torch.zeros(batch, dtype=torch.int32)
-      self.lens_np, args[at[0] + 1] = lens.numpy(), lens
-    self.fi, self.fn, self.args = fi_wrapper, fi_wrapper._cached_module.plan, args
-    self.device = fi_wrapper.device
+    def __init__(self, fi_wrapper, call, indptr: torch.Tensor, batch: int):
+        args, self.kwargs = list(call[0]), call[1]
+        at = [i for i, a in enumerate(args) if a is indptr]
+        if len(at) != 1:
+            raise LookupError(f"the host indptr is argument {at} of the module's plan call")  # caught: no replay
+        self.indptr = torch.zeros(batch + 1, dtype=torch.int32)  # persistent: the argument list holds them
+        self.indptr_np = self.indptr.numpy()
+        args[at[0]] = self.indptr
+        self.lens_np = None
+        nxt = args[at[0] + 1] if at[0] + 1 < len(args) else None
+        if (
+            isinstance(nxt, torch.Tensor)
+            and nxt.device.type == "cpu"
+            and nxt.dtype == torch.int32
+            and nxt.shape == (batch,)
+        ):  # the tensor-core plan's kv lengths (get_seq_lens of indptr and last)
+            lens = torch.zeros(batch, dtype=torch.int32)
+            self.lens_np, args[at[0] + 1] = lens.numpy(), lens
+        self.fi, self.fn, self.args = fi_wrapper, fi_wrapper._cached_module.plan, args
+        self.device = fi_wrapper.device
 
-  def __call__(self, host: HostPlan) -> None:
-    self.indptr_np[:] = host.indptr
-    if self.lens_np is not None:
-      self.lens_np[:] = host.lens
-    if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
-      with torch.cuda.device(self.device):  # as fast_decode_plan (the usual case needs no switch)
-        self.fi._plan_info = self.fn(*self.args, **self.kwargs)
-    else:
-      self.fi._plan_info = self.fn(*self.args, **self.kwargs)
+    def __call__(self, host: HostPlan) -> None:
+        self.indptr_np[:] = host.indptr
+        if self.lens_np is not None:
+            self.lens_np[:] = host.lens
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            with torch.cuda.device(self.device):  # as fast_decode_plan (the usual case needs no switch)
+                self.fi._plan_info = self.fn(*self.args, **self.kwargs)
+        else:
+            self.fi._plan_info = self.fn(*self.args, **self.kwargs)
 
 
 @attrs.define(eq=False)
 class _Wrapper:
-  routine: str
-  cfg: tuple            # (num_qo_heads, num_kv_heads, head_dim, page_size, q dtype, kv dtype, scale)
-  fi: object            # the flashinfer wrapper
-  bufs: _DecodeBuffers | None = None
-  gen: int | None = None  # generation of its last plan
-  planned: bytes | None = None  # decode: the host indptr its last plan was made from
-  replay: _ModulePlan | bool | None = None  # decode: the direct plan call; False: unavailable, use the API
-  counts: dict = attrs.Factory(lambda: {"plan": 0, "fast": 0, "module": 0, "skip": 0})
+    routine: str
+    cfg: tuple  # (num_qo_heads, num_kv_heads, head_dim, page_size, q dtype, kv dtype, scale)
+    fi: object  # the flashinfer wrapper
+    bufs: _DecodeBuffers | None = None
+    gen: int | None = None  # generation of its last plan
+    planned: bytes | None = None  # decode: the host indptr its last plan was made from
+    replay: _ModulePlan | bool | None = None  # decode: the direct plan call; False: unavailable, use the API
+    counts: dict = attrs.Factory(lambda: {"plan": 0, "fast": 0, "module": 0, "skip": 0})
 
-  def valid(self, gen: int) -> bool:
-    return self.gen == gen and (self.bufs is None or self.bufs.owner == gen)
+    def valid(self, gen: int) -> bool:
+        return self.gen == gen and (self.bufs is None or self.bufs.owner == gen)
 
-  def plan(self, host: HostPlan, gen: int, in_graph: bool = False) -> None:
-    if self.routine == "decode":
-      self._plan_decode(host, gen, in_graph)
-    else:
-      hq, hkv, d, page, qdt, kvdt, scale = self.cfg
-      self.fi.plan(host.t("qo_indptr"), host.t("indptr"), host.t("indices"), host.t("last"), hq, hkv, d, page,
-                   causal=True, sm_scale=scale, q_data_type=qdt, kv_data_type=kvdt)
-      self.counts["plan"] += 1
-    self.gen = gen
+    def plan(self, host: HostPlan, gen: int, in_graph: bool = False) -> None:
+        if self.routine == "decode":
+            self._plan_decode(host, gen, in_graph)
+        else:
+            hq, hkv, d, page, qdt, kvdt, scale = self.cfg
+            self.fi.plan(
+                host.t("qo_indptr"),
+                host.t("indptr"),
+                host.t("indices"),
+                host.t("last"),
+                hq,
+                hkv,
+                d,
+                page,
+                causal=True,
+                sm_scale=scale,
+                q_data_type=qdt,
+                kv_data_type=kvdt,
+            )
+            self.counts["plan"] += 1
+        self.gen = gen
 
-  def _plan_decode(self, host: HostPlan, gen: int, in_graph: bool = False) -> None:
-    """Upload the metadata (once per generation), then re-plan only if the host indptr changed since this
-    wrapper's last plan (its schedule depends on nothing else: see _ModulePlan): decode lengths grow by one a
-    step, so the page counts, hence the indptr, change only when a sequence crosses into a new page (every
-    page_size steps per sequence), or when the batch changes."""
-    if in_graph:
-      self.bufs.stage_for_graph(host, gen)
-    else:
-      self.bufs.upload(host, gen)
-    if _tensor_cores(self.cfg[0], self.cfg[1]) and not TENSOR_CORE_PLAN_PATHS:
-      # The switch off: tensor-core wrappers (their decode plans with the prefill scheduler) re-plan every step
-      # through flashinfer's own entry points. Their skip / direct-module paths once met an illegal address on
-      # the H200; the cause proved to be the plan-freshness leak (fixed), and the models with these paths on
-      # equal eager on the H200 (2026-11-29, session 3): on by default since.
-      self.replay = False
-      self._plan_decode_api(host)
-      return
-    key = host.indptr.tobytes()  # ~0.2 us at batch 256; np.array_equal is ~2 us
-    if key == self.planned:
-      self.counts["skip"] += 1
-    elif isinstance(self.replay, _ModulePlan):
-      self.replay(host)
-      self.counts["module"] += 1
-    else:
-      self._plan_decode_api(host)
-    self.planned = key
+    def _plan_decode(self, host: HostPlan, gen: int, in_graph: bool = False) -> None:
+        """Upload the metadata (once per generation), then re-plan only if the host indptr changed since this
+        wrapper's last plan (its schedule depends on nothing else: see _ModulePlan): decode lengths grow by one a
+        step, so the page counts, hence the indptr, change only when a sequence crosses into a new page (every
+        page_size steps per sequence), or when the batch changes."""
+        if in_graph:
+            self.bufs.stage_for_graph(host, gen)
+        else:
+            self.bufs.upload(host, gen)
+        if _tensor_cores(self.cfg[0], self.cfg[1]) and not TENSOR_CORE_PLAN_PATHS:
+            # The switch off: tensor-core wrappers (their decode plans with the prefill scheduler) re-plan every step
+            # through flashinfer's own entry points. Their skip / direct-module paths once met an illegal address on
+            # the H200; the cause proved to be the plan-freshness leak (fixed), and the models with these paths on
+            # equal eager on the H200 (2026-11-29, session 3): on by default since.
+            self.replay = False
+            self._plan_decode_api(host)
+            return
+        key = host.indptr.tobytes()  # ~0.2 us at batch 256; np.array_equal is ~2 us
+        if key == self.planned:
+            self.counts["skip"] += 1
+        elif isinstance(self.replay, _ModulePlan):
+            self.replay(host)
+            self.counts["module"] += 1
+        else:
+            self._plan_decode_api(host)
+        self.planned = key
 
-  def _plan_decode_api(self, host: HostPlan) -> None:
-    """flashinfer's own entry points: plan() the first time (it sets the wrapper up), fast_decode_plan after,
-    whose module call the second plan records for _ModulePlan (kept on fast_decode_plan if that fails).
-    `indices` is the uploaded page-id slice: it makes plan()'s own copy of them a no-op (same memory)."""
-    hq, hkv, d, page, qdt, kvdt, scale = self.cfg
-    indptr, last, indices = host.t("indptr"), host.t("last"), self.bufs.indices[:host.indices.shape[0]]
-    fast = _fast_decode_plan() if self.gen is not None else None
-    if fast is None:
-      self.fi.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt, sm_scale=scale)
-      self.counts["plan"] += 1
-      return
-    inner = getattr(self.fi, "_cached_module", None)
-    record = self.replay is None and inner is not None
-    if inner is None:
-      self.replay = False
-    if record:
-      self.fi._cached_module = rec = _Recorder(inner)
-    try:
-      fast(self.fi, indptr, indices, last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt, sm_scale=scale)
-    finally:
-      if record:
-        self.fi._cached_module = inner
-    self.counts["fast"] += 1
-    if record:
-      try:
-        self.replay = _ModulePlan(self.fi, rec.call, indptr, len(host.last)) if rec.call is not None else False
-      except (LookupError, AttributeError):  # not the module call we know: stay on fast_decode_plan
-        self.replay = False
+    def _plan_decode_api(self, host: HostPlan) -> None:
+        """flashinfer's own entry points: plan() the first time (it sets the wrapper up), fast_decode_plan after,
+        whose module call the second plan records for _ModulePlan (kept on fast_decode_plan if that fails).
+        `indices` is the uploaded page-id slice: it makes plan()'s own copy of them a no-op (same memory)."""
+        hq, hkv, d, page, qdt, kvdt, scale = self.cfg
+        indptr, last, indices = host.t("indptr"), host.t("last"), self.bufs.indices[: host.indices.shape[0]]
+        fast = _fast_decode_plan() if self.gen is not None else None
+        if fast is None:
+            self.fi.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt, sm_scale=scale)
+            self.counts["plan"] += 1
+            return
+        inner = getattr(self.fi, "_cached_module", None)
+        record = self.replay is None and inner is not None
+        if inner is None:
+            self.replay = False
+        if record:
+            self.fi._cached_module = rec = _Recorder(inner)
+        try:
+            fast(self.fi, indptr, indices, last, hq, hkv, d, page, q_data_type=qdt, kv_data_type=kvdt, sm_scale=scale)
+        finally:
+            if record:
+                self.fi._cached_module = inner
+        self.counts["fast"] += 1
+        if record:
+            try:
+                self.replay = _ModulePlan(self.fi, rec.call, indptr, len(host.last)) if rec.call is not None else False
+            except (LookupError, AttributeError):  # not the module call we know: stay on fast_decode_plan
+                self.replay = False
 
 
 @attrs.define
 class _State:
-  """Per (routine, bucket, page size): the latest plan's host metadata and what it was made for."""
-  gen: int
-  host: HostPlan
-  token: object | None   # the execution the hook planned it for (fgraph._primitives.executing())
-  ident: tuple | None    # (weakref, version) of (query_start_loc, seq_lens, block_table) it was used with
+    """Per (routine, bucket, page size): the latest plan's host metadata and what it was made for."""
+
+    gen: int
+    host: HostPlan
+    token: object | None  # the execution the hook planned it for (fgraph._primitives.executing())
+    ident: tuple | None  # (weakref, version) of (query_start_loc, seq_lens, block_table) it was used with
 
 
 TENSOR_CORE_PLAN_PATHS = True  # False: tensor-core decode wrappers re-plan through the API (see _Wrapper._plan_decode)
 _BY_HAND = object()  # the token of a plan made outside any fgraph execution (A.plan_attention)
 _workspaces: dict[str, torch.Tensor] = {}
 _decode_bufs: dict[str, _DecodeBuffers] = {}
-_wrappers: dict[tuple, _Wrapper] = {}   # (routine, bucket or None, device, cfg, width or None) -> wrapper
-_groups: dict[tuple, list] = {}         # (routine, bucket or None, page_size, scale) -> its wrappers
-_states: dict[tuple, _State] = {}       # (routine, bucket, page_size) -> state
+_wrappers: dict[tuple, _Wrapper] = {}  # (routine, bucket or None, device, cfg, width or None) -> wrapper
+_groups: dict[tuple, list] = {}  # (routine, bucket or None, page_size, scale) -> its wrappers
+_states: dict[tuple, _State] = {}  # (routine, bucket, page_size) -> state
 
 
 def _tensor_cores(hq: int, hkv: int) -> bool:
-  # The CUDA-core decode kernels cover GQA groups 1, 2, 4, 8 only; tensor cores win from 4 on anyway.
-  return hq // hkv > 2
+    # The CUDA-core decode kernels cover GQA groups 1, 2, 4, 8 only; tensor cores win from 4 on anyway.
+    return hq // hkv > 2
 
 
 def _workspace(device) -> torch.Tensor:
-  key = str(device)
-  if key not in _workspaces:
-    _workspaces[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # must start zeroed
-  return _workspaces[key]
+    key = str(device)
+    if key not in _workspaces:
+        _workspaces[key] = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)  # must start zeroed
+    return _workspaces[key]
 
 
 def _buffers(batch: int, max_pages: int, device) -> _DecodeBuffers:
-  """Shared buffers large enough for `batch` rows; a larger bucket gets a new, larger set (fgraph captures
-  largest first, so in practice one set serves every bucket)."""
-  key, need = str(device), batch * max_pages
-  b = _decode_bufs.get(key)
-  if b is None or b.batch < batch or b.indices.numel() < need:
-    b = _decode_bufs[key] = _DecodeBuffers(batch, need, device)
-  return b
+    """Shared buffers large enough for `batch` rows; a larger bucket gets a new, larger set (fgraph captures
+    largest first, so in practice one set serves every bucket)."""
+    key, need = str(device), batch * max_pages
+    b = _decode_bufs.get(key)
+    if b is None or b.batch < batch or b.indices.numel() < need:
+        b = _decode_bufs[key] = _DecodeBuffers(batch, need, device)
+    return b
 
 
 def _config(q, k_cache, scale: float) -> tuple[str, tuple]:
-  """(device, _Wrapper.cfg) of an attention call, from its tensors (the eager rule) or their avals (the plan hook
-  before a capture): one construction, so the hook makes the very wrapper the graph's capture will look up.
-  q: [B, Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and .device (a tensor's torch.device or an
-  aval's str of one: both name the index, "cuda:0")."""
-  _, hq, d = q.shape
-  return str(q.device), (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, float(scale))
+    """(device, _Wrapper.cfg) of an attention call, from its tensors (the eager rule) or their avals (the plan hook
+    before a capture): one construction, so the hook makes the very wrapper the graph's capture will look up.
+    q: [B, Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and .device (a tensor's torch.device or an
+    aval's str of one: both name the index, "cuda:0")."""
+    _, hq, d = q.shape
+    return str(q.device), (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, float(scale))
 
 
-def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-             scale: float) -> _Wrapper:
-  return _wrapper_for(routine, q.shape[0], *_config(q, k_cache, scale), block_table.shape[1])
+def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, scale: float) -> _Wrapper:
+    return _wrapper_for(routine, q.shape[0], *_config(q, k_cache, scale), block_table.shape[1])
 
 
 def _wrapper_for(routine: str, B: int, device: str, cfg: tuple, width: int) -> _Wrapper:
-  """The wrapper of this routine, bucket (decode), device and configuration (_Wrapper.cfg), made on first use."""
-  # decode: one wrapper per bucket and block-table width (its buffers hold bucket x width page ids; an engine
-  # with longer sequences gets its own, and graphs captured over the old buffers keep them)
-  key = (routine, B if routine == "decode" else None, device, cfg, width if routine == "decode" else None)
-  w = _wrappers.get(key)
-  if w is None:
-    fi, ws, (hq, hkv) = _fi(), _workspace(device), cfg[:2]
-    if routine == "decode":
-      bufs = _buffers(B, width, device)
-      inner = fi.BatchDecodeWithPagedKVCacheWrapper(
-          ws, "NHD", use_cuda_graph=True, use_tensor_cores=_tensor_cores(hq, hkv),
-          paged_kv_indptr_buffer=bufs.indptr[:B + 1], paged_kv_indices_buffer=bufs.indices,
-          paged_kv_last_page_len_buffer=bufs.last[:B])
-      w = _Wrapper(routine, cfg, inner, bufs)
-    else:
-      w = _Wrapper(routine, cfg, fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2"))
-    _wrappers[key] = w
-    _groups.setdefault(_group_key(routine, key[1], cfg[3], cfg[6]), []).append(w)
-  return w
+    """The wrapper of this routine, bucket (decode), device and configuration (_Wrapper.cfg), made on first use."""
+    # decode: one wrapper per bucket and block-table width (its buffers hold bucket x width page ids; an engine
+    # with longer sequences gets its own, and graphs captured over the old buffers keep them)
+    key = (routine, B if routine == "decode" else None, device, cfg, width if routine == "decode" else None)
+    w = _wrappers.get(key)
+    if w is None:
+        fi, ws, (hq, hkv) = _fi(), _workspace(device), cfg[:2]
+        if routine == "decode":
+            bufs = _buffers(B, width, device)
+            inner = fi.BatchDecodeWithPagedKVCacheWrapper(
+                ws,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=_tensor_cores(hq, hkv),
+                paged_kv_indptr_buffer=bufs.indptr[: B + 1],
+                paged_kv_indices_buffer=bufs.indices,
+                paged_kv_last_page_len_buffer=bufs.last[:B],
+            )
+            w = _Wrapper(routine, cfg, inner, bufs)
+        else:
+            w = _Wrapper(routine, cfg, fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2"))
+        _wrappers[key] = w
+        _groups.setdefault(_group_key(routine, key[1], cfg[3], cfg[6]), []).append(w)
+    return w
 
 
 def _decode_wrapper_of(avals, bucket: int, scale: float, width: int) -> bool:
-  """Before a decode capture: make this call site's wrapper for the bucket from the avals of its q and k_cache
-  (fgraph.PlanCall.avals), exactly the one its eager rule would make from the tensors, so the FULL graph is
-  captured without an eager warm-up run of the whole model first (~15-30 ms each on 0.5B, 51 buckets), and
-  only this model's wrappers are made (each holds flashinfer's pinned buffers). False where the avals do not
-  tell (a hook called by hand; a head count or size not static in the trace): wrappers come from a warm-up."""
-  q, k_cache = avals.get("q"), avals.get("k_cache")
-  if q is None or k_cache is None:
-    return False
-  device, cfg = _config(q, k_cache, scale)
-  if any(x is None for x in cfg[:4]):
-    return False
-  _wrapper_for("decode", bucket, device, cfg, width)
-  return True
+    """Before a decode capture: make this call site's wrapper for the bucket from the avals of its q and k_cache
+    (fgraph.PlanCall.avals), exactly the one its eager rule would make from the tensors, so the FULL graph is
+    captured without an eager warm-up run of the whole model first (~15-30 ms each on 0.5B, 51 buckets), and
+    only this model's wrappers are made (each holds flashinfer's pinned buffers). False where the avals do not
+    tell (a hook called by hand; a head count or size not static in the trace): wrappers come from a warm-up."""
+    q, k_cache = avals.get("q"), avals.get("k_cache")
+    if q is None or k_cache is None:
+        return False
+    device, cfg = _config(q, k_cache, scale)
+    if any(x is None for x in cfg[:4]):
+        return False
+    _wrapper_for("decode", bucket, device, cfg, width)
+    return True
 
 
 def _group_key(routine: str, bucket: int | None, page_size: int, scale: float) -> tuple:
-  return routine, bucket if routine == "decode" else None, page_size, scale
+    return routine, bucket if routine == "decode" else None, page_size, scale
 
 
 def _group(routine: str, bucket: int, page_size: int, scale: float) -> list:
-  """The wrappers one plan serves: decode wrappers of this bucket, or every prefill wrapper (not bucketed).
-  A dict lookup: scanning every wrapper (a bucket each: ~100 with 51 buckets x 2 configs) was ~10 us a step."""
-  return _groups.get(_group_key(routine, bucket, page_size, scale), ())
+    """The wrappers one plan serves: decode wrappers of this bucket, or every prefill wrapper (not bucketed).
+    A dict lookup: scanning every wrapper (a bucket each: ~100 with 51 buckets x 2 configs) was ~10 us a step."""
+    return _groups.get(_group_key(routine, bucket, page_size, scale), ())
 
 
 def reset() -> None:
-  """Forget every wrapper, plan and buffer (frees their memory). Drop graphs captured over them first."""
-  for d in (_wrappers, _groups, _states, _decode_bufs, _workspaces):
-    d.clear()
+    """Forget every wrapper, plan and buffer (frees their memory). Drop graphs captured over them first."""
+    for d in (_wrappers, _groups, _states, _decode_bufs, _workspaces):
+        d.clear()
 
 
 def stats() -> dict:
-  """How each decode and prefill wrapper got its plans, summed: flashinfer's plan() ("plan"), its
-  fast_decode_plan ("fast"), the direct module call ("module"), skipped as unchanged ("skip")."""
-  out = {"plan": 0, "fast": 0, "module": 0, "skip": 0}
-  for w in _wrappers.values():
-    for k, v in w.counts.items():
-      out[k] += v
-  return out
+    """How each decode and prefill wrapper got its plans, summed: flashinfer's plan() ("plan"), its
+    fast_decode_plan ("fast"), the direct module call ("module"), skipped as unchanged ("skip")."""
+    out = {"plan": 0, "fast": 0, "module": 0, "skip": 0}
+    for w in _wrappers.values():
+        for k, v in w.counts.items():
+            out[k] += v
+    return out
 
 
 # --------------------------------------------------------------------------------------------- plan, run
-def on_plan(routine: str, bucket: int, page_size: int, scale: float, inputs, capturing: bool = False,
-            avals=None) -> bool:
-  """fgraph's plan hook for this backend: host metadata -> plan every wrapper of the group this call uses.
-  Before a decode capture with the call site's avals (fgraph.PlanCall.avals), it first makes the site's wrapper
-  for this bucket (_decode_wrapper_of) and returns True: this signature's capture then needs no eager warm-up."""
-  missing = [k for k in ("query_start_loc", "seq_lens", "block_table") if k not in inputs]
-  if missing:
-    raise FgraphError(f"attention(backend='flashinfer'): the plan hook did not get {missing} as per-call inputs, "
-                      "so it cannot plan the kernels before a graph replays",
-                      "pass the AttentionMetadata leaves straight from the batch argument (declared Batched, "
-                      "e.g. A.metadata_batching()) instead of computing them inside the function")
-  prev = _states.get((routine, bucket, page_size))
-  host = host_plan(inputs["query_start_loc"], inputs["seq_lens"], inputs["block_table"], page_size,
-                   with_qo=routine == "mixed", prev=prev.host if prev is not None else None)
-  gen = next(_gen)
-  token = executing()
-  _states[(routine, bucket, page_size)] = _State(gen, host, token=token or _BY_HAND, ident=None)
-  in_graph = token is not None and token.in_graph  # a FULL graph that copies the metadata in itself
-  made = capturing and routine == "decode" and bool(avals) and \
-      _decode_wrapper_of(avals, bucket, scale, inputs["block_table"].shape[1])
-  for w in _group(routine, bucket, page_size, scale):
-    w.plan(host, gen, in_graph)
-  return made
+def on_plan(
+    routine: str, bucket: int, page_size: int, scale: float, inputs, capturing: bool = False, avals=None
+) -> bool:
+    """fgraph's plan hook for this backend: host metadata -> plan every wrapper of the group this call uses.
+    Before a decode capture with the call site's avals (fgraph.PlanCall.avals), it first makes the site's wrapper
+    for this bucket (_decode_wrapper_of) and returns True: this signature's capture then needs no eager warm-up."""
+    missing = [k for k in ("query_start_loc", "seq_lens", "block_table") if k not in inputs]
+    if missing:
+        raise FgraphError(
+            f"attention(backend='flashinfer'): the plan hook did not get {missing} as per-call inputs, "
+            "so it cannot plan the kernels before a graph replays",
+            "pass the AttentionMetadata leaves straight from the batch argument (declared Batched, "
+            "e.g. A.metadata_batching()) instead of computing them inside the function",
+        )
+    prev = _states.get((routine, bucket, page_size))
+    host = host_plan(
+        inputs["query_start_loc"],
+        inputs["seq_lens"],
+        inputs["block_table"],
+        page_size,
+        with_qo=routine == "mixed",
+        prev=prev.host if prev is not None else None,
+    )
+    gen = next(_gen)
+    token = executing()
+    _states[(routine, bucket, page_size)] = _State(gen, host, token=token or _BY_HAND, ident=None)
+    in_graph = token is not None and token.in_graph  # a FULL graph that copies the metadata in itself
+    made = (
+        capturing
+        and routine == "decode"
+        and bool(avals)
+        and _decode_wrapper_of(avals, bucket, scale, inputs["block_table"].shape[1])
+    )
+    for w in _group(routine, bucket, page_size, scale):
+        w.plan(host, gen, in_graph)
+    return made
 
 
 def _version(t: torch.Tensor):
-  try:
-    return t._version
-  except RuntimeError:  # inference tensors keep no version counter: never assume they are unchanged
-    return None
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter: never assume they are unchanged
+        return None
 
 
 def _ident(ts) -> tuple:
-  return tuple((weakref.ref(t), _version(t)) for t in ts)
+    return tuple((weakref.ref(t), _version(t)) for t in ts)
 
 
 def _same(ident, ts) -> bool:
-  return ident is not None and all(r() is t and v is not None and v == _version(t) for (r, v), t in zip(ident, ts))
+    return ident is not None and all(r() is t and v is not None and v == _version(t) for (r, v), t in zip(ident, ts))
 
 
-def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine,
-            scale, max_seq_len):
-  """out, q: [B, Hq, D]; k/v: [B, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D]; metadata padded to B sequences.
-  Writes k/v into their slots, then out."""
-  del max_seq_len  # flashinfer sizes its grid in plan(), from the actual lengths
-  # index_copy_, not flashinfer's append_paged_kv_cache: that needs batch indices and positions per token
-  # (more device metadata); this is one kernel per cache from the slot_mapping we already have.
-  write_kv(k, v, k_cache, v_cache, slot_mapping)
-  B, page = q.shape[0], k_cache.shape[1]
-  w = _wrapper(routine, q, k_cache, block_table, scale)
-  key, ts = (routine, B, page), (query_start_loc, seq_lens, block_table)
-  st = _states.get(key)
-  capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-  now = executing()
-  fresh = st is not None and (st.token is (now or _BY_HAND) or _same(st.ident, ts))
-  if fresh and st.token is _BY_HAND:  # a plan made by hand serves the next direct call (all its layers)
-    st.token, st.ident = None, _ident(ts)
-  if fresh and w.valid(st.gen):
-    pass
-  elif capturing:
-    # plan() copies host memory to the device, which a graph must not record. A graph captured on an older
-    # plan is fine: replays run on the plan the hook makes before each of them.
-    if w.gen is None:
-      raise FgraphError("attention(backend='flashinfer'): capturing a CUDA graph with no plan for this batch",
-                        "run one eager call first (fgraph.jit warms up before capturing), or call "
-                        "A.plan_attention(...) before torch.cuda.graph")
-  elif fresh:
-    w.plan(st.host, st.gen)  # a wrapper created after the hook ran (first eager run of the signature)
-  else:
-    # Not planned for these inputs (called outside fgraph.jit, or the inputs changed): plan from the device.
-    host = host_plan(query_start_loc, seq_lens, block_table, page, with_qo=routine == "mixed")  # a sync
-    st = _states[key] = _State(next(_gen), host, token=None, ident=_ident(ts))
-    w.plan(host, st.gen)
-  if routine == "decode" and now is not None and now.in_graph and w.bufs.copied_for is not now:
-    # first layer of a graph that copies its inputs in itself (P.Token): the metadata copy goes in the graph
-    w.bufs.stage_for_graph(st.host, st.gen, capturing)  # a no-op when the hook staged this generation
-    w.bufs.copy_in(B * block_table.shape[1])
-    w.bufs.copied_for = now
-  w.fi.run(q, (k_cache, v_cache), out=out)
+def forward(
+    out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine, scale, max_seq_len
+):
+    """out, q: [B, Hq, D]; k/v: [B, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D]; metadata padded to B sequences.
+    Writes k/v into their slots, then out."""
+    del max_seq_len  # flashinfer sizes its grid in plan(), from the actual lengths
+    # index_copy_, not flashinfer's append_paged_kv_cache: that needs batch indices and positions per token
+    # (more device metadata); this is one kernel per cache from the slot_mapping we already have.
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    B, page = q.shape[0], k_cache.shape[1]
+    w = _wrapper(routine, q, k_cache, block_table, scale)
+    key, ts = (routine, B, page), (query_start_loc, seq_lens, block_table)
+    st = _states.get(key)
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    now = executing()
+    fresh = st is not None and (st.token is (now or _BY_HAND) or _same(st.ident, ts))
+    if fresh and st.token is _BY_HAND:  # a plan made by hand serves the next direct call (all its layers)
+        st.token, st.ident = None, _ident(ts)
+    if fresh and w.valid(st.gen):
+        pass
+    elif capturing:
+        # plan() copies host memory to the device, which a graph must not record. A graph captured on an older
+        # plan is fine: replays run on the plan the hook makes before each of them.
+        if w.gen is None:
+            raise FgraphError(
+                "attention(backend='flashinfer'): capturing a CUDA graph with no plan for this batch",
+                "run one eager call first (fgraph.jit warms up before capturing), or call "
+                "A.plan_attention(...) before torch.cuda.graph",
+            )
+    elif fresh:
+        w.plan(st.host, st.gen)  # a wrapper created after the hook ran (first eager run of the signature)
+    else:
+        # Not planned for these inputs (called outside fgraph.jit, or the inputs changed): plan from the device.
+        host = host_plan(query_start_loc, seq_lens, block_table, page, with_qo=routine == "mixed")  # a sync
+        st = _states[key] = _State(next(_gen), host, token=None, ident=_ident(ts))
+        w.plan(host, st.gen)
+    if routine == "decode" and now is not None and now.in_graph and w.bufs.copied_for is not now:
+        # first layer of a graph that copies its inputs in itself (P.Token): the metadata copy goes in the graph
+        w.bufs.stage_for_graph(st.host, st.gen, capturing)  # a no-op when the hook staged this generation
+        w.bufs.copy_in(B * block_table.shape[1])
+        w.bufs.copied_for = now
+    w.fi.run(q, (k_cache, v_cache), out=out)
