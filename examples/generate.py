@@ -114,7 +114,9 @@ def prompts_of(args, cfg, tokenizer) -> list[list[int]]:
     try:
         ids = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
     except ValueError:
-        raise fgraph.FgraphError(f"--prompt-ids {args.prompt_ids}: not comma-separated integers", "--prompt-ids 1,2,3")
+        raise fgraph.FgraphError(
+            f"--prompt-ids {args.prompt_ids}: not comma-separated integers", "--prompt-ids 1,2,3"
+        ) from None
     if args.prompt:
         if tokenizer is None:
             raise fgraph.FgraphError(

@@ -300,6 +300,7 @@ def load(model_dir: str, dtype=None, device="cpu", moe_backend: str = "local") -
 
 if __name__ == "__main__":  # the former command, kept: examples.generate runs MoE models now (tiny-moe by default)
     import sys
+
     from . import generate
 
     argv = sys.argv[1:]

@@ -38,13 +38,13 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-# torch >= 2.12 names it all_gather_single; 2.11 (the GPU image) has only all_gather_tensor: the same traced op
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-
 import fgraph
 
 from . import checkpoint, engine, llama
 from .layers import linear
+
+# torch >= 2.12 names it all_gather_single; 2.11 (the GPU image) has only all_gather_tensor: the same traced op
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 @attrs.frozen

@@ -4,7 +4,8 @@ call runs through it: copy inputs in, plan, replay (or run the program), hand ou
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -258,7 +259,7 @@ class Entry:
             # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
             # signature that its plan hook did not make (flashinfer's per-bucket wrappers, which its hook makes from
             # the traced shapes: only a hook called without avals leaves them to an eager run). PIECEWISE runs its
-            # breaks eagerly in the capture pass itself. An eager run costs a step of the eager model (15-30 ms on 0.5B).
+            # breaks eagerly in the capture pass itself. An eager run costs a step of the eager model.
             if self.traced.warmed and compile is None and (ready or self.mode is Mode.PIECEWISE):
                 warmups = 0
             for _ in range(warmups):

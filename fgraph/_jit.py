@@ -10,7 +10,7 @@ import logging
 import operator
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import enum
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch

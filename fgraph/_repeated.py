@@ -16,7 +16,7 @@ refused when the template is made. Sizes from outside are fine (a symbolic batch
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx

@@ -26,7 +26,7 @@ class Mode(enum.Enum):
     FULL_DECODE_ONLY = "FULL_DECODE_ONLY"  # FULL for decode, NONE for mixed
     FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"  # FULL for decode, PIECEWISE for mixed
 
-    def for_routine(self, decode: bool) -> "Mode":
+    def for_routine(self, decode: bool) -> Mode:
         """The runtime mode (NONE, PIECEWISE or FULL) asked for a routine."""
         if self is Mode.FULL_DECODE_ONLY:
             return Mode.FULL if decode else Mode.NONE

@@ -258,7 +258,8 @@ def kernels(cfg, params):
     step (torch.profiler over 20 replays), to see where a step's time goes and what each side fuses.
     KERNELS_B="1 64" and KERNELS_SIDES="flashinfer flash_attn compile" pick the cells; KERNELS_CDT=1 compiles
     fgraph's pieces with coordinate-descent tuning (see gemv)."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     def table(label, fn, steps=20):
         for _ in range(3):

@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e '.[test]'
+# one style, enforced (PEP 8 via ruff: lint and format, configured in pyproject.toml)
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/python -m pytest -q -x "$@"

@@ -9,9 +9,9 @@ import math
 import subprocess
 import sys
 
+import attrs
 import numpy as np
 import pytest
-import attrs
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -19,7 +19,8 @@ import fgraph
 from fgraph import Support, _trace
 from fgraph import capture as C
 from fgraph._primitives import support_rules
-from fgraph.ops import _attn_flash, _attn_flashinfer as FI
+from fgraph.ops import _attn_flash
+from fgraph.ops import _attn_flashinfer as FI
 from fgraph.ops import attention as A
 
 NAN = float("nan")
@@ -365,8 +366,9 @@ class FakeFlashAttnExtension:
 @pytest.mark.parametrize("routine, lens", [("decode", DECODE), ("mixed", MIXED), ("mixed", ([1], [6]))])
 def test_flash_attn_results_land_in_out(routine, lens, hq, hkv, monkeypatch):
     """The flash_attn backend hands the kernels the break's `out` (a strided view of it for folded GQA decode) and
-    gets every head back where `out` keeps it, with no copy; a result computed elsewhere is copied in. The extension is a CPU
-    stand-in (FakeFlashAttnExtension); the H200 tests check the real one against the same reference."""
+    gets every head back where `out` keeps it, with no copy; a result computed elsewhere is copied in.
+    The extension is a CPU stand-in (FakeFlashAttnExtension); the H200 tests check the real one
+    against the same reference."""
     fake = FakeFlashAttnExtension()
     monkeypatch.setattr(_attn_flash, "_api", lambda: fake)
     monkeypatch.setattr(_attn_flash, "_num_sms", lambda index: 132)

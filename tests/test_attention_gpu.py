@@ -216,6 +216,7 @@ def test_flashinfer_plan_host_time():
     """The plan hook's host work per step (metadata + plan()) by batch, next to the stock plan() fed CPU page
     ids, printed for the record. A loose bound only: this is host time on a shared machine."""
     import time
+
     from fgraph.ops import _attn_flashinfer as FI
 
     backend_or_skip("flashinfer")

@@ -16,7 +16,6 @@ import torch
 
 import fgraph
 from fgraph import Batched
-
 from tests import toys
 
 

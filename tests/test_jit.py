@@ -337,7 +337,8 @@ def test_inductor_compiled_pieces_equal_eager():
 def test_compile_takes_inductor_options_for_the_pieces(monkeypatch):
     """compile={...} are Inductor config options (as torch.compile(options=...)), in force while each piece
     compiles; a misspelt option is refused when the function is jitted, not at the first capture."""
-    from torch._inductor import compile_fx as cfx, config as inductor_config
+    from torch._inductor import compile_fx as cfx
+    from torch._inductor import config as inductor_config
 
     seen = []
     real = cfx.compile_fx

@@ -15,9 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from fgraph.ops import attention as A  # noqa: E402
-
 from examples import checkpoint, engine, llama  # noqa: E402
+from fgraph.ops import attention as A  # noqa: E402
 from tests.hf import save_tiny  # noqa: E402
 
 LLAMA3_ROPE = {

@@ -15,9 +15,8 @@ import json
 import pytest
 import torch
 
-from fgraph.ops import attention as A
-
 from examples import checkpoint, engine, generate, llama
+from fgraph.ops import attention as A
 
 pytestmark = pytest.mark.gpu
 
@@ -192,7 +191,8 @@ def test_inductor_pieces_as_close_to_eager_as_torch_compile(backend):
             scale = want.abs().max()
             err, ref_err = ((got - want).abs().max() / scale).item(), ((ref - want).abs().max() / scale).item()
             print(
-                f"{backend} {routine} n={n}: max |d| / max |logit|: fgraph FULL+C {err:.2e}, torch.compile {ref_err:.2e}"
+                f"{backend} {routine} n={n}: max |d| / max |logit|: "
+                f"fgraph FULL+C {err:.2e}, torch.compile {ref_err:.2e}"
             )
             assert err <= max(2 * ref_err, 2e-2) and err < 0.1, (backend, routine, n, err, ref_err)
     assert f.stats()["total"]["replays"] == 4 and f.stats()["fallbacks"] == {"unseen": 0, "oversize": 0}

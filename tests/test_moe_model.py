@@ -16,9 +16,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import fgraph  # noqa: E402
-from fgraph.ops import attention as A  # noqa: E402
-
 from examples import checkpoint, generate, llama, qwen2_moe  # noqa: E402
+from fgraph.ops import attention as A  # noqa: E402
 from tests.hf import save_tiny  # noqa: E402
 from tests.test_models import PAGE, PROMPTS, assert_steps_match_hf, hf_greedy  # noqa: E402
 

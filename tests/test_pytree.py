@@ -89,7 +89,9 @@ def test_registered_record_as_argument_and_result():
 
 def test_flattener_is_tree_flatten_or_none_on_another_structure():
     import collections
+
     import torch.utils._pytree as pt
+
     from fgraph._pytree import flattener, register, unflattener
 
     @register

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fgraph
-from fgraph import _repeated
 from examples import engine, llama
+from fgraph import _repeated
 from tests import toys
 
 

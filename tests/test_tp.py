@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import fgraph
-from fgraph.ops import attention as A
-
 from examples import checkpoint, engine, generate, llama, tp
+from fgraph.ops import attention as A
 
 WORLD = 2
 DEADLINE_S = 55  # the whole 2-process test, spawn included

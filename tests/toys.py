@@ -52,7 +52,7 @@ def toy_maybe_planned(out: torch.Tensor, x: torch.Tensor, lens: torch.Tensor, pl
 def step(params, state, batch, routine="decode", breaks=2):
     """A toy decoder step: `breaks` toy breaks between dense layers; state['count'] is donated and bumped."""
     h = batch["x"] @ params["w"]  # [N, D]
-    for i in range(breaks):
+    for _ in range(breaks):
         o = torch.empty_like(h)
         toy_scale(o, h, 0.5)
         h = torch.tanh(o @ params["w"]) + batch["x"]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree

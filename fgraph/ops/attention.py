@@ -75,7 +75,7 @@ class KVCache:
         head_dim: int,
         dtype=torch.bfloat16,
         device="cpu",
-    ) -> "KVCache":
+    ) -> KVCache:
         if num_pages < 2:
             raise FgraphError(
                 f"KVCache.allocate: num_pages={num_pages} leaves no page besides the scratch page 0",
@@ -113,7 +113,7 @@ class AttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
 
-    def to(self, device, non_blocking: bool = False) -> "AttentionMetadata":
+    def to(self, device, non_blocking: bool = False) -> AttentionMetadata:
         return AttentionMetadata(*(t.to(device, non_blocking=non_blocking) for t in attrs.astuple(self, recurse=False)))
 
 

@@ -32,8 +32,6 @@ grouped matches the loop's work (CPU _grouped_mm is itself per-group) without th
 per-expert launches, which is what dominates a GPU decode step; dense/gather are the fallbacks.
 """
 
-from typing import Optional
-
 import attrs
 import torch
 import torch.distributed as dist
@@ -56,9 +54,9 @@ class MoEWeights:
     router: torch.Tensor  # [E, dim]
     w13: torch.Tensor  # [El, 2*inter, dim]  rows: gate (w1) then up (w3)
     w2: torch.Tensor  # [El, dim, inter]
-    shared_w13: Optional[torch.Tensor] = None  # [2*shared_inter, dim]
-    shared_w2: Optional[torch.Tensor] = None  # [dim, shared_inter]
-    shared_gate: Optional[torch.Tensor] = None  # [1, dim]; None with a shared expert means gate 1
+    shared_w13: torch.Tensor | None = None  # [2*shared_inter, dim]
+    shared_w2: torch.Tensor | None = None  # [dim, shared_inter]
+    shared_gate: torch.Tensor | None = None  # [1, dim]; None with a shared expert means gate 1
     top_k: int = field(static=True, default=2)
     scoring: str = field(static=True, default="softmax")
     renormalize: bool = field(static=True, default=False)
@@ -218,7 +216,7 @@ def choose_layout(x, ids, w13) -> str:
     return "gather" if 2 * ids.numel() <= w13.shape[0] else "dense"
 
 
-def experts(x, ids, w, w13, w2, layout: Optional[str] = None):
+def experts(x, ids, w, w13, w2, layout: str | None = None):
     """Apply this rank's experts to routed pairs (see the layout comment above)."""
     if x.shape[0] == 0:  # an all2all rank that received no tokens
         return x.new_zeros(0, w2.shape[1])
@@ -341,9 +339,9 @@ def moe_p(
     router_w: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    shared_w13: Optional[torch.Tensor],
-    shared_w2: Optional[torch.Tensor],
-    shared_gate: Optional[torch.Tensor],
+    shared_w13: torch.Tensor | None,
+    shared_w2: torch.Tensor | None,
+    shared_gate: torch.Tensor | None,
     top_k: int,
     scoring: str,
     renormalize: bool,
