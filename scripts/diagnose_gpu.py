@@ -334,19 +334,19 @@ def inductor(cfg, params):
     """How far Inductor-compiled steps are from the eager step (bf16, FA2, 7 sequences at position 300, both
     routines): fgraph FULL+C with and without its residual-add pass, and torch.compile of the same step, each as
     max |d| / max |logit| and argmax agreement (the scale tests/test_models_gpu.py's FULL+C tolerance is set by)."""
-    from fgraph import _entry
+    from fgraph import _inductor
 
     ps = A.page_size_for("flash_attn")
     batch, pages = decode_batch(cfg.vocab_size, 7, 300, ps, 1024)
     g = torch.Generator(device=DEV).manual_seed(0)
     step = llama.make_step(cfg, backend="flash_attn", max_seq_len=1024)
     comp = torch.compile(step, fullgraph=True, dynamic=False)
-    real_pass = _entry._residual_adds_out_of_gemms
+    real_pass = _inductor._residual_adds_out_of_gemms
     for label in ("FULL+C", "FULL+C without the pass", "torch.compile", "FULL"):
         cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
         for t in [*cache.k, *cache.v]:
             t.normal_(generator=g)
-        _entry._residual_adds_out_of_gemms = real_pass if label == "FULL+C" else (lambda: None)
+        _inductor._residual_adds_out_of_gemms = real_pass if label == "FULL+C" else (lambda: None)
         f = make_jitted(cfg, "flash_attn", label.split()[0] if label != "torch.compile" else "FULL", 1024, [8])
         for routine in ("decode", "mixed"):
             want = step(params, cache, on_device(batch, DEV), routine)[0].float()
@@ -358,7 +358,7 @@ def inductor(cfg, params):
             err = ((got - want).abs().max() / want.abs().max()).item()
             agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
             say(f"{label:26s} {routine:6s}: max |d| / max |logit| = {err:.2e}, argmax agreement {agree:.2f}")
-    _entry._residual_adds_out_of_gemms = real_pass
+    _inductor._residual_adds_out_of_gemms = real_pass
 
 
 def gemv(_cfg, _params):

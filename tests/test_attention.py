@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
 from fgraph import Support, _trace
-from fgraph import capture as C
+from fgraph import _graphs as C
 from fgraph._primitives import support_rules
 from fgraph.ops import _attn_flash
 from fgraph.ops import _attn_flashinfer as FI

@@ -25,7 +25,7 @@ Measured before this path (H200 host, fast_decode_plan every step): 164-202 us a
 67/90/239/718 us at 1/8/64/256. benchmarks/attention_bench.py (plan_step_us, plan_skip_us) measures it now.
 
 Freshness. All layers of one step share one plan. The eager rule treats the plan as current when the hook made
-it for the execution in progress (`fgraph._primitives.executing()`: fgraph sets a token around each execution
+it for the execution in progress (`fgraph.ops.executing()`: fgraph sets a token around each execution
 of a signature), or, for a direct call outside fgraph, when the plan was made by hand (A.plan_attention) and
 not used yet, or when it gets the very tensors (same objects, same version counter) its plan was made or
 first used for (the later layers of the step). Anything else, e.g. the model called directly outside fgraph.jit,
@@ -43,8 +43,7 @@ import weakref
 import attrs
 import torch
 
-from fgraph._errors import FgraphError
-from fgraph._primitives import executing
+from fgraph.ops import FgraphError, executing
 from fgraph.ops._attn_torch import write_kv
 from fgraph.ops._flashinfer_buffers import HostPlan, _DecodeBuffers, host_plan
 
@@ -229,7 +228,7 @@ class _State:
 
     gen: int
     host: HostPlan
-    token: object | None  # the execution the hook planned it for (fgraph._primitives.executing())
+    token: object | None  # the execution the hook planned it for (fgraph.ops.executing())
     ident: tuple | None  # (weakref, version) of (query_start_loc, seq_lens, block_table) it was used with
 
 
