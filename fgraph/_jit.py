@@ -33,8 +33,8 @@ class config:
     explain_cache_misses = False  # log, for each new signature, the closest previous one and what differs
     log_captures = False  # log every graph captured
     # FULL graphs copy their batched inputs in themselves (InputBuffers.copy_in_graph): a call pads into pinned
-    # memory and replays, with no copy or event of its own (H200, FA2 B=1: 237 -> 178 us entry -> return; FlashInfer's
-    # plan hook 159 -> 81 us; benchmarks/NOTES.md, session 6). False: each call copies its inputs and records an event.
+    # memory and replays, with no copy or event of its own: two CUDA calls fewer per call, tens of us of host time
+    # each on a busy GPU (docs/performance.md). False: each call copies its inputs and records an event.
     inputs_in_graph = True
 
 
