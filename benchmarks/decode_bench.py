@@ -94,7 +94,7 @@ HOST_ROUNDS, HOST_CALLS = 4, 25  # host time: rounds over the cell's FULL modes 
 
 def host_times(fs: dict, params, cache, batch, dev) -> dict:
     """Host µs of a FULL decode call per mode ({mode: jitted}): HOST_ROUNDS rounds of HOST_CALLS calls of each
-    mode in turn, so drift of the host within the process (session 6: 2x between two runs of the same cell) is
+    mode in turn, so drift of the host within the process (2x between two runs of the same cell, measured) is
     billed to every mode alike. {mode: host_time's dict, or a note}."""
     samples = {m: ([], [], []) for m in fs}
     notes = {}
@@ -324,8 +324,8 @@ def first_trace_s(dev) -> float:
 
 def backend_import_s(backend: str) -> float | None:
     """The one-off import of the backend's library, paid before its capture like the first trace and reported beside
-    it: flashinfer's took 1.45 s of a 14.6 s capture on the H200's host (results/s7/diagnose-capture.txt), and is
-    inside the capture times of sessions 3-7's first run."""
+    it: flashinfer's took 1.45 s of a 14.6 s capture on the H200's host (scripts/diagnose_gpu.py capture), and was
+    inside the capture times of a process's first run before it was reported apart."""
     if backend not in ("flash_attn", "flashinfer"):
         return None  # (the torch backend imports nothing)
     t0 = time.perf_counter()

@@ -229,7 +229,7 @@ def host_lines(cells) -> list[str]:
     out = [
         "",
         "Host time per FULL decode call, us (median, GPU kept busy; the modes of a cell in alternating rounds "
-        "since session 6): entry->launch = plan + the rest; entry->return",
+        "entry->launch = plan + the rest; entry->return",
         "",
         "| ctx | B | "
         + " | ".join(
@@ -299,7 +299,7 @@ def routine_cost(c, routine) -> str:
 
 def _serve_gain(r, rows) -> float:
     """Output throughput over PIECEWISE's: the median of paired per-round ratios where the run has them (rows of
-    before session 6: the ratio of the two single runs)."""
+    without paired repeats: the ratio of the two single runs)."""
     if r.get("mode") == "PIECEWISE":
         return 0.0
     if "gain_paired" in r:
@@ -331,7 +331,7 @@ def serve_lines(rows) -> list[str]:
             out.append(f"| {r.get('model', '')} | {r.get('backend')} | {r.get('mode')} | {what} | | | | | | | | |")
             continue
         tput = r.get("throughput_runs", [r["throughput_tok_s"]])
-        wait = f"{r['waiting_share']:.0%}" if "waiting_share" in r else "-"  # (rows of sessions before 7: not measured)
+        wait = f"{r['waiting_share']:.0%}" if "waiting_share" in r else "-"  # (older rows: not measured)
         out.append(
             f"| {r.get('model', '')} | {r['backend']} | {r['mode']} | {r['setup_s']:.1f} | {len(tput)} | "
             f"{r['elapsed_s']:.1f} | {r['throughput_tok_s']:.0f} ({min(tput):.0f}-{max(tput):.0f}) | "

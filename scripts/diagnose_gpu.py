@@ -106,7 +106,7 @@ def stages(cfg, params):
     by the call: one H2D copy and an event); plan = execution token + plan hooks up to the replay; replay =
     CUDAGraph.replay; outputs = the rest (slice, unflatten, return). Per cell, two jits of the same step:
     fgraph.config.inputs_in_graph off (the call copies its inputs) and on (the graph does), called in alternating
-    rounds of STAGES_CALLS (default 50) for STAGES_ROUNDS rounds (default 6): session 6's two runs of off-then-on
+    rounds of STAGES_CALLS (default 50) for STAGES_ROUNDS rounds (default 6): two runs of off-then-on
     disagreed, the host drifting within the process, and alternation bills that drift to both alike.
     STAGES_WAIT=spin waits for each call by polling an event instead of torch.cuda.synchronize(): whether a call
     after a blocking wait (a VM's vCPU that slept) is what makes dispatch 30-60 us there against ~5 us back to back."""
@@ -307,7 +307,7 @@ def kernels(cfg, params):
 
 def pool(cfg, params):
     """Capture cost (benchmarks.decode_bench.capture_cost, FA2) with attention() as it is, then with k/v made
-    contiguous in the traced program (the attention() of session 3: an N == 1 guard, 4 traces): pool and time."""
+    contiguous in the traced program (an attention() with an N == 1 guard made 4 traces): pool and time."""
     import argparse
 
     from benchmarks.decode_bench import capture_cost
@@ -493,7 +493,7 @@ def moe(_cfg, _params):
 
 
 def fa2out(cfg, params):
-    """FA2 attention writing into the break's `out` (now) against session 7's path (flash_attn's public functions,
+    """FA2 attention writing into the break's `out` (now) against the earlier path (flash_attn's public functions,
     then out.copy_), one process: two FULL+C jits per B (ctx 1k), GPU ms per step timed in alternating rounds, and
     the largest logit difference between them (the same kernels: expected 0)."""
     from benchmarks.common import gpu_ms
