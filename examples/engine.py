@@ -1,4 +1,4 @@
-"""A small serving engine on fgraph.jit: request queue, paged KV blocks, continuous batching, sampling, metrics.
+"""A small serving engine on fgraph.jit: request queue and continuous batching over paged KV blocks.
 
 Each step packs, within `max_batch_tokens`, one token of every running decode, then chunks of prompts
 (a long prompt is prefilled over several steps; new requests are admitted while pages and seats last).
@@ -16,7 +16,6 @@ import collections
 import math
 import time
 
-import attrs
 import torch
 import torch.utils._pytree as pytree
 
@@ -24,56 +23,10 @@ import fgraph
 from fgraph.ops import attention as A
 
 from . import llama
-
-
-@attrs.define(eq=False)
-class Request:
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    output: list[int] = attrs.Factory(list)
-    pages: list[int] = attrs.Factory(list)
-    computed: int = 0  # tokens (prompt + output) whose k/v are in the cache
-    t_arrive: float = 0.0
-    t_first: float | None = None
-    t_done: float | None = None
-    finish_reason: str | None = None  # "eos" | "length"
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    @property
-    def ttft(self) -> float:
-        return self.t_first - self.t_arrive
-
-    @property
-    def tpot(self) -> float | None:  # mean time per output token after the first
-        return (self.t_done - self.t_first) / (len(self.output) - 1) if len(self.output) > 1 else None
-
-
-class BlockAllocator:
-    """Free list of KV pages. Page 0 is the attention op's scratch page (padding rows), never handed out."""
-
-    def __init__(self, num_pages: int):
-        self.free = collections.deque(range(1, num_pages))
-
-    def alloc(self, n: int) -> list[int] | None:
-        if n > len(self.free):
-            return None
-        return [self.free.popleft() for _ in range(n)]
-
-    def release(self, pages: list[int]) -> None:
-        self.free.extend(pages)
-
-
-PENDING = -1  # an output token whose value the device has not given yet (Engine.run_overlapped)
+from .block_allocator import BlockAllocator
+from .report import Report
+from .request import PENDING, Request
+from .sampling import sample
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -87,47 +40,6 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _routine(plan: list[tuple[Request, int]]) -> str:
     """A step of single-token rows runs "decode", any other "mixed"."""
     return "decode" if all(n == 1 for _, n in plan) else "mixed"
-
-
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, generator=None) -> torch.Tensor:
-    """logits [S, V], temperature/top_p [S] -> tokens [S] int64. Rows with temperature 0 are greedy."""
-    logits = logits.float()
-    greedy = logits.argmax(-1)
-    probs = torch.softmax(logits / temperature.clamp_min(1e-5)[:, None], dim=-1)
-    sorted_p, idx = probs.sort(-1, descending=True)
-    sorted_p[(sorted_p.cumsum(-1) - sorted_p) > top_p[:, None]] = 0.0  # nucleus: keep the smallest set > top_p
-    choice = torch.multinomial(sorted_p, 1, generator=generator)  # [S, 1] (multinomial renormalises)
-    return torch.where(temperature > 0, idx.gather(-1, choice)[:, 0], greedy)
-
-
-@attrs.frozen
-class Report:
-    tokens: list[list[int]]  # generated ids per request, in submission order
-    ttft: list[float]  # seconds from submission to first token, per request
-    tpot: list[float | None]  # seconds per output token after the first, per request
-    elapsed: float
-    prompt_tokens: int
-    output_tokens: int
-    steps: int
-    waited: float = 0.0  # seconds of `elapsed` the host spent waiting for sampled tokens (the device's)
-
-    @property
-    def throughput(self) -> float:
-        return self.output_tokens / self.elapsed if self.elapsed > 0 else float("nan")
-
-    def summary(self) -> str:
-        def stats(xs, unit=1e3):
-            xs = sorted(x * unit for x in xs if x is not None)
-            if not xs:
-                return "n/a"
-            return f"mean {sum(xs) / len(xs):.1f} p50 {xs[len(xs) // 2]:.1f} max {xs[-1]:.1f} ms"
-
-        return (
-            f"{len(self.tokens)} requests, {self.prompt_tokens} prompt + {self.output_tokens} generated tokens "
-            f"in {self.steps} steps, {self.elapsed:.2f} s: {self.throughput:.1f} tok/s (host waiting for the "
-            f"device {self.waited / self.elapsed if self.elapsed > 0 else 0:.0%} of it)\n"
-            f"  TTFT {stats(self.ttft)}\n  TPOT {stats(self.tpot)}"
-        )
 
 
 class Engine:

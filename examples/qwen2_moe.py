@@ -185,11 +185,11 @@ def make_step(cfg: MoEConfig, backend: str = "torch", max_seq_len: int | None = 
 def build(cfg: MoEConfig, params: llama.Params, **kw) -> engine.Engine:
     """examples.engine.build for this model (same cache sizing; the step is this module's). Under expert
     parallelism (an EP backend in a process group of several ranks) each rank serves its own requests through
-    tp.EPEngine, which keeps the ranks' steps paired and their signatures equal (see there)."""
+    ep.EPEngine, which keeps the ranks' steps paired and their signatures equal (see there)."""
     if _ep(cfg)[1] > 1:
-        from . import tp
+        from . import ep, tp
 
-        kw["cls"] = functools.partial(tp.EPEngine, tp=tp.init())
+        kw["cls"] = functools.partial(ep.EPEngine, tp=tp.init())
     return engine.build(cfg, params, make_step=make_step, **kw)
 
 

@@ -226,45 +226,6 @@ class TPEngine(engine.Engine):
         return funcol.broadcast(new, 0, self.tp.group).tolist()  # one choice, even if sampling diverged
 
 
-class EPEngine(engine.Engine):
-    """An Engine per rank for expert parallelism (data-parallel attention, experts sharded): each rank serves its
-    own requests, yet the MoE collectives pair every rank's steps, and allgather's sizes (inside the graphs) must
-    match. So every step the ranks agree, in one small all-reduce, on the token count N (the largest) and the
-    routine ("mixed" if any rank prefills); a rank pads its batch to N with one-token sequences on the scratch
-    page, or runs a step of padding alone when it has nothing to do, until no rank has work (vLLM pads
-    data-parallel ranks the same way: num_tokens_across_dp, dummy batches). Its steps go one by one (step()
-    agrees before it schedules), not overlapped."""
-
-    overlap_supported = False
-
-    def __init__(self, *a, tp: TP, **kw):
-        self.tp = tp
-        self._anyone_busy = None  # what the last step's agreement said, for the run loop's next busy()
-        super().__init__(*a, **kw)
-
-    def _agree(self, n: int, mixed: bool, busy: bool) -> list[int]:
-        t = torch.tensor([n, int(mixed), int(busy)], device=self.device)
-        return funcol.all_reduce(t, "max", self.tp.group).tolist()  # (a host sync: one per step, not two)
-
-    def busy(self) -> bool:
-        """Whether any rank has work: every rank steps until none has. Right after a step, the answer that step's
-        agreement gave (any rank busy as it began: at worst one step of padding more at the end); otherwise (a new
-        run) an agreement of its own."""
-        anyone, self._anyone_busy = self._anyone_busy, None
-        return bool(self._agree(0, False, super().busy())[2]) if anyone is None else anyone
-
-    def step(self) -> list[engine.Request]:
-        busy = super().busy()
-        plan = self.schedule()
-        n = sum(k for _, k in plan)
-        N, mixed, anyone = self._agree(n, any(k != 1 for _, k in plan), busy)
-        self._anyone_busy = bool(anyone)
-        if N == 0:
-            return []
-        batch = self.make_batch(plan, pad_to=N)
-        return self.advance(plan, self.run_batch(batch, "mixed" if mixed else "decode"))
-
-
 def build(cfg: llama.LlamaConfig, params: llama.Params, tp: TP, verify: bool = True, **kw) -> TPEngine:
     """examples.engine.build for one rank (global config, this rank's params): its KV heads in the cache, its
     step, a TPEngine; the other keywords are engine.build's."""

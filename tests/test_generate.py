@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from examples import engine, generate, llama
+from examples import engine, generate, llama, request, sampling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [
@@ -188,7 +188,7 @@ def test_overlapped_run_builds_the_batches_of_the_stepwise_run(tiny, mode):
     for kw in ({}, {"seed": 5}):
         (want, want_seen), (got, got_seen) = (batches(o, **kw) for o in (False, True))
         assert got.tokens == want.tokens and got.steps == want.steps == len(got_seen)
-        assert got_seen == want_seen and all(engine.PENDING not in t for _, t, _ in got_seen)
+        assert got_seen == want_seen and all(request.PENDING not in t for _, t, _ in got_seen)
         assert [len(t) for t in got.tokens] == [7] * len(PROMPTS)
 
 
@@ -244,7 +244,7 @@ def test_sample_top_p():
     logits = torch.tensor([[0.0, 5.0, 4.9, -3.0], [1.0, 0.0, 0.0, 0.0]])
     g = torch.Generator().manual_seed(0)
     for _ in range(20):  # top_p 0.5 keeps only the best token of row 0; row 1 is greedy
-        t = engine.sample(logits, torch.tensor([1.0, 0.0]), torch.tensor([0.5, 1.0]), g)
+        t = sampling.sample(logits, torch.tensor([1.0, 0.0]), torch.tensor([0.5, 1.0]), g)
         assert t.tolist() == [1, 0]
 
 

@@ -1,0 +1,20 @@
+"""The free list of paged-KV blocks (pages) the engine reserves for each running request."""
+
+from __future__ import annotations
+
+import collections
+
+
+class BlockAllocator:
+    """Free list of KV pages. Page 0 is the attention op's scratch page (padding rows), never handed out."""
+
+    def __init__(self, num_pages: int):
+        self.free = collections.deque(range(1, num_pages))
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        return [self.free.popleft() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self.free.extend(pages)
