@@ -65,6 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=[m.value for m in fgraph.Mode] + ["EAGER"],
         help="capture mode, or EAGER (no fgraph.jit)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the graph pieces with Inductor before capture (fgraph.jit(compile=True)); slower capture",
+    )
     p.add_argument("--device", help="default: cuda when available, else cpu")
     p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--max-seqs", type=int, default=128, help="most requests running at once")
@@ -166,6 +171,7 @@ def main(argv=None) -> dict:
             max_batch_tokens=max_batch_tokens,
             eos_ids=eos,
             seed=args.seed,
+            compile=args.compile,
         )
         if args.explain:
             if args.mode == "EAGER":
