@@ -10,6 +10,8 @@
 #                                           multigpu      the TP/EP tests (the TP bench: benchmarks/tp_bench.py)
 #                                         The lanes run side by side, on one GPU too (timings are not what these
 #                                         check).
+#   LANES="single multigpu" bash scripts/gpu_tests.sh   only those lanes (a device command has 10 minutes: the
+#                                         lanes fit two calls, e.g. "single multigpu", then the flashinfer ones)
 #   bash scripts/gpu_tests.sh PYTEST_ARGS  one pytest process with those arguments; exits with pytest's status
 #
 # Exit status: 0 only if every lane that ran passed; 1 if any lane failed, or if no CUDA GPU is visible (then
@@ -53,13 +55,18 @@ lane_fi() {
   lane flashinfer-tc-plan-paths-off timeout -k 10 "$limit" python3 -c "$fi_tc"
 }
 lane_multi() { lane multigpu t tests/test_tp_gpu.py tests/test_ep_gpu.py -k "not bench"; }
-lanes="single flashinfer flashinfer-tc-plan-paths-off"
-if [ "$n" -ge 2 ]; then
-  lanes="$lanes multigpu"
-  lane_multi & CUDA_VISIBLE_DEVICES=1 lane_rest & CUDA_VISIBLE_DEVICES=0 lane_fi & wait
-else
-  lane_rest & lane_fi & wait
-fi
+want="${LANES:-single flashinfer flashinfer-tc-plan-paths-off multigpu}"
+has() { [[ " $want " == *" $1 "* ]]; }
+lanes=""
+has single && lanes="$lanes single"
+has flashinfer && lanes="$lanes flashinfer flashinfer-tc-plan-paths-off"
+if [ "$n" -ge 2 ] && has multigpu; then lanes="$lanes multigpu"; fi
+# side by side: on 2+ GPUs the single-GPU lanes on a GPU each, the multi-GPU lane on both
+on() { if [ "$n" -ge 2 ]; then CUDA_VISIBLE_DEVICES=$1 "${@:2}"; else "${@:2}"; fi; }
+if [[ " $lanes " == *" multigpu "* ]]; then lane_multi & fi
+if has single; then on 1 lane_rest & fi
+if has flashinfer; then on 0 lane_fi & fi
+wait
 failed=0
 for name in $lanes; do
   rc=$(cat "$rcs/$name" 2>/dev/null || echo "none")
