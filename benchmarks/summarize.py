@@ -87,9 +87,10 @@ def best_peer(c) -> tuple[str | None, float | None]:
 
 
 def cell_text(c, col) -> str:
-    v, floor = c.get(f"{col}_ms"), c.get("floor_ms")
+    v, floor, spread = c.get(f"{col}_ms"), c.get("floor_ms"), c.get(f"{col}_spread")
     if isinstance(v, (int, float)):
-        return f"{v:.2f} ({v / floor:.1f}x)" if floor else f"{v:.2f}"
+        text = f"{v:.2f} ±{spread / 2:.2f}" if isinstance(spread, (int, float)) else f"{v:.2f}"  # median ± half range
+        return f"{text} ({v / floor:.1f}x)" if floor else text
     for k in (f"{col}_skipped", f"{col}_error", f"{col.split('/')[0]}_skipped"):
         if k in c:
             return "skipped" if k.endswith("skipped") else "error"
