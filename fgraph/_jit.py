@@ -17,8 +17,8 @@ import torch.utils._pytree as pytree
 
 from . import _bind as B
 from . import _graphs as G
-from . import _trace
 from . import _primitives as P
+from . import _trace
 from ._entry import Call, Entry, Stats, Traced, _device_of
 from ._errors import SignatureError
 from ._inductor import inductor_options
