@@ -27,8 +27,8 @@ def output_paths(traced) -> list[str]:
         if recipe is not None:  # folded arguments handed back whole: name the outputs by position
             raise ValueError
         tree = pytree.tree_unflatten(list(range(n)), traced.out_spec)
-        paths = {i: pytree.keystr(p) for p, i in pytree.tree_flatten_with_path(tree)[0]}
-        return [paths.get(j) or "out" for j in range(n)]
+        paths = {i: "out" + pytree.keystr(p) for p, i in pytree.tree_flatten_with_path(tree)[0]}
+        return [paths.get(j, f"out[{j}]") for j in range(n)]
     except Exception:
         return [f"out[{j}]" for j in range(n)]
 
