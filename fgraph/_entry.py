@@ -88,7 +88,7 @@ class Traced:
             (call.specs[i].axis, call.specs[i].extra) if symbolic and call.specs[i] is not None else None
             for i in tensor_ix
         ]
-        gm, self.shapes = trace(fname, flat_fn, example, axes, paths=[self.paths[i] for i in tensor_ix])
+        gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix])
         self.gm = gm  # the whole program, unsplit (Jitted.lower)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}

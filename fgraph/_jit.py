@@ -328,7 +328,7 @@ class Jitted:
         family = (
             call.sig.statics,
             call.sig.treespec,
-            tuple(leaf._replace(shape=None) if s is not None else leaf for leaf, s in zip(call.sig.leaves, call.specs)),
+            tuple(B.family_leaf(leaf, s) for leaf, s in zip(call.sig.leaves, call.specs)),
         )
         traced = next((t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket)), None)
         new = traced is None

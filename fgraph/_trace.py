@@ -212,6 +212,11 @@ def _tb_line(e: BaseException) -> str:
     return line
 
 
+def _root(path: str) -> str:
+    """The argument (or lifted root: `self` of a module's state) a key path starts at."""
+    return path.split("[")[0].split(".")[0]
+
+
 def _write_targets(node: fx.Node) -> list[fx.Node]:
     """The argument nodes an op writes in place (from its schema's alias annotations)."""
     t = node.target
@@ -253,7 +258,8 @@ def check(
                 raise TraceError(
                     f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
                     f"{placeholder_paths[b]}, which is not donated",
-                    "add its argument to donate=[...] (fgraph then updates it in place across calls), "
+                    f"add {_root(placeholder_paths[b])!r} to donate=[...] (fgraph then updates it in place across "
+                    "calls), "
                     "or use the out-of-place op",
                 )
         val = node.meta.get("val")

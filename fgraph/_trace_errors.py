@@ -85,11 +85,14 @@ def _name_of(t, e: BaseException) -> str | None:
     """The variable a real (non-argument) tensor was read from: a local, closure or global of the user's frames,
     or an attribute of one."""
     for f, _ in reversed(list(_user_frames(e.__traceback__))):
-        scopes = [("", f.f_locals), ("a global ", f.f_globals)]
-        for kind, scope in scopes:
+        for kind, scope in [("", f.f_locals), ("the global ", f.f_globals)]:
             for k, v in scope.items():
                 if v is t:
                     return f"{kind}`{k}`"
+                if isinstance(v, (dict, list, tuple)) and not k.startswith("__"):
+                    for i, w in v.items() if isinstance(v, dict) else enumerate(v):
+                        if w is t:
+                            return f"{kind}`{k}[{i!r}]`"
         for k, v in f.f_locals.items():
             d = getattr(v, "__dict__", None)
             if isinstance(d, dict) and not isinstance(v, types.ModuleType):

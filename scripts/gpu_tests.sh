@@ -15,7 +15,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="${OUT:-/tmp}"
 t() { timeout -k 10 "${LANE_TIMEOUT:-560}" python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
 if [ $# -gt 0 ]; then t "$@" 2>&1 | tee "$log/gpu_tests.log"; exit; fi
-single="tests/test_capture_gpu.py tests/test_attention_gpu.py tests/test_moe_gpu.py tests/test_models_gpu.py"
+single="tests/test_capture_gpu.py tests/test_attention_gpu.py tests/test_moe_gpu.py tests/test_models_gpu.py tests/test_hf_example.py"
 fi_tc="import sys, pytest, fgraph.ops._attn_flashinfer as FI; FI.TENSOR_CORE_PLAN_PATHS = False; \
 sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-k', 'flashinfer', 'tests/test_models_gpu.py']))"
 lane_rest() { t $single -k "not flashinfer" > "$log/gpu_tests-single.log" 2>&1; }
