@@ -167,12 +167,13 @@ class Lifted:
         out, self.names = {}, {}
         for i, (name, m) in enumerate(self.modules):
             for k, v in [*m.named_parameters(), *m.named_buffers()]:
-                out[f"{name}.{k}"] = v
+                # read as data (same storage): a jitted call is inference, its outputs carry no autograd history
+                out[f"{name}.{k}"] = v.detach() if v.requires_grad else v
                 self.names[f"{name}.{k}"] = (i, k)
         for i, (name, kind, holder, key) in enumerate(self.slots, len(self.modules)):
             v = _read(kind, holder, key)
             if isinstance(v, torch.Tensor):
-                out[name] = v
+                out[name] = v.detach() if v.requires_grad else v
                 self.names[name] = (i, None)
         return out
 

@@ -49,6 +49,15 @@ def test_jit_of_a_module_reads_its_parameters_in_place(mode):
     assert entries(f)[0].paths[1:] == ["shift", "self.lin.weight", "self.lin.bias", "self.scale"]
 
 
+def test_a_module_called_with_grad_mode_on_is_inference():
+    """Parameters that require grad are read as data: outputs equal eager's and carry no stale autograd history."""
+    m = Affine()
+    f = fgraph.jit(m, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    x = torch.randn(3, 4)
+    y = f(x)
+    assert torch.equal(y, m(x)) and not y.requires_grad
+
+
 def test_jit_of_a_bound_forward_equals_eager():
     m = Affine()
     f = fgraph.jit(m.forward, batch={"x": Batched()}, mode="FULL", buckets=[4])
