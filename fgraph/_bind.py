@@ -78,14 +78,21 @@ def plain_signature(sig: inspect.Signature) -> bool:
 
 
 class Lifted:
-    """The tensors a callable reads without taking them as arguments: where they live, found once (at jit time),
-    read per call (`values`), swapped for fakes while tracing (`installed`)."""
+    """The tensors a callable reads without taking them as arguments: where they live, found at jit time and again
+    at the first call (globals a decorated function reads are often assigned after it), read per call (`values`),
+    swapped for fakes while tracing (`installed`)."""
 
     def __init__(self, fn, params: set[str]):
+        self.fn, self.params, self.rescanned = fn, params, False
+        self.scan()
+        # lifted leaf name -> (index in modules + slots, the key in its module), filled by values()
+        self.names: dict[str, tuple[int, str | None]] = {}
+
+    def scan(self):
+        fn = self.fn
         self.modules: list[tuple[str, torch.nn.Module]] = []  # (name, module): parameters and buffers
         self.slots: list[tuple[str, str, object, object]] = []  # (name, kind, holder, key): cell / global / attr
-        self._taken = set(params)
-        self._seen: set[int] = set()
+        self._taken, self._seen = set(self.params), set()
         if isinstance(fn, torch.nn.Module):
             self._module("self", fn)
             self._function(type(fn).forward, 0)
@@ -94,8 +101,6 @@ class Lifted:
             self._function(fn.__func__, 0)
         else:
             self._function(getattr(fn, "__wrapped__", fn) if not _user_code(fn) else fn, 0)
-        # lifted leaf name -> (index in modules + slots, the key in its module), filled by values()
-        self.names: dict[str, tuple[int, str | None]] = {}
 
     def __bool__(self):
         return bool(self.modules or self.slots)
@@ -279,7 +284,12 @@ def check_call(jitted, statics: dict, dynamic: dict) -> dict:
                     "call it under torch.no_grad() or torch.inference_mode(), pass x.detach(), or train with the "
                     "plain function (fgraph.disable_jit())",
                 )
-    return {**dynamic, **jitted._lifted.values()} if jitted._lifted else dynamic
+    lifted = jitted._lifted
+    if not lifted.rescanned:  # the first call: what the function reads now (globals assigned after the decorator)
+        lifted.rescanned = True
+        lifted.scan()
+        jitted._plain = jitted._plain and not lifted  # lifted tensors are read per call: no replay-path binding
+    return {**dynamic, **lifted.values()} if lifted else dynamic
 
 
 def check_transforms(jitted) -> None:

@@ -179,6 +179,20 @@ def test_a_global_rebound_to_a_new_tensor_is_read_anew():
         W = old
 
 
+@fgraph.jit(batch={"x": Batched()}, mode="FULL", buckets=[4])
+def reads_a_later_global(x):
+    return x @ LATER
+
+
+LATER = torch.randn(4, 4)  # assigned after the decorator ran: found at the first call
+
+
+def test_a_global_assigned_after_the_decorator_is_lifted():
+    x = torch.randn(3, 4)
+    assert torch.equal(reads_a_later_global(x), x @ LATER) and torch.equal(reads_a_later_global(x), x @ LATER)
+    assert entries(reads_a_later_global)[0].paths == ["x", "LATER"]
+
+
 def test_a_closed_over_module_is_lifted():
     model = Affine(seed=3)
 
