@@ -16,7 +16,6 @@ import inspect
 import os
 import sysconfig
 import types
-import weakref
 
 import torch
 import torch.utils._pytree as pytree
@@ -237,21 +236,31 @@ def invoke(jitted, dynamic: dict, statics: dict):
 
 def method(jitted, obj):
     """`obj.f` for a jitted function defined in a class body: a Jitted of the bound method, one per instance (two
-    instances hold different tensors: each has its own signatures and graphs), kept as long as the instance."""
-    cache = jitted.__dict__.get("_per_instance")
-    if cache is None:
-        cache = jitted.__dict__["_per_instance"] = weakref.WeakKeyDictionary()
-    try:
-        bound = cache.get(obj)
-    except TypeError:  # unhashable or not weak-referenceable: keyed by id, for the process's life
-        cache = jitted.__dict__.setdefault("_per_id", {})
-        bound = cache.get(id(obj))
-        if bound is None:
-            bound = cache[id(obj)] = type(jitted)(types.MethodType(jitted.fn, obj), **jitted._options)
-        return bound
-    if bound is None:
-        bound = cache[obj] = type(jitted)(types.MethodType(jitted.fn, obj), **jitted._options)
+    instances hold different tensors: each has its own signatures and graphs). Kept in the instance's __dict__
+    (it lives and dies with the instance; a copy of the instance binds its own)."""
+    d = getattr(obj, "__dict__", None)
+    if d is None:  # __slots__: kept by id for the process's life
+        d = jitted.__dict__.setdefault("_per_id", {}).setdefault(id(obj), {})
+    methods = d.get("_fgraph_methods")
+    bound = methods.get(jitted) if methods is not None else None
+    if bound is None or bound.fn.__self__ is not obj:  # (copy.copy shares the __dict__'s values: not its graphs)
+        if methods is None or bound is not None:
+            methods = d["_fgraph_methods"] = _Methods()
+        bound = methods[jitted] = type(jitted)(types.MethodType(jitted.fn, obj), **jitted._options)
     return bound
+
+
+class _Methods(dict):
+    """An instance's jitted methods: never copied or pickled with the instance (a copy binds its own)."""
+
+    def __copy__(self):
+        return _Methods()
+
+    def __deepcopy__(self, memo):
+        return _Methods()
+
+    def __reduce__(self):
+        return _Methods, ()
 
 
 def family_leaf(leaf, spec):

@@ -2,13 +2,17 @@
 pattern works and equals eager, or raises an fgraph error with the key path and the fix."""
 
 import copy
+import gc
 import logging
 import re
 import typing
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fgraph
 from fgraph import Batched, FgraphError, SignatureError, TraceError
@@ -49,6 +53,26 @@ def test_jit_of_a_module_reads_its_parameters_in_place(mode):
     assert entries(f)[0].paths[1:] == ["shift", "self.lin.weight", "self.lin.bias", "self.scale"]
 
 
+JITTED_AFFINE = {}
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 8), mode=st.sampled_from(MODES), w=st.floats(-2, 2), shift=st.sampled_from([0.0, 1.0]))
+@torch.no_grad()
+def test_a_jitted_module_equals_eager_for_any_batch_and_weights(n, mode, w, shift):
+    """Property: any batch size (padded to its bucket), any in-place weights, either shift: the module's answer."""
+    m, f = JITTED_AFFINE.get(mode) or JITTED_AFFINE.setdefault(mode, _affine_jitted(mode))
+    m.lin.weight.fill_(w)
+    x = torch.randn(n, 4)
+    assert torch.equal(f(x, shift=shift), m(x, shift))
+    assert sum(e.stats.traces for e in entries(f)) <= 2 * 3  # per shift: buckets >= 2 share a trace, bucket 1 its own
+
+
+def _affine_jitted(mode):
+    m = Affine()
+    return m, fgraph.jit(m, batch={"x": Batched()}, mode=mode, buckets=[1, 4, 8])
+
+
 def test_a_module_called_with_grad_mode_on_is_inference():
     """Parameters that require grad are read as data: outputs equal eager's and carry no stale autograd history."""
     m = Affine()
@@ -83,6 +107,13 @@ def test_a_jitted_method_is_bound_per_instance():
     assert torch.equal(a.apply(x), x @ a.w) and torch.equal(b.apply(x), x @ b.w)  # each its own tensors
     assert a.apply is a.apply and a.apply is not b.apply and isinstance(Scaled.apply, fgraph.Jitted)
     assert len(a.apply.entries) == len(b.apply.entries) == 1
+    c = copy.deepcopy(a)  # a copy (an EMA model, say) binds its own: its tensors are not a's
+    c.w.data.fill_(5.0)
+    assert torch.equal(c.apply(x), x @ c.w) and torch.equal(a.apply(x), x @ a.w) and c.apply is not a.apply
+    ref = weakref.ref(b)
+    del b
+    gc.collect()
+    assert ref() is None  # the instance, its jitted method and its graphs are freed together
 
 
 class Plain:
