@@ -42,7 +42,7 @@ def describe(fn) -> tuple[str, inspect.Signature]:
     """The name and call signature of what fgraph.jit was given (a module: its forward's)."""
     if isinstance(fn, torch.nn.Module):
         return type(fn).__name__, inspect.signature(fn.forward)
-    name = getattr(fn, "__name__", None) or type(fn).__name__
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) or type(fn).__name__
     try:
         return name, inspect.signature(fn)
     except (TypeError, ValueError) as e:
@@ -92,12 +92,21 @@ class Lifted:
         self.modules: list[tuple[str, torch.nn.Module]] = []  # (name, module): parameters and buffers
         self.slots: list[tuple[str, str, object, object]] = []  # (name, kind, holder, key): cell / global / attr
         self._taken, self._seen = set(self.params), set()
+        self._callable(fn)
+
+    def _callable(self, fn):
         if isinstance(fn, torch.nn.Module):
             self._module("self", fn)
             self._function(type(fn).forward, 0)
         elif isinstance(fn, types.MethodType):
             self._holder("self", fn.__self__)
             self._function(fn.__func__, 0)
+        elif isinstance(fn, functools.partial):  # partial(step, params): its positional arguments, by parameter name
+            # (its keywords are defaults of its signature: arguments)
+            names = _positional_names(fn.func)
+            for i, a in enumerate(fn.args):
+                self._value(names[i] if i < len(names) else f"args[{i}]", a, "parg", fn, i, 1)
+            self._callable(fn.func)
         else:
             self._function(getattr(fn, "__wrapped__", fn) if not _user_code(fn) else fn, 0)
 
@@ -148,6 +157,10 @@ class Lifted:
             self._function(v.__func__, depth + 1)
         elif isinstance(v, types.FunctionType) and _user_code(v):
             self._function(v, depth + 1)
+        elif isinstance(v, (dict, list)) and depth <= 3 and len(v) <= 4096:  # CONFIG["w"]: swapped in the container
+            for k, x in v.items() if isinstance(v, dict) else enumerate(v):
+                if isinstance(x, (torch.Tensor, torch.nn.Module, dict, list)):
+                    self._value(f"{name}[{k!r}]", x, "item", v, k, depth + 1)
 
     def _function(self, fn, depth: int):
         if not isinstance(fn, types.FunctionType) or id(fn) in self._seen or depth > 3:
@@ -201,16 +214,32 @@ def _read(kind, holder, key):
         return holder.cell_contents
     if kind == "global":
         return holder.get(key)
+    if kind == "item":
+        return holder[key] if isinstance(holder, list) and key < len(holder) else holder.get(key)
+    if kind == "parg":
+        return holder.args[key]
     return vars(holder).get(key)
 
 
 def _write(kind, holder, key, v):
     if kind == "cell":
         holder.cell_contents = v
-    elif kind == "global":
+    elif kind in ("global", "item"):
         holder[key] = v
+    elif kind == "parg":  # a partial's arguments are a tuple: the partial is re-made in place
+        args = list(holder.args)
+        args[key] = v
+        holder.__setstate__((holder.func, tuple(args), holder.keywords, holder.__dict__ or None))
     else:
         vars(holder)[key] = v
+
+
+def _positional_names(fn) -> list[str]:
+    try:
+        ps = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _global_names(code) -> list[str]:

@@ -2,6 +2,7 @@
 pattern works and equals eager, or raises an fgraph error with the key path and the fix."""
 
 import copy
+import functools
 import gc
 import logging
 import re
@@ -236,20 +237,40 @@ def test_a_closed_over_module_is_lifted():
         assert torch.equal(jf(x), f(x))
 
 
-CONFIG = {"w": torch.randn(4, 4)}
+CONFIG = {"w": torch.randn(4, 4), "layers": [torch.randn(4)]}
+
+
+def test_tensors_in_dicts_and_lists_and_a_partials_arguments_are_lifted():
+    def f(x):
+        return x @ CONFIG["w"] + CONFIG["layers"][0]
+
+    def step(params, x):
+        return x @ params["w"]
+
+    params = {"w": torch.randn(4, 4)}
+    jf, js = fgraph.jit(f, mode="FULL"), fgraph.jit(functools.partial(step, params), mode="FULL")
+    x = torch.randn(3, 4)
+    assert torch.equal(jf(x), f(x)) and torch.equal(js(x), step(params, x))
+    CONFIG["w"].add_(1), params["w"].add_(1)
+    assert torch.equal(jf(x), f(x)) and torch.equal(js(x), step(params, x))
+    assert entries(jf)[0].paths == ["x", "CONFIG['w']", "CONFIG['layers'][0]"]
+    assert js.name == "step" and entries(js)[0].paths == ["x", "params['w']"]
+
+
+PAIR = (torch.randn(4, 4),)
 
 
 def test_a_tensor_fgraph_cannot_lift_is_an_error_naming_it():
     def f(x):
-        return x @ CONFIG["w"]
+        return x @ PAIR[0]
 
     with pytest.raises(
         TraceError,
-        match=r"the global `CONFIG\['w'\]` \(float32\[4, 4\]\) at .*test_research.py:\d+ "
+        match=r"the global `PAIR\[0\]` \(float32\[4, 4\]\) at .*test_research.py:\d+ "
         r"is read by the function but is not one of its inputs",
     ) as e:
         fgraph.jit(f, mode="NONE")(torch.randn(2, 4))
-    assert "pass the global `CONFIG['w']` as an argument" in e.value.fix
+    assert "pass the global `PAIR[0]` as an argument" in e.value.fix
     assert "FakeTensor" not in str(e.value)
 
 
@@ -376,8 +397,8 @@ def test_jit_has_typed_overloads_for_both_forms():
 
 
 def test_no_torch_assertion_reaches_the_user(caplog):
-    """A closure over a tensor inside a list, a data-dependent branch, a bad reshape: all fgraph errors."""
-    held = [torch.ones(4)]
+    """A closure over a tensor inside a tuple, a data-dependent branch, a bad reshape: all fgraph errors."""
+    held = (torch.ones(4),)
 
     def a(x):
         return x + held[0]
