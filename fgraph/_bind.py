@@ -140,8 +140,9 @@ class Lifted:
         if isinstance(obj, torch.nn.Module):
             self._module(name, obj)
             return
-        for k, v in getattr(obj, "__dict__", {}).items():
-            self._value(f"{name}.{k}", v, "attr", obj, k, 1)
+        slots = [k for c in type(obj).__mro__ for k in getattr(c, "__slots__", ()) if hasattr(obj, k)]
+        for k in [*getattr(obj, "__dict__", {}), *slots]:
+            self._value(f"{name}.{k}", getattr(obj, k), "attr", obj, k, 1)
 
     def _value(self, name, v, kind, holder, key, depth):
         from ._jit import Jitted
@@ -218,7 +219,7 @@ def _read(kind, holder, key):
         return holder[key] if isinstance(holder, list) and key < len(holder) else holder.get(key)
     if kind == "parg":
         return holder.args[key]
-    return vars(holder).get(key)
+    return getattr(holder, key, None)
 
 
 def _write(kind, holder, key, v):
@@ -230,8 +231,8 @@ def _write(kind, holder, key, v):
         args = list(holder.args)
         args[key] = v
         holder.__setstate__((holder.func, tuple(args), holder.keywords, holder.__dict__ or None))
-    else:
-        vars(holder)[key] = v
+    else:  # (a module's plain tensor attribute, or any object's: past its __setattr__, frozen or not)
+        object.__setattr__(holder, key, v)
 
 
 def _positional_names(fn) -> list[str]:

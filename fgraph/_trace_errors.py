@@ -120,8 +120,9 @@ def translate(fname: str, e: Exception, names: Names) -> TraceError:
         return TraceError(
             f"fgraph.jit({fname}): {who}{shape} at {line} is read by the function but is not one of its inputs "
             "(a captured graph would freeze its value and address)",
-            f"pass {who} as an argument (arguments are read in place, not copied); fgraph lifts tensors held "
-            "directly by a closure, a global or a module, not tensors inside other containers",
+            f"pass {who if who != 'a tensor' else 'it'} as an argument (arguments are read in place, not copied); "
+            "fgraph lifts the tensors held by closures, globals, modules, dicts and lists, not those inside other "
+            "containers (tuples, objects)",
         )
     involved = ""
     if op:

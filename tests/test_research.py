@@ -128,10 +128,21 @@ class Plain:
         return x @ self.w
 
 
+class Slotted:
+    __slots__ = ("w",)
+
+    def __init__(self, w):
+        self.w = w
+
+    f = Plain.f.fn  # the same method body
+    f = fgraph.jit(f, mode="NONE")
+
+
 def test_a_method_of_a_plain_object_reads_its_tensor_attributes():
-    p, q = Plain(torch.eye(4)), Plain(2 * torch.eye(4))
+    p, q, r = Plain(torch.eye(4)), Plain(2 * torch.eye(4)), Slotted(3 * torch.eye(4))
     x = torch.randn(2, 4)
-    assert torch.equal(p.f(x), x) and torch.equal(q.f(x), 2 * x)
+    assert torch.equal(p.f(x), x) and torch.equal(q.f(x), 2 * x) and torch.equal(r.f(x), 3 * x)
+    assert entries(r.f)[0].paths == ["x", "self.w"]
 
 
 class Recurrent(nn.Module):
