@@ -25,9 +25,11 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ._errors import FgraphError, SignatureError
 from ._signature import path_str
 
+_PATHS = sysconfig.get_paths()  # where the standard library and installed packages live (not sys.prefix itself)
 _LIB_DIRS = tuple(
     os.path.join(d, "")
-    for d in {os.path.dirname(torch.__file__), os.path.dirname(__file__), *sysconfig.get_paths().values()}
+    for d in {os.path.dirname(torch.__file__), os.path.dirname(__file__)}
+    | {_PATHS.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
     if d
 )
 
