@@ -217,6 +217,10 @@ def _root(path: str) -> str:
     return path.split("[")[0].split(".")[0]
 
 
+def _is_module_state(path: str) -> bool:
+    return path.startswith("self.")  # a lifted module's parameter or buffer (fgraph/_bind.py names them so)
+
+
 def _write_targets(node: fx.Node) -> list[fx.Node]:
     """The argument nodes an op writes in place (from its schema's alias annotations)."""
     t = node.target
@@ -259,8 +263,12 @@ def check(
                     f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
                     f"{placeholder_paths[b]}, which is not donated",
                     f"add {_root(placeholder_paths[b])!r} to donate=[...] (fgraph then updates it in place across "
-                    "calls), "
-                    "or use the out-of-place op",
+                    "calls), or use the out-of-place op"
+                    + (
+                        " (a module's training statistics: model.eval())"
+                        if _is_module_state(placeholder_paths[b])
+                        else ""
+                    ),
                 )
         val = node.meta.get("val")
         if device != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" and node.op != "placeholder":

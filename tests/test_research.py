@@ -176,6 +176,13 @@ def test_module_buffers_donated_are_updated_in_place_like_eager(mode):
     assert torch.equal(m.last, ref.last)
 
 
+def test_batchnorm_in_training_mode_is_an_error_naming_its_statistics():
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    with pytest.raises(TraceError, match=r"writes in place into self\.1\.(running_mean|num_batches_tracked)") as e:
+        fgraph.jit(m)(torch.randn(5, 4))
+    assert "add 'self' to donate=[...]" in e.value.fix and "model.eval()" in e.value.fix
+
+
 def test_batchnorm_in_eval_mode_through_jit():
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
     f = fgraph.jit(m, mode="PIECEWISE")
