@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 
 from . import _graphs as G
 from . import _primitives as P
+from ._bind import invoke
 from ._buffers import InputBuffers
 from ._errors import SignatureError
 from ._inductor import Compiled
@@ -63,7 +64,7 @@ class Traced:
             for i, t in zip(tensor_ix, tensors):
                 leaves[i] = t
             dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
-            out = jitted.fn(**dyn, **call.statics)
+            out = invoke(jitted, dyn, call.statics)
             out_leaves, self.out_spec = pytree.tree_flatten(out)
             if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back, which
                 # also spares unflattening it on every call
@@ -87,7 +88,8 @@ class Traced:
             (call.specs[i].axis, call.specs[i].extra) if symbolic and call.specs[i] is not None else None
             for i in tensor_ix
         ]
-        gm, self.shapes = trace(fname, flat_fn, example, axes)
+        gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix])
+        self.gm = gm  # the whole program, unsplit (Jitted.lower)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
         donated_roots = set(jitted.donate)

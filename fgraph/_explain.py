@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._lower import avals_lines
 from ._split import op_summary
 
 
@@ -20,6 +21,7 @@ def _entry_text(name: str, e, n: int | None) -> str:
     if n is not None:
         lines.append(f"  tokens: {n} -> bucket {e.sig.bucket} ({e.sig.bucket - n} padded)")
     lines.append(f"  mode: {e.mode.name} ({e.reason})")
+    lines.extend(avals_lines(e))
     pieces = e.program.pieces
     lines.append(
         f"  pieces: {len(pieces)} ({sum(not p.is_break for p in pieces)} graph, "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import itertools
 import logging
@@ -11,15 +10,19 @@ import operator
 import sys
 import time
 from collections.abc import Callable
+from typing import overload
 
 import torch
 import torch.utils._pytree as pytree
 
+from . import _bind as B
 from . import _graphs as G
 from . import _primitives as P
+from . import _trace
 from ._entry import Call, Entry, Stats, Traced, _device_of
 from ._errors import SignatureError
 from ._inductor import inductor_options
+from ._lower import lower
 from ._modes import Mode
 from ._pytree import check_static_fields, flatten_with_paths, flattener
 from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
@@ -70,13 +73,14 @@ class Jitted:
         routine="routine",
         warmups=1,
         compile=False,
+        static_argnames=(),
+        donate_argnames=(),
     ):
-        self.fn, self.name = fn, getattr(fn, "__name__", repr(fn))
-        self.signature = inspect.signature(fn)
+        static, donate = B.setup(self, fn, {k: v for k, v in locals().items() if k not in ("self", "fn")})
         params = self.signature.parameters
         for kind, names in (("static", static), ("donate", donate), ("batch", list(batch or {}))):
             for a in names:
-                if a not in params:
+                if a not in params and not (kind == "donate" and a in self._lifted.roots()):
                     raise SignatureError(
                         f"fgraph.jit({self.name}): {kind}= names {a!r}, which is not a parameter of "
                         f"{self.name}{self.signature}",
@@ -124,7 +128,8 @@ class Jitted:
         self.fallbacks = {"unseen": 0, "oversize": 0}
         self._logged: set = set()  # warnings already logged once
         self._retired: list[Entry] = []
-        functools.update_wrapper(self, fn)
+
+    __get__ = B.get  # a method: a Jitted of the bound method per instance
 
     # -- the call path ---------------------------------------------------------------------------------------
     def _bind(self, args, kwargs) -> Call:
@@ -145,6 +150,7 @@ class Jitted:
                     f"fgraph.jit({self.name}): static argument {k}={v!r} is unhashable ({type(v).__name__})",
                     "pass a hashable value (a tuple instead of a list, a frozen attrs class instead of a dict)",
                 ) from None
+        dynamic = B.check_call(self, statics, dynamic)  # + the lifted tensors' current values
         flat, treespec = flatten_with_paths(dynamic)
         paths, leaves = [p for p, _ in flat], [x for _, x in flat]
         specs = batch_specs(self.name, self.batch, dynamic, treespec, len(leaves))
@@ -245,9 +251,10 @@ class Jitted:
         self._fast[(statics, call.sig.bucket, tuple(parts))] = entry
 
     def __call__(self, *args, **kwargs):
-        if _disabled:
+        if _disabled or _trace.active:  # called while another function traces: inlined
             return self.fn(*args, **kwargs)
-        out = self._fast_call(args, kwargs)
+        B.check_transforms(self)  # vmap / grad over a jitted call: an fgraph error
+        out = self._fast_call(args, kwargs) if self._plain else _MISS
         if out is not _MISS:
             return out
         call = self._bind(args, kwargs)
@@ -283,7 +290,7 @@ class Jitted:
         self.fallbacks[kind] += 1
         device = _device_of(self.name, call)
         leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]
-        return self.fn(**pytree.tree_unflatten(leaves, call.sig.treespec), **call.statics)
+        return B.invoke(self, pytree.tree_unflatten(leaves, call.sig.treespec), call.statics)
 
     def _capture(self, entry: Entry, call: Call):
         graphed = entry.mode is not Mode.NONE
@@ -321,7 +328,7 @@ class Jitted:
         family = (
             call.sig.statics,
             call.sig.treespec,
-            tuple(leaf._replace(shape=None) if s is not None else leaf for leaf, s in zip(call.sig.leaves, call.specs)),
+            tuple(B.family_leaf(leaf, s) for leaf, s in zip(call.sig.leaves, call.specs)),
         )
         traced = next((t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket)), None)
         new = traced is None
@@ -412,6 +419,8 @@ class Jitted:
         return call._replace(sig=sig, leaves=leaves, n=0)
 
     # -- introspection ---------------------------------------------------------------------------------------
+    lower = lower  # jax.jit(f).lower(*args): this call's signature traced, .as_text() its program
+
     def stats(self) -> dict:
         """Counters (Stats: traces, captures, warm-ups, replays, eager, calls, padded) per signature and totals."""
         per = {e.sig.describe(): e.stats.as_dict() for e in self.entries.values()}
@@ -464,6 +473,10 @@ class _Key:
         return self is other or (isinstance(other, _Key) and self.hash == other.hash and self.key == other.key)
 
 
+@overload
+def jit(fn: Callable, **options) -> Jitted: ...
+@overload
+def jit(fn: None = None, **options) -> Callable[[Callable], Jitted]: ...
 def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], Jitted]:
     """Trace `fn` once per signature and capture CUDA graphs for it.
 

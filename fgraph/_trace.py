@@ -17,7 +17,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, free_unbacked_symbols
 from torch.overrides import TorchFunctionMode
 
-from ._errors import TraceError
+from . import _trace_errors as E
+from ._errors import FgraphError, TraceError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FGRAPH_DIR = os.path.dirname(__file__)
@@ -70,7 +71,11 @@ class _RejectHostSyncs(TorchFunctionMode):
                 "keep the value on the device (torch.where instead of if, masks instead of indexing by "
                 "values), or pass it as a static argument",
             )
-        return func(*args, **(kwargs or {}))
+        try:
+            return func(*args, **(kwargs or {}))
+        except Exception as e:
+            E.tag(e, func, args, kwargs, user_line())  # the user's op and line, for the error at the boundary
+            raise
 
 
 @contextlib.contextmanager
@@ -122,14 +127,31 @@ def _size_oblivious():
     return cfg.patch(backed_size_oblivious=True) if hasattr(cfg, "backed_size_oblivious") else contextlib.nullcontext()
 
 
+active = 0  # traces in progress: a jitted function called inside one is inlined (Jitted.__call__)
+
+
 def trace(
-    fname: str, flat_fn: Callable[..., list], example: list[torch.Tensor], batch_axes: list[tuple[int, int] | None]
+    fname: str,
+    flat_fn: Callable[..., list],
+    example: list[torch.Tensor],
+    batch_axes: list[tuple[int, int] | None],
+    paths: list[str] | None = None,
 ) -> tuple[fx.GraphModule, Shapes | None]:
     """make_fx over fake tensors: nothing runs and donated state is not touched. The batch axes are traced as
-    symbols (every other dim static), so the program serves every bucket whose size satisfies its guards."""
-    shapes = None
+    symbols (every other dim static), so the program serves every bucket whose size satisfies its guards.
+    paths: each input's key path, for errors."""
+    global active
+    shapes, names = None, E.Names()
+    paths = paths or [f"input {i}" for i in range(len(example))]
+
+    def named_fn(*tensors):
+        names.inputs.update({id(t): p for t, p in zip(tensors, paths)})
+        names.keep.extend(tensors)
+        return flat_fn(*tensors)
+
+    active += 1
     try:
-        with _record_source_lines(), _RejectHostSyncs(fname):
+        with _record_source_lines(), _RejectHostSyncs(fname), E.quiet():
             if any(a is not None for a in batch_axes):
                 env = ShapeEnv()
                 mode = FakeTensorMode(shape_env=env)
@@ -144,12 +166,13 @@ def trace(
                         dims = [DimDynamic.DYNAMIC if i == ax[0] else DimDynamic.STATIC for i in range(t.dim())]
                         fakes.append(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims)))
                         syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
+                        names.symbol(syms[-1][0], paths[len(fakes) - 1])
                     with mode:
-                        gm = make_fx(flat_fn, tracing_mode="symbolic")(*fakes)
+                        gm = make_fx(named_fn, tracing_mode="symbolic")(*fakes)
                 shapes = Shapes(env, syms)
             else:
-                gm = make_fx(flat_fn, tracing_mode="fake")(*example)
-    except TraceError:
+                gm = make_fx(named_fn, tracing_mode="fake")(*example)
+    except FgraphError:
         raise
     except Exception as e:
         name = type(e).__name__
@@ -158,8 +181,10 @@ def trace(
                 f"fgraph.jit({fname}): the traced function depends on tensor values at {_tb_line(e)} "
                 f"({name}): Python control flow or shapes that come from data cannot be captured",
                 "use torch.where / masking instead of `if tensor`, keep shapes static",
-            ) from None
-        raise
+            ) from e
+        raise E.translate(fname, e, names) from e
+    finally:
+        active -= 1
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(val):
@@ -185,6 +210,15 @@ def _tb_line(e: BaseException) -> str:
             line = f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{tb.tb_lineno}"
         tb = tb.tb_next
     return line
+
+
+def _root(path: str) -> str:
+    """The argument (or lifted root: `self` of a module's state) a key path starts at."""
+    return path.split("[")[0].split(".")[0]
+
+
+def _is_module_state(path: str) -> bool:
+    return path.startswith("self.")  # a lifted module's parameter or buffer (fgraph/_bind.py names them so)
 
 
 def _write_targets(node: fx.Node) -> list[fx.Node]:
@@ -228,8 +262,13 @@ def check(
                 raise TraceError(
                     f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
                     f"{placeholder_paths[b]}, which is not donated",
-                    "add its argument to donate=[...] (fgraph then updates it in place across calls), "
-                    "or use the out-of-place op",
+                    f"add {_root(placeholder_paths[b])!r} to donate=[...] (fgraph then updates it in place across "
+                    "calls), or use the out-of-place op"
+                    + (
+                        " (a module's training statistics: model.eval())"
+                        if _is_module_state(placeholder_paths[b])
+                        else ""
+                    ),
                 )
         val = node.meta.get("val")
         if device != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" and node.op != "placeholder":

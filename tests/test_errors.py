@@ -105,7 +105,7 @@ def test_write_into_a_non_donated_input():
     with pytest.raises(
         TraceError,
         match=r"aten.mul_.Tensor at tests/test_errors.py:\d+ writes in place into "
-        r"params\['w'\], which is not donated\nFix: add its argument to donate=",
+        r"params\['w'\], which is not donated\nFix: add 'params' to donate=",
     ):
         traced(f, torch.ones(3, 2), {"w": torch.ones(2, 2)})
 

@@ -18,6 +18,13 @@ def test_explain_one_signature_before_capture():
 step(breaks=1, routine='mixed', bucket=8)
   tokens: 7 -> bucket 8 (1 padded)
   mode: PIECEWISE (FULL_AND_PIECEWISE requested -> PIECEWISE for the mixed routine)
+  inputs: 3
+    params['w']: float32[8, 8]@cpu
+    state['count']: int64[]@cpu
+    batch['x']: float32[8, 8]@cpu (Batched)
+  outputs: 2
+    out[0]: float32[8, 8]
+    out[1]: int64[]
   pieces: 3 (2 graph, 1 break)
   [0] graph 2 ops: mm, empty_like; ends at break toy_scale
       in: batch['x'], params['w']
@@ -45,6 +52,10 @@ def test_explain_shows_downgrades_and_capture_cost():
         == """\
 fn(routine='decode', bucket=4)
   mode: FULL (FULL requested)
+  inputs: 1
+    x: float32[4, 2]@cpu (Batched)
+  outputs: 1
+    out: float32[4, 2]
   pieces: 3 (2 graph, 1 break)
   [0] graph 1 ops: empty_like; ends at break toy_decode_only
       in: x
@@ -57,6 +68,10 @@ fn(routine='decode', bucket=4)
 fn(routine='mixed', bucket=4)
   mode: PIECEWISE (FULL requested -> PIECEWISE (toy_decode_only has no mixed graph routine; toy_decode_only \
 supports UNIFORM_DECODE))
+  inputs: 1
+    x: float32[4, 2]@cpu (Batched)
+  outputs: 1
+    out: float32[4, 2]
   pieces: 3 (2 graph, 1 break)
   [0] graph 1 ops: empty_like; ends at break toy_decode_only
       in: x

@@ -1,0 +1,345 @@
+"""Research code as it is written: what a jitted callable is (a function, a method, a module, a bound method,
+a function with positional-only parameters, *args or **kwargs) and the tensors it reads without taking them as
+arguments (module parameters and buffers, closed-over and global tensors).
+
+Those tensors are lifted into extra inputs of the traced function (torch.compile lifts constants the same way):
+each call reads their current values and they become non-static leaves named by where they live (`self.lin.weight`,
+`scale`), read in place like parameters. While tracing, fakes are swapped in where the real tensors live (module
+reparametrization, closure cells, globals) and swapped back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import os
+import sysconfig
+import types
+
+import torch
+import torch.utils._pytree as pytree
+from torch._C import _functorch
+from torch.nn.utils.stateless import _reparametrize_module
+
+from ._errors import FgraphError, SignatureError
+from ._signature import path_str
+
+_PATHS = sysconfig.get_paths()  # where the standard library and installed packages live (not sys.prefix itself)
+_LIB_DIRS = tuple(
+    os.path.join(d, "")
+    for d in {os.path.dirname(torch.__file__), os.path.dirname(__file__)}
+    | {_PATHS.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if d
+)
+
+
+def _user_code(fn) -> bool:
+    """A Python function of the user's (not torch's, fgraph's, the standard library's or an installed package's)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and not code.co_filename.startswith(_LIB_DIRS)
+
+
+def describe(fn) -> tuple[str, inspect.Signature]:
+    """The name and call signature of what fgraph.jit was given (a module: its forward's)."""
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__, inspect.signature(fn.forward)
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", None) or type(fn).__name__
+    try:
+        return name, inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise SignatureError(
+            f"fgraph.jit: cannot read the signature of {name} ({e})", "jit a Python function, method or nn.Module"
+        ) from None
+
+
+def setup(jitted, fn, options: dict) -> tuple[tuple, tuple]:
+    """Jitted.__init__'s view of `fn`: its name and signature, the tensors it reads without taking them as
+    arguments, whether the replay path can bind its calls; returns static= and donate= with jax's spellings
+    (static_argnames=, donate_argnames=) merged in."""
+    jitted._options = options  # to make the same Jitted per instance of a method's class
+    jitted.fn, (jitted.name, jitted.signature) = fn, describe(fn)
+    if not isinstance(fn, torch.nn.Module):  # (a module's __dict__ is its state, not function metadata)
+        functools.update_wrapper(jitted, fn)
+    jitted._lifted = Lifted(fn, set(jitted.signature.parameters))
+    jitted._plain = plain_signature(jitted.signature) and not jitted._lifted
+    static = (*_names(options.pop("static")), *_names(options.pop("static_argnames")))
+    donate = (*_names(options.pop("donate")), *_names(options.pop("donate_argnames")))
+    options.update(static=static, donate=donate, static_argnames=(), donate_argnames=())
+    return static, donate
+
+
+def _names(x) -> tuple:
+    return (x,) if isinstance(x, str) else tuple(x or ())
+
+
+def plain_signature(sig: inspect.Signature) -> bool:
+    """Every parameter can be passed by name (what Jitted's replay path binds): no positional-only, *args, **kw."""
+    return all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in sig.parameters.values())
+
+
+class Lifted:
+    """The tensors a callable reads without taking them as arguments: where they live, found at jit time and again
+    at the first call (globals a decorated function reads are often assigned after it), read per call (`values`),
+    swapped for fakes while tracing (`installed`)."""
+
+    def __init__(self, fn, params: set[str]):
+        self.fn, self.params, self.rescanned = fn, params, False
+        self.scan()
+        # lifted leaf name -> (index in modules + slots, the key in its module), filled by values()
+        self.names: dict[str, tuple[int, str | None]] = {}
+
+    def scan(self):
+        fn = self.fn
+        self.modules: list[tuple[str, torch.nn.Module]] = []  # (name, module): parameters and buffers
+        self.slots: list[tuple[str, str, object, object]] = []  # (name, kind, holder, key): cell / global / attr
+        self._taken, self._seen = set(self.params), set()
+        self._callable(fn)
+
+    def _callable(self, fn):
+        if isinstance(fn, torch.nn.Module):
+            self._module("self", fn)
+            self._function(type(fn).forward, 0)
+        elif isinstance(fn, types.MethodType):
+            self._holder("self", fn.__self__)
+            self._function(fn.__func__, 0)
+        elif isinstance(fn, functools.partial):  # partial(step, params): its positional arguments, by parameter name
+            # (its keywords are defaults of its signature: arguments)
+            names = _positional_names(fn.func)
+            for i, a in enumerate(fn.args):
+                self._value(names[i] if i < len(names) else f"args[{i}]", a, "parg", fn, i, 1)
+            self._callable(fn.func)
+        else:
+            self._function(getattr(fn, "__wrapped__", fn) if not _user_code(fn) else fn, 0)
+
+    def __bool__(self):
+        return bool(self.modules or self.slots)
+
+    def roots(self) -> set[str]:
+        """The names that donate= may give for lifted state (`self`: a module's buffers, updated in place)."""
+        return {n.split(".")[0] for n, *_ in [*self.modules, *self.slots]}
+
+    def _name(self, name: str) -> str:
+        base, k = name, 2
+        while name in self._taken:
+            name, k = f"{base}#{k}", k + 1
+        self._taken.add(name)
+        return name
+
+    def _module(self, name: str, m: torch.nn.Module):
+        if id(m) in self._seen:
+            return
+        self._seen.add(id(m))
+        name = self._name(name)
+        self.modules.append((name, m))
+        for sub_name, sub in m.named_modules():  # plain tensor attributes (neither parameter nor buffer)
+            for k, v in vars(sub).items():
+                if isinstance(v, torch.Tensor):
+                    self.slots.append((f"{name}.{sub_name}.{k}" if sub_name else f"{name}.{k}", "attr", sub, k))
+
+    def _holder(self, name: str, obj):
+        """`self` of a bound method: a module, or an object whose tensor / module attributes the method reads."""
+        if isinstance(obj, torch.nn.Module):
+            self._module(name, obj)
+            return
+        slots = [k for c in type(obj).__mro__ for k in getattr(c, "__slots__", ()) if hasattr(obj, k)]
+        for k in [*getattr(obj, "__dict__", {}), *slots]:
+            self._value(f"{name}.{k}", getattr(obj, k), "attr", obj, k, 1)
+
+    def _value(self, name, v, kind, holder, key, depth):
+        from ._jit import Jitted
+
+        if isinstance(v, torch.Tensor):
+            self.slots.append((self._name(name), kind, holder, key))
+        elif isinstance(v, torch.nn.Module):
+            self._module(name, v)
+        elif isinstance(v, Jitted):  # called while this traces, it is inlined: what it reads is read here
+            self._value(name, v.fn, kind, holder, key, depth)
+        elif isinstance(v, types.MethodType) and _user_code(v.__func__):
+            self._holder(name, v.__self__)
+            self._function(v.__func__, depth + 1)
+        elif isinstance(v, types.FunctionType) and _user_code(v):
+            self._function(v, depth + 1)
+        elif isinstance(v, (dict, list)) and depth <= 3 and len(v) <= 4096:  # CONFIG["w"]: swapped in the container
+            for k, x in v.items() if isinstance(v, dict) else enumerate(v):
+                if isinstance(x, (torch.Tensor, torch.nn.Module, dict, list)):
+                    self._value(f"{name}[{k!r}]", x, "item", v, k, depth + 1)
+
+    def _function(self, fn, depth: int):
+        if not isinstance(fn, types.FunctionType) or id(fn) in self._seen or depth > 3:
+            return
+        self._seen.add(id(fn))
+        code = fn.__code__
+        for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                v = cell.cell_contents
+            except ValueError:  # not yet assigned
+                continue
+            self._value(var, v, "cell", cell, None, depth)
+        g = fn.__globals__
+        for var in _global_names(code):
+            if var in g:
+                self._value(var, g[var], "global", g, var, depth)
+
+    # -- per call ----------------------------------------------------------------------------------------------
+    def values(self) -> dict[str, torch.Tensor]:
+        """The lifted tensors as they are now, by leaf name (a module's: `self.layers.0.weight`)."""
+        out, self.names = {}, {}
+        for i, (name, m) in enumerate(self.modules):
+            for k, v in [*m.named_parameters(), *m.named_buffers()]:
+                # read as data (same storage): a jitted call is inference, its outputs carry no autograd history
+                out[f"{name}.{k}"] = v.detach() if v.requires_grad else v
+                self.names[f"{name}.{k}"] = (i, k)
+        for i, (name, kind, holder, key) in enumerate(self.slots, len(self.modules)):
+            v = _read(kind, holder, key)
+            if isinstance(v, torch.Tensor):
+                out[name] = v.detach() if v.requires_grad else v
+                self.names[name] = (i, None)
+        return out
+
+    @contextlib.contextmanager
+    def installed(self, values: dict[str, torch.Tensor]):
+        """Swap `values` (fakes, while tracing) in where the lifted tensors live; swap the originals back after."""
+        with contextlib.ExitStack() as stack:
+            for i, (_, m) in enumerate(self.modules):
+                mine = {k: values[leaf] for leaf, (j, k) in self.names.items() if j == i and leaf in values}
+                stack.enter_context(_reparametrize_module(m, mine, tie_weights=True))
+            for i, (name, kind, holder, key) in enumerate(self.slots, len(self.modules)):
+                if name in values and self.names.get(name, (None,))[0] == i:
+                    old = _read(kind, holder, key)
+                    _write(kind, holder, key, values[name])
+                    stack.callback(_write, kind, holder, key, old)
+            yield
+
+
+def _read(kind, holder, key):
+    if kind == "cell":
+        return holder.cell_contents
+    if kind == "global":
+        return holder.get(key)
+    if kind == "item":
+        return holder[key] if isinstance(holder, list) and key < len(holder) else holder.get(key)
+    if kind == "parg":
+        return holder.args[key]
+    return getattr(holder, key, None)
+
+
+def _write(kind, holder, key, v):
+    if kind == "cell":
+        holder.cell_contents = v
+    elif kind in ("global", "item"):
+        holder[key] = v
+    elif kind == "parg":  # a partial's arguments are a tuple: the partial is re-made in place
+        args = list(holder.args)
+        args[key] = v
+        holder.__setstate__((holder.func, tuple(args), holder.keywords, holder.__dict__ or None))
+    else:  # (a module's plain tensor attribute, or any object's: past its __setattr__, frozen or not)
+        object.__setattr__(holder, key, v)
+
+
+def _positional_names(fn) -> list[str]:
+    try:
+        ps = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _global_names(code) -> list[str]:
+    """Names a code object (and the functions defined inside it) may read as globals."""
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names.extend(_global_names(c))
+    return names
+
+
+def invoke(jitted, dynamic: dict, statics: dict):
+    """Call the jitted callable with its arguments by name (positional-only, *args and **kwargs spread back) and
+    its lifted tensors installed from `dynamic` (the leaves named in Lifted.values)."""
+    lifted = jitted._lifted
+    swap = {k: dynamic[k] for k in lifted.names if k in dynamic} if lifted else {}
+    merged = {**{k: v for k, v in dynamic.items() if k not in swap}, **statics}
+    ordered = {k: merged[k] for k in jitted.signature.parameters if k in merged}
+    bound = inspect.BoundArguments(jitted.signature, ordered)
+    with lifted.installed(swap) if swap else contextlib.nullcontext():
+        return jitted.fn(*bound.args, **bound.kwargs)
+
+
+def method(jitted, obj):
+    """`obj.f` for a jitted function defined in a class body: a Jitted of the bound method, one per instance (two
+    instances hold different tensors: each has its own signatures and graphs). Kept in the instance's __dict__
+    (it lives and dies with the instance; a copy of the instance binds its own)."""
+    d = getattr(obj, "__dict__", None)
+    if d is None:  # __slots__: kept by id for the process's life
+        d = jitted.__dict__.setdefault("_per_id", {}).setdefault(id(obj), {})
+    methods = d.get("_fgraph_methods")
+    bound = methods.get(jitted) if methods is not None else None
+    if bound is None or bound.fn.__self__ is not obj:  # (copy.copy shares the __dict__'s values: not its graphs)
+        if methods is None or bound is not None:
+            methods = d["_fgraph_methods"] = _Methods()
+        bound = methods[jitted] = type(jitted)(types.MethodType(jitted.fn, obj), **jitted._options)
+    return bound
+
+
+class _Methods(dict):
+    """An instance's jitted methods: never copied or pickled with the instance (a copy binds its own)."""
+
+    def __copy__(self):
+        return _Methods()
+
+    def __deepcopy__(self, memo):
+        return _Methods()
+
+    def __reduce__(self):
+        return _Methods, ()
+
+
+def family_leaf(leaf, spec):
+    """What one trace is specialised to of a leaf: all of it, but a batched leaf's batch axis (traced as a symbol,
+    shared by every bucket); its other dims stay (a sequence axis of another length is another trace)."""
+    return leaf if spec is None else leaf._replace(shape=leaf.shape[: spec.axis] + leaf.shape[spec.axis + 1 :])
+
+
+def get(jitted, obj, objtype=None):
+    """Jitted.__get__: the function itself from the class, a Jitted of the bound method from an instance."""
+    return jitted if obj is None else method(jitted, obj)
+
+
+def check_call(jitted, statics: dict, dynamic: dict) -> dict:
+    """The slow path's checks of a call (a tensor passed as a static, gradients wanted through it); returns the
+    dynamic arguments plus the lifted tensors' current values."""
+    for k, v in statics.items():
+        if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v)):
+            raise SignatureError(
+                f"fgraph.jit({jitted.name}): static argument {k!r} is (or holds) a tensor; a static is frozen into "
+                "the signature by value, which a tensor does not have",
+                f"remove {k!r} from static= (tensors are inputs), or pass a Python value (int(t), tuple(t.tolist()))",
+            )
+    if torch.is_grad_enabled():
+        for path, x in pytree.tree_flatten_with_path(dynamic)[0]:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                raise FgraphError(
+                    f"fgraph.jit({jitted.name}): {path_str(path)} requires grad and grad mode is on, but a "
+                    "jitted call is inference only: its outputs live in graph memory and carry no autograd history",
+                    "call it under torch.no_grad() or torch.inference_mode(), pass x.detach(), or train with the "
+                    "plain function (fgraph.disable_jit())",
+                )
+    lifted = jitted._lifted
+    if not lifted.rescanned:  # the first call: what the function reads now (globals assigned after the decorator)
+        lifted.rescanned = True
+        lifted.scan()
+        jitted._plain = jitted._plain and not lifted  # lifted tensors are read per call: no replay-path binding
+    return {**dynamic, **lifted.values()} if lifted else dynamic
+
+
+def check_transforms(jitted) -> None:
+    """vmap / grad / jacrev (torch.func) over a jitted call: its inputs are functorch wrappers that a captured
+    graph cannot see through."""
+    if _functorch.peek_interpreter_stack() is not None:
+        raise FgraphError(
+            f"fgraph.jit({jitted.name}): called under a torch.func transform (vmap, grad, jacrev, ...); a jitted "
+            "call replays captured graphs, which a transform cannot batch or differentiate",
+            "jit the transformed plain function instead (fgraph.jit(torch.func.vmap(f)) for the f you jitted), or "
+            "call the plain function under the transform",
+        )

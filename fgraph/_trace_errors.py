@@ -1,0 +1,137 @@
+"""Errors raised while tracing the user's function, re-raised at fgraph's boundary: what failed, the user's source
+line, the inputs involved by key path, symbolic sizes named by the argument they came from ("batch axis of `x`"),
+and torch's own error kept as the cause."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import types
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._errors import TraceError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FGRAPH_DIR = os.path.dirname(__file__)
+_NOISY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.recording")
+
+
+@contextlib.contextmanager
+def quiet():
+    """Fake-tensor and shape-env loggers print a traceback for an error that is about to be re-raised anyway."""
+    loggers = [logging.getLogger(n) for n in _NOISY]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+def tag(e: BaseException, func, args, kwargs, line: str) -> None:
+    """Remember, on the exception, the innermost torch call of the user's code it came from (first tag wins)."""
+    if not hasattr(e, "_fgraph_op"):
+        with contextlib.suppress(Exception):
+            e._fgraph_op = (func, args, kwargs or {}, line)
+
+
+class Names:
+    """What the trace knows to name things by: input tensors -> key path, batch symbols -> their argument."""
+
+    def __init__(self):
+        self.inputs: dict[int, str] = {}  # id(traced input tensor) -> key path
+        self.symbols: dict[str, list[str]] = {}  # "s26" -> key paths of the leaves whose batch axis it is
+        self.keep: list = []  # the inputs themselves (ids stay valid while they live)
+
+    def symbol(self, expr, path: str) -> None:
+        self.symbols.setdefault(str(expr), []).append(path)
+
+    def text(self, s: str) -> str:
+        """`[s26, 4]` -> `[batch axis of `x`, 4]`."""
+
+        def sub(m):
+            paths = self.symbols.get(m.group(0))
+            return f"(batch axis of {', '.join(f'`{p}`' for p in paths)})" if paths else m.group(0)
+
+        return re.sub(r"\bs\d+\b", sub, s)
+
+    def tensor(self, t) -> str:
+        shape = ", ".join(self.text(str(d)) for d in t.shape)
+        aval = f"{str(t.dtype).removeprefix('torch.')}[{shape}]"
+        name = self.inputs.get(id(t))
+        return f"`{name}` {aval}" if name else aval
+
+
+def _user_frames(tb):
+    while tb is not None:
+        fn = tb.tb_frame.f_code.co_filename
+        if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR) and "<frozen" not in fn:
+            yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+
+
+def _where(f, lineno) -> str:
+    fn = f.f_code.co_filename
+    return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{lineno}"
+
+
+def _name_of(t, e: BaseException) -> str | None:
+    """The variable a real (non-argument) tensor was read from: a local, closure or global of the user's frames,
+    or an attribute of one."""
+    for f, _ in reversed(list(_user_frames(e.__traceback__))):
+        for kind, scope in [("", f.f_locals), ("the global ", f.f_globals)]:
+            for k, v in scope.items():
+                if v is t:
+                    return f"{kind}`{k}`"
+                if isinstance(v, (dict, list, tuple)) and not k.startswith("__"):
+                    for i, w in v.items() if isinstance(v, dict) else enumerate(v):
+                        if w is t:
+                            return f"{kind}`{k}[{i!r}]`"
+        for k, v in f.f_locals.items():
+            d = getattr(v, "__dict__", None)
+            if isinstance(d, dict) and not isinstance(v, types.ModuleType):
+                for a, w in d.items():
+                    if w is t:
+                        return f"`{k}.{a}`"
+    return None
+
+
+def translate(fname: str, e: Exception, names: Names) -> TraceError:
+    """An fgraph TraceError for an exception raised while tracing `fname` (raise it `from e`)."""
+    op = getattr(e, "_fgraph_op", None)
+    frames = list(_user_frames(e.__traceback__))
+    line = op[3] if op else (_where(*frames[-1]) if frames else "<unknown>")
+    msg = names.text(str(e).strip().split("\n\nWhile executing")[0])
+    first = msg.splitlines()[0] if msg else type(e).__name__
+    if "Please convert all Tensors to FakeTensors" in msg or "allow_non_fake_inputs" in msg:
+        real = [
+            x
+            for x in (pytree.tree_leaves((op[1], op[2])) if op else [])
+            if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor)
+        ]
+        who = (_name_of(real[0], e) if real else None) or "a tensor"
+        shape = f" ({str(real[0].dtype).removeprefix('torch.')}{list(real[0].shape)})" if real else ""
+        return TraceError(
+            f"fgraph.jit({fname}): {who}{shape} at {line} is read by the function but is not one of its inputs "
+            "(a captured graph would freeze its value and address)",
+            f"pass {who if who != 'a tensor' else 'it'} as an argument (arguments are read in place, not copied); "
+            "fgraph lifts the tensors held by closures, globals, modules, dicts and lists, not those inside other "
+            "containers (tuples, objects)",
+        )
+    involved = ""
+    if op:
+        func, args, kwargs, _ = op
+        ts = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        fn_name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+        involved = f" in {fn_name}({', '.join(names.tensor(t) for t in ts)})"
+    return TraceError(
+        f"fgraph.jit({fname}): {type(e).__name__} at {line}{involved}: {first}",
+        "the function fails at these shapes and dtypes as written; run it eagerly to debug "
+        f"(`with fgraph.disable_jit(): {fname}(...)`); torch's error is chained as the cause",
+    )
