@@ -21,6 +21,7 @@ from ._entry import Call, Entry, Stats, Traced, _device_of
 from ._errors import SignatureError
 from ._inductor import inductor_options
 from ._modes import Mode
+from ._padding import check_lengths, check_options
 from ._pytree import check_static_fields, flatten_with_paths, flattener
 from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
 
@@ -61,6 +62,7 @@ class Jitted:
         *,
         static=(),
         donate=(),
+        scratch=(),
         batch=None,
         buckets=None,
         mode="FULL_AND_PIECEWISE",
@@ -74,7 +76,7 @@ class Jitted:
         self.fn, self.name = fn, getattr(fn, "__name__", repr(fn))
         self.signature = inspect.signature(fn)
         params = self.signature.parameters
-        for kind, names in (("static", static), ("donate", donate), ("batch", list(batch or {}))):
+        for kind, names in (("static", static), ("donate", donate), ("scratch", scratch), ("batch", list(batch or {}))):
             for a in names:
                 if a not in params:
                     raise SignatureError(
@@ -84,6 +86,7 @@ class Jitted:
                     )
         self.static = tuple(static)
         self.donate = tuple(donate)
+        self.scratch = tuple(scratch)
         self.batch = dict(batch or {})
         self.buckets = tuple(sorted(buckets)) if buckets is not None else default_buckets()
         try:
@@ -102,6 +105,7 @@ class Jitted:
         self.strict = strict
         self.copy_outputs = copy_outputs
         self.routine = routine
+        check_options(self.name, self.signature, self)
         self.warmups = warmups
         self.compile = inductor_options(self.name, compile)
         self.entries: dict[Signature, Entry] = {}
@@ -269,6 +273,7 @@ class Jitted:
                 )
             entry = self._new_entry(call)
             self._capture(entry, self._dummy(call, call.sig.bucket) if call.n is not None else call)
+        check_lengths(self.name, entry.traced.tied, call.leaves)
         out = entry.run(call.leaves, call.n, call.bound, self.copy_outputs, check=True)
         self._remember(call, entry)
         entry.verified = None
@@ -321,7 +326,7 @@ class Jitted:
         family = (
             call.sig.statics,
             call.sig.treespec,
-            tuple(leaf._replace(shape=None) if s is not None else leaf for leaf, s in zip(call.sig.leaves, call.specs)),
+            tuple(leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape)) for leaf, s in zip(call.sig.leaves, call.specs)),
         )
         traced = next((t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket)), None)
         new = traced is None
