@@ -43,6 +43,7 @@ def measure(cfg, params, step, local_cfg, a) -> dict:
                     step,
                     static=["routine"],
                     donate=["cache"],
+                    scratch=["cache"],  # padded rows write only the scratch page (fgraph/ops/attention.py)
                     batch={"batch": spec},
                     mode=mode.split("+")[0],
                     compile=mode.endswith("+C"),

@@ -18,10 +18,10 @@ from ._buffers import InputBuffers
 from ._errors import SignatureError
 from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
+from ._padding import BatchAxes, find_mixing, output_rows, tied_lengths
 from ._pytree import unflattener
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
-from ._padding import BatchAxes, find_mixing, output_rows, tied_lengths
 from ._state import put_back, root_of
 from ._trace import _write_targets, base_of, check, trace
 

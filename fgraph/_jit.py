@@ -326,7 +326,10 @@ class Jitted:
         family = (
             call.sig.statics,
             call.sig.treespec,
-            tuple(leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape)) for leaf, s in zip(call.sig.leaves, call.specs)),
+            tuple(
+                leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape))
+                for leaf, s in zip(call.sig.leaves, call.specs)
+            ),
         )
         traced = next((t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket)), None)
         new = traced is None
@@ -473,7 +476,10 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
     """Trace `fn` once per signature and capture CUDA graphs for it.
 
     static: argument names that are hashable Python values (a new value is a new signature).
-    donate: argument names whose tensors the function may update in place (KV cache, state).
+    donate: argument names whose tensors the function may update in place (KV cache, state). What warm-up and
+      capture write there is put back: after a call the state is what one eager call leaves.
+    scratch: donated argument names whose padded rows, by the function's padding values, write only into a scratch
+      area (the KV cache's page 0): not copied and put back around capture (which runs on all-padding inputs).
     batch: {argument name: Batched or a prefix tree of Batched/None}: leaves that carry the token axis.
     buckets: the padded token counts to capture (default vLLM's: 1, 2, 4, 8, ..., 256, 272, ..., 512).
     mode: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE (default); `routine` names the static

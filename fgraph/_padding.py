@@ -287,7 +287,7 @@ def check_options(fname: str, signature, jitted) -> None:
     if jitted.mode.value == "FULL_DECODE_ONLY" and jitted.routine not in jitted.static:
         raise SignatureError(
             f"fgraph.jit({fname}): mode FULL_DECODE_ONLY needs the static routine argument {jitted.routine!r} "
-            f"(its value \"decode\" marks the signatures to capture), but {fname}{signature} "
+            f'(its value "decode" marks the signatures to capture), but {fname}{signature} '
             + ("has no such parameter" if jitted.routine not in signature.parameters else "does not make it static"),
             f"add a `{jitted.routine}` parameter to static=[...] (or pass routine=<its name>), or use mode='FULL'",
         )
