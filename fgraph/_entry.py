@@ -156,14 +156,10 @@ class Traced:
             return []
         if self.axes is not None:
             return output_rows(self.axes, self.outs, set(self.out_passthrough))
-        size = (lambda d: d) if self.shapes is None else (lambda d: self.shapes.size(d, bucket))
         return [
             (j, 0, None, 0, 1, 0)
             for j, v in enumerate(self.outs)
-            if j not in self.out_passthrough
-            and isinstance(v, torch.Tensor)
-            and v.dim() > 0
-            and size(v.shape[0]) == bucket
+            if j not in self.out_passthrough and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == bucket
         ]
 
 

@@ -75,7 +75,7 @@ class BatchAxes:
 
     def __init__(self, shapes: Shapes, leaves: list[tuple[str, int, int, object]]):
         # leaves: per batched tensor leaf, in the order of shapes.syms: (key path, leaf index, axis, Batched)
-        self.shapes, self.env = shapes, shapes.shape_env
+        self.shapes, self.env, self._syms = shapes, shapes.shape_env, {}
         self.leaves = []  # (path, leaf index, axis, spec, canonical symbol, offset): size = symbol + offset
         for (sym, _), (path, i, axis, spec) in zip(shapes.syms, leaves):
             e = self.canon(sym)
@@ -96,8 +96,14 @@ class BatchAxes:
         return {d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and self.syms_of(s)}
 
     def syms_of(self, size) -> set:
-        e = self.canon(size)
-        return (e.free_symbols & self.symbols) if isinstance(e, sympy.Basic) else set()
+        if not isinstance(size, torch.SymInt):
+            return set()
+        key = size.node.expr
+        got = self._syms.get(key)
+        if got is None:  # a model's trace has thousands of tensors over a handful of size expressions
+            e = self.canon(key)
+            got = self._syms[key] = (e.free_symbols & self.symbols) if isinstance(e, sympy.Basic) else set()
+        return got
 
     def intended(self, syms: set) -> bool:
         """Every symbol involved stands for a leaf declared Batched(mixes=True)."""
