@@ -149,15 +149,15 @@ class Traced:
         return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
 
     def batched_outputs(self, bucket: int | None) -> list[tuple]:
-        """(output, dim, leaf, axis, a, b) per output dim cut back per call to `a * leaf.shape[axis] + b` (leaf
-        None: to N), the unpadded call's size. Symbolic traces: every dim sized by a batch symbol; static ones
-        (bucket 1): a first dim equal to the bucket. The caller's own tensors never are."""
+        """(output, dim, size) per output dim cut back per call to size(leaves) (None: to N), the unpadded call's
+        size. Symbolic traces: every dim sized by a batch symbol; static ones (bucket 1): a first dim equal to the
+        bucket. The caller's own tensors never are."""
         if bucket is None:
             return []
         if self.axes is not None:
             return output_rows(self.axes, self.outs, set(self.out_passthrough))
         return [
-            (j, 0, None, 0, 1, 0)
+            (j, 0, None)
             for j, v in enumerate(self.outs)
             if j not in self.out_passthrough and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == bucket
         ]
@@ -254,8 +254,8 @@ class Entry:
         for j, i in self.passthrough:
             outs[j] = leaves[i]
         if n is not None:
-            for j, d, i, ax, a, b in self.out_batched:  # cut back to the unpadded call's size (Traced.batched_outputs)
-                size = a * (leaves[i].shape[ax] if i is not None else n) + b
+            for j, d, rows in self.out_batched:  # cut back to the unpadded call's size (Traced.batched_outputs)
+                size = n if rows is None else rows(leaves)
                 if outs[j].shape[d] != size:
                     outs[j] = outs[j].narrow(d, 0, size)
         if copy_outputs:

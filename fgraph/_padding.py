@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 from typing import NamedTuple
 
 import sympy
@@ -224,33 +225,33 @@ def _guard_line(guard) -> str | None:
     return getattr(loc, "maybe_user_loc", None)
 
 
-def _linear(axes: BatchAxes, size):
-    """size == a * (leaf i's axis length) + b -> (i, axis, a, b), or None (a static size, or not of that form)."""
+def _sizer(axes: BatchAxes, size) -> Callable[[list], int] | None:
+    """A traced size over batch symbols -> `leaves -> its value in a call` (the unpadded call's size: each symbol
+    at its leaf's length as passed), or None for a static size."""
     e = axes.canon(size)
-    if not isinstance(e, sympy.Basic):
+    if not isinstance(e, sympy.Basic) or not e.free_symbols or not e.free_symbols <= axes.symbols:
         return None
-    free = e.free_symbols & axes.symbols
-    if len(free) != 1 or e.free_symbols != free:
-        return None
-    (s,) = free
-    a, b = e.coeff(s), e.subs(s, 0)
-    if not (a.is_Integer and b.is_Integer and sympy.expand(a * s + b - e) == 0):
-        return None
-    leaf = next(leaf for leaf in axes.leaves if leaf[4] == s)
-    return leaf[1], leaf[2], int(a), int(b) - int(a) * leaf[5]  # symbol = leaf length - offset
+    at = {s: next((leaf[1], leaf[2], leaf[5]) for leaf in axes.leaves if leaf[4] == s) for s in e.free_symbols}
+    if len(at) == 1:  # the usual a * N + b (N, [N * heads] flattened, S + 1 offsets): no sympy per call
+        ((s, (i, ax, off)),) = at.items()
+        a, b = e.coeff(s), e.subs(s, 0)
+        if a.is_Integer and b.is_Integer and sympy.expand(a * s + b - e) == 0:
+            a, b = int(a), int(b) - int(a) * off
+            return lambda leaves: a * leaves[i].shape[ax] + b
+    return lambda leaves: int(e.xreplace({s: leaves[i].shape[ax] - off for s, (i, ax, off) in at.items()}))
 
 
 def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
-    """Per output dim sized by the batch: (output, dim, leaf, axis, a, b), its size in a call being
-    a * leaves[leaf].shape[axis] + b, what the unpadded call returns. Static dims are never cut."""
+    """Per output dim sized by the batch: (output, dim, size), size(leaves) its length in the unpadded call
+    (x[:3] of N rows: min(3, N)). Static dims are never cut."""
     rows = []
     for j, v in enumerate(outs):
         if j in skip or not isinstance(v, torch.Tensor):
             continue
         for d in axes.dims(v):
-            r = _linear(axes, v.shape[d])
-            if r is not None:
-                rows.append((j, d, *r))
+            size = _sizer(axes, v.shape[d])
+            if size is not None:
+                rows.append((j, d, size))
     return rows
 
 

@@ -200,13 +200,13 @@ def test_an_output_the_size_of_the_bucket_but_not_of_the_batch_is_not_cut(mode, 
 def test_outputs_are_cut_along_every_batch_dim(mode):
     def shapes(x, lens):
         outer = x[:, None, 0] * x[None, :, 0]  # [N, N]
-        return x.T * 1, outer, lens[1:] - lens[:-1], x.reshape(-1) * 1  # [2, N], [N, N], [S], [2N]
+        return x.T * 1, outer, lens[1:] - lens[:-1], x.reshape(-1) * 1, x[:6] * 1  # [2, N] [N, N] [S] [2N] [min(6, N)]
 
     spec = {"x": Batched(), "lens": Batched(pad="ramp", extra=1)}
     f = fgraph.jit(shapes, batch=spec, buckets=[8], mode=mode)
     x, lens = torch.randn(5, 2), torch.tensor([0, 2, 5])
     got, want = f(x, lens), eager(shapes, x, lens)
-    assert [t.shape for t in got] == [t.shape for t in want] == [(2, 5), (5, 5), (2,), (10,)]
+    assert [t.shape for t in got] == [t.shape for t in want] == [(2, 5), (5, 5), (2,), (10,), (5, 2)]
     assert all(map(torch.equal, got, want))
 
 
