@@ -156,6 +156,7 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
         ins = [a for a in node.args if isinstance(a, fx.Node)]
         ins += [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, fx.Node)]
         first = _val(ins[0]) if ins else None
+        first = first if isinstance(first, torch.Tensor) else None
         dims = axes.dims(first)
         syms = set().union(*(axes.syms_of(first.shape[d]) for d in dims)) if dims else set()
         if (name in _ALONG or name in _BATCH_STATS) and first is not None:
