@@ -8,10 +8,12 @@ SILENT MISMATCHES (wrong results, no error):
 ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   state_replaced_after_capture           EASY  SignatureError naming the key path (tests/test_errors.py)
-FIXED (pinned so they stay fixed; tests/test_capture_state.py, tests/test_padding.py have the full specs):
+  padded_rows_mixed_into_real_ones       MED   logged once at trace time with the line, listed by explain
+                                               (x.mean(0), softmax over tokens, ...: tests/test_padding.py)
+FIXED (pinned so they stay fixed; tests/test_capture_state.py and tests/test_padding.py hold the full specs):
   warmup_and_capture_leave_no_trace            donated state written by warm-up and capture is put back;
-                                               jit(scratch=[...]) opts state out that padded rows write only
-                                               to a scratch area of (a KV cache's page 0)
+                                               jit(scratch=[...]) skips the copy for state whose padded rows
+                                               write only a scratch area (the KV cache's page 0)
 """
 
 import pytest
