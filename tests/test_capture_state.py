@@ -201,9 +201,10 @@ def test_example_models_padded_rows_write_only_the_scratch_page(kind, mode, devi
     ref = llama.init_cache(cfg, 9, 4, torch.float32, device)
     for r, b in zip(ref.k + ref.v, before):
         r.copy_(b)
-    logits, _ = f(params, cache, batch, routine="mixed")
+    logits, _ = f(params, cache, batch, routine="mixed")  # batch on the host: fgraph copies it over
+    on_device = llama.Batch(batch.tokens.to(device), batch.positions.to(device), batch.meta.to(device))
     with fgraph.disable_jit():
-        want, _ = step(params, ref, batch, routine="mixed")
+        want, _ = step(params, ref, on_device, routine="mixed")
     assert logits.shape == want.shape == (5, cfg.vocab_size)
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     for t, r in zip(cache.k + cache.v, ref.k + ref.v):

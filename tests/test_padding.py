@@ -284,14 +284,17 @@ def test_every_tensor_fgraph_makes_names_its_device():
 def test_default_device_cuda_runs_every_mode(mode):
     from tests import toys
 
+    params, state, batch = toys.make(n=5)  # made on the CPU (a CPU generator), then moved
+    params, state = {"w": params["w"].cuda()}, {"count": state["count"].cuda()}
     torch.set_default_device("cuda")
     try:
-        params, state, batch = toys.make(n=5)
         f = toys.jitted(mode=mode, buckets=[1, 8])
-        want, ref = eager(toys.step, params, {"count": state["count"].clone()}, batch)
         for n in (5, 1, 5):
-            out, _ = f(params, state, {"x": batch["x"][:n].cpu()} if n != 5 else batch)
-        assert state["count"].item() == 3 and out.device.type == "cuda"
-        torch.testing.assert_close(out, want)
+            x = batch["x"][:n]  # host inputs: fgraph pads them into its pinned mirrors and copies them over
+            out, _ = f(params, state, {"x": x})
+            want, _ = eager(toys.step, params, {"count": torch.zeros((), dtype=torch.int64)}, {"x": x.cuda()})
+            assert out.device.type == "cuda" and out.shape == (n, 8)
+            torch.testing.assert_close(out, want)
+        assert state["count"].item() == 3
     finally:
         torch.set_default_device(None)
