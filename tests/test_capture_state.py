@@ -6,6 +6,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fgraph
 from fgraph import Batched
@@ -61,6 +63,25 @@ def test_sgd_on_donated_params_steps_once_per_call(mode, device):
         torch.testing.assert_close(params["w"], ref["w"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
     assert f.stats()["total"]["traces"] == 1
+
+
+def doubling_step(x, state):
+    state["n"].mul_(2).add_(1)  # after k runs: 2**k - 1, so every extra run shows
+    return x * state["n"], state
+
+
+@settings(max_examples=20, deadline=None)
+@given(mode=st.sampled_from(MODES), sizes=st.lists(st.integers(1, 9), min_size=1, max_size=5), up_front=st.booleans())
+def test_any_sequence_of_calls_leaves_what_eager_leaves(mode, sizes, up_front):
+    f = fgraph.jit(doubling_step, donate=["state"], batch={"x": Batched()}, mode=mode, buckets=[1, 2, 4, 8, 16])
+    state, ref = {"n": torch.zeros(())}, {"n": torch.zeros(())}
+    if up_front:
+        f.capture(torch.ones(1), state, progress=False)
+    for n in sizes:
+        x = torch.arange(float(n))
+        out, _ = f(x, state)
+        want, _ = doubling_step(x, ref)
+        assert torch.equal(out, want) and torch.equal(state["n"], ref["n"])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -102,11 +102,25 @@ def test_declared_mixing_is_silent(fn, caplog):
     assert "padding visible" not in str(fgraph.explain(f))
 
 
-def test_the_reported_mixing_is_real():
+@pytest.mark.parametrize("mode", MODES)
+def test_the_reported_mixing_is_real(mode, caplog):
     """What the log says, shown against eager: x - x.mean(0) over a padded axis is not the unpadded answer."""
-    f = fgraph.jit(centered, batch={"x": Batched()}, buckets=[8], mode="NONE")
+    f = fgraph.jit(centered, batch={"x": Batched()}, buckets=[8], mode=mode)
     x = torch.randn(5, 3) + 1
-    assert not torch.allclose(f(x), eager(centered, x))
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        assert not torch.allclose(f(x), eager(centered, x))
+    assert "padding is visible: aten.mean at " in caplog.text and where(centered) + ":" in caplog.text
+
+
+def test_a_function_first_called_at_bucket_1_is_checked_at_its_first_symbolic_trace(caplog):
+    """Bucket 1 is traced with static shapes (nothing to find: one row pads nothing); the next bucket's trace is
+    symbolic and is checked."""
+    f = fgraph.jit(centered, batch={"x": Batched()}, buckets=[1, 8], mode="NONE")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(torch.randn(1, 3))
+        assert "padding is visible" not in caplog.text
+        f(torch.randn(5, 3))
+    assert "padding is visible: aten.mean at " in caplog.text and where(centered) + ":" in caplog.text
 
 
 def test_per_row_work_is_not_reported(caplog):
