@@ -154,12 +154,19 @@ class Traced:
         bucket. The caller's own tensors never are."""
         if bucket is None:
             return []
-        if self.axes is not None:
-            return output_rows(self.axes, self.outs, set(self.out_passthrough))
-        return [
+        rows = [] if self.axes is None else output_rows(self.axes, self.outs, set(self.out_passthrough))
+        if self.axes is not None and not self.axes.specialized:
+            return rows
+        cut = {j for j, _, _ in rows}  # a trace whose batch size a guard fixed (`if N == 8`) has static outputs
+        return rows + [
             (j, 0, None)
             for j, v in enumerate(self.outs)
-            if j not in self.out_passthrough and isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == bucket
+            if j not in self.out_passthrough
+            and j not in cut
+            and isinstance(v, torch.Tensor)
+            and v.dim() > 0
+            and isinstance(v.shape[0], int)
+            and v.shape[0] == bucket
         ]
 
 

@@ -25,8 +25,6 @@ from . import _primitives as P
 from ._errors import SignatureError
 from ._trace import _LIB_DIRS, Shapes, base_of
 
-aten = torch.ops.aten
-
 # ops that combine rows along their `dim` / `dims` argument (the axis keeps its size)
 _ALONG = {
     "_softmax",
@@ -71,12 +69,14 @@ class Finding(NamedTuple):
 
 
 class BatchAxes:
-    """The batch symbols of a symbolic trace, canonicalised through the trace's replacements (tokens and
-    positions traced as s0 and s1 become one symbol once an op ties them), with the leaves each stands for."""
+    """The batch symbols of a symbolic trace: one per batched leaf (its length, as traced: `raw`), and the same
+    canonicalised through the trace's replacements (tokens and positions traced as s0 and s1 become one symbol
+    once an op ties them), with the leaves each stands for."""
 
     def __init__(self, shapes: Shapes, leaves: list[tuple[str, int, int, object]]):
         # leaves: per batched tensor leaf, in the order of shapes.syms: (key path, leaf index, axis, Batched)
         self.shapes, self.env, self._syms = shapes, shapes.shape_env, {}
+        self.raw = {sym: (i, axis) for (sym, _), (_, i, axis, _) in zip(shapes.syms, leaves)}
         self.leaves = []  # (path, leaf index, axis, spec, canonical symbol, offset): size = symbol + offset
         for (sym, _), (path, i, axis, spec) in zip(shapes.syms, leaves):
             e = self.canon(sym)
@@ -85,21 +85,24 @@ class BatchAxes:
             off = int(off) if off is not None and off.is_Integer else None
             self.leaves.append((path, i, axis, spec, free[0] if off is not None else None, off))
         self.symbols = {leaf[4] for leaf in self.leaves if leaf[4] is not None}
+        # a guard fixed a batch size to a constant (`if x.shape[0] == 8`): that trace serves that bucket only
+        self.specialized = any(not getattr(self.canon(sym), "free_symbols", None) for sym in self.raw)
 
     def canon(self, expr):
         expr = expr.node.expr if isinstance(expr, torch.SymInt) else expr
         return self.env.replace(sympy.sympify(expr)) if isinstance(expr, sympy.Basic) else expr
 
     def dims(self, val) -> set[int]:
-        """The dims of a traced tensor whose size depends on a batch symbol."""
+        """The dims of a traced tensor whose size depends on a batch size (a leaf's length)."""
         if not isinstance(val, torch.Tensor):
             return set()
-        return {d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and self.syms_of(s)}
+        return {d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and s.node.expr.free_symbols}
 
     def syms_of(self, size) -> set:
-        if not isinstance(size, torch.SymInt):
-            return set()
-        key = size.node.expr
+        """The canonical batch symbols a traced size depends on."""
+        return self.syms_of_expr(size.node.expr) if isinstance(size, torch.SymInt) else set()
+
+    def syms_of_expr(self, key) -> set:
         got = self._syms.get(key)
         if got is None:  # a model's trace has thousands of tensors over a handful of size expressions
             e = self.canon(key)
@@ -112,8 +115,7 @@ class BatchAxes:
 
 
 def _name(node: fx.Node) -> str:
-    t = node.target
-    return t._opname if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+    return node.target._schema.name.split("::")[-1]  # aten.mean.dim -> "mean"
 
 
 def _arg(node: fx.Node, name: str, default=None):
@@ -141,10 +143,10 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
     padding contract. scratch: the key paths whose scatters from padded rows are declared to land in scratch."""
     found: dict[tuple, Finding] = {}
 
-    def add(node, syms, what, op=None):
+    def add(node, syms, what):
         if axes.intended(syms):
             return
-        f = Finding(op or f"aten.{_name(node)}", node.meta.get("line", "<unknown>"), what)
+        f = Finding(f"aten.{_name(node)}", node.meta.get("line", "<unknown>"), what)
         found.setdefault((f.op, f.line), f)
 
     for node in gm.graph.nodes:
@@ -205,14 +207,14 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
             syms = set().union(*(axes.syms_of(s) for a in ins for s in _shape(_val(a))))
             add(node, syms, "reduces over the batch axis: padded rows take part")
     for g in axes.env.guards:
-        expr = axes.canon(g.expr)
-        if expr is sympy.true or not (expr.free_symbols & axes.symbols):
-            continue
-        line = _guard_line(g)
+        expr = g.expr
+        if isinstance(expr, sympy.Eq) and all(side.free_symbols for side in expr.args):
+            continue  # two batch sizes found equal (tokens and positions): a tie, checked per call (check_lengths)
+        line = _guard_line(g) if expr.free_symbols & set(axes.raw) else None
         if line is None:  # a check inside torch or fgraph (topk's k <= size): a consequence of an op reported above
             continue
-        f = Finding("branch", line, f"Python code depends on the batch size ({g.expr}), which is the bucket here")
-        if not axes.intended(expr.free_symbols & axes.symbols):
+        f = Finding("branch", line, f"Python code depends on the batch size ({expr}), which is the bucket here")
+        if not axes.intended(set().union(*(axes.syms_of_expr(s) for s in expr.free_symbols))):
             found.setdefault((f.op, f.line), f)
     return list(found.values())
 
@@ -227,19 +229,19 @@ def _guard_line(guard) -> str | None:
 
 
 def _sizer(axes: BatchAxes, size) -> Callable[[list], int] | None:
-    """A traced size over batch symbols -> `leaves -> its value in a call` (the unpadded call's size: each symbol
-    at its leaf's length as passed), or None for a static size."""
-    e = axes.canon(size)
-    if not isinstance(e, sympy.Basic) or not e.free_symbols or not e.free_symbols <= axes.symbols:
+    """A traced size -> `leaves -> its value in a call`: the unpadded call's size, each leaf's symbol at that leaf's
+    length as passed (leaves tied to one size agree: check_lengths); None for a static size."""
+    e = size.node.expr if isinstance(size, torch.SymInt) else None
+    if e is None or not e.free_symbols or not e.free_symbols <= set(axes.raw):
         return None
-    at = {s: next((leaf[1], leaf[2], leaf[5]) for leaf in axes.leaves if leaf[4] == s) for s in e.free_symbols}
+    at = {s: axes.raw[s] for s in e.free_symbols}
     if len(at) == 1:  # the usual a * N + b (N, [N * heads] flattened, S + 1 offsets): no sympy per call
-        ((s, (i, ax, off)),) = at.items()
+        ((s, (i, ax)),) = at.items()
         a, b = e.coeff(s), e.subs(s, 0)
         if a.is_Integer and b.is_Integer and sympy.expand(a * s + b - e) == 0:
-            a, b = int(a), int(b) - int(a) * off
+            a, b = int(a), int(b)
             return lambda leaves: a * leaves[i].shape[ax] + b
-    return lambda leaves: int(e.xreplace({s: leaves[i].shape[ax] - off for s, (i, ax, off) in at.items()}))
+    return lambda leaves: int(e.xreplace({s: leaves[i].shape[ax] for s, (i, ax) in at.items()}))
 
 
 def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:

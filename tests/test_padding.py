@@ -112,6 +112,17 @@ def test_the_reported_mixing_is_real(mode, caplog):
     assert "padding is visible: aten.mean at " in caplog.text and where(centered) + ":" in caplog.text
 
 
+def test_a_branch_fixing_the_batch_size_is_logged_and_outputs_still_cut(caplog):
+    def at_eight(x):
+        return x * 2 if x.shape[0] == 8 else x + 1
+
+    f = fgraph.jit(at_eight, batch={"x": Batched()}, buckets=[8], mode="NONE")
+    x = torch.ones(5)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        assert f(x).shape == (5,)  # eager: x + 1; the trace took the bucket's branch, which the log says
+    assert "padding is visible: branch at " in caplog.text and where(at_eight) + ":" in caplog.text
+
+
 def test_a_function_first_called_at_bucket_1_is_checked_at_its_first_symbolic_trace(caplog):
     """Bucket 1 is traced with static shapes (nothing to find: one row pads nothing); the next bucket's trace is
     symbolic and is checked."""
