@@ -80,6 +80,7 @@ def make_jitted(cfg, backend, mode, max_ctx, buckets, inductor=None):
         step,
         static=["routine"],
         donate=["cache"],
+        scratch=["cache"],  # padded rows write only the scratch page (fgraph/ops/attention.py)
         batch={"batch": spec},
         mode=mode.split("+")[0],
         compile=dict(inductor or {}) if mode.endswith("+C") else False,
@@ -369,6 +370,7 @@ def capture_cost(cfg, params, backend, a) -> dict:
         llama.make_step(cfg, backend=backend, max_seq_len=1024),
         static=["routine"],
         donate=["cache"],
+        scratch=["cache"],  # padded rows write only the scratch page (fgraph/ops/attention.py)
         batch={"batch": spec},
         mode="FULL_AND_PIECEWISE",
         buckets=fgraph.default_buckets(a.capture_max_bucket),

@@ -39,6 +39,7 @@ def _jitted(step, mode: str, B: int):
         step,
         static=["routine"],
         donate=["cache"],
+        scratch=["cache"],  # padded rows write only the scratch page (fgraph/ops/attention.py)
         batch={"batch": spec},
         mode=mode.split("+")[0],
         compile=mode.endswith("+C"),  # "FULL+C": Inductor-compiled pieces

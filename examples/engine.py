@@ -103,6 +103,7 @@ class Engine:
                 step_fn,
                 static=["routine"],
                 donate=["cache"],
+                scratch=["cache"],  # padded rows write only the scratch page (fgraph/ops/attention.py)
                 batch={"batch": self.spec},
                 buckets=self.buckets,
                 mode=mode,

@@ -295,12 +295,6 @@ class _Methods(dict):
         return _Methods, ()
 
 
-def family_leaf(leaf, spec):
-    """What one trace is specialised to of a leaf: all of it, but a batched leaf's batch axis (traced as a symbol,
-    shared by every bucket); its other dims stay (a sequence axis of another length is another trace)."""
-    return leaf if spec is None else leaf._replace(shape=leaf.shape[: spec.axis] + leaf.shape[spec.axis + 1 :])
-
-
 def get(jitted, obj, objtype=None):
     """Jitted.__get__: the function itself from the class, a Jitted of the bound method from an instance."""
     return jitted if obj is None else method(jitted, obj)

@@ -121,7 +121,7 @@ class _Mirror:
     """A pinned host copy of the input buffers, its numpy views, and the event of its last copy to the device."""
 
     def __init__(self, total, offsets, shapes, pinned: bool = True):
-        self.bytes = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+        self.bytes = torch.zeros(max(total, 1), dtype=torch.uint8, device="cpu", pin_memory=pinned)
         self.host = InputBuffers._views(self.bytes, offsets, shapes)
         self.host_np = [_numpy(h) for h in self.host]
         self.real = [-1] * len(shapes)

@@ -3,6 +3,7 @@ call runs through it: copy inputs in, plan, replay (or run the program), hand ou
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -18,10 +19,14 @@ from ._buffers import InputBuffers
 from ._errors import SignatureError
 from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
+from ._padding import BatchAxes, find_mixing, output_rows, tied_lengths
 from ._pytree import unflattener
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
-from ._trace import check, trace
+from ._state import put_back, root_of
+from ._trace import _write_targets, base_of, check, trace
+
+log = logging.getLogger("fgraph")
 
 
 class Call(NamedTuple):
@@ -105,6 +110,11 @@ class Traced:
         self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(out_node.args[0]) if o in ph_pos}
         self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
         self.bucket = call.sig.bucket
+        # the donated leaves the program writes (put back after warm-up and capture), and those declared scratch
+        writes = {base_of(t) for node in gm.graph.nodes for t in _write_targets(node)}
+        self.written = [i for ph, i in zip(placeholders, tensor_ix) if ph in writes and call.specs[i] is None]
+        self.scratch = {i for i in self.written if root_of(self.paths[i]) in jitted.scratch}
+        self._padding(jitted, call, gm, ph_paths)
         self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
         self._direct: dict[str, fx.GraphModule] = {}
 
@@ -116,21 +126,49 @@ class Traced:
             m = self._direct[piece.name] = _direct(piece.module)
         return m
 
+    def _padding(self, jitted, call: Call, gm: fx.GraphModule, ph_paths: dict) -> None:
+        """What padding can change (logged once per place), the leaves the trace ties to one batch size, and how
+        each output is cut back to the unpadded call's shape (symbolic traces only: see fgraph/_padding.py)."""
+        self.axes = self.mixing = None
+        self.tied = []
+        if self.shapes is None:
+            return
+        batched = [(self.paths[i], i, call.specs[i].axis, call.specs[i]) for i in self.batched_ix]
+        self.axes = BatchAxes(self.shapes, batched)
+        self.mixing = find_mixing(gm, self.axes, set(jitted.scratch), ph_paths)
+        self.tied = tied_lengths(self.axes)
+        for f in self.mixing:
+            if ("padding", f.op, f.line) not in jitted._logged:
+                jitted._logged.add(("padding", f.op, f.line))
+                log.warning(
+                    "fgraph.jit(%s): padding is visible: %s; calls padded to a bucket differ from the unpadded "
+                    "call (logged once). Fix: mask the padded rows, or declare Batched(mixes=True) if intended",
+                    jitted.name,
+                    f,
+                )
+
     def fits(self, bucket: int | None) -> bool:
         return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
 
-    def batched_outputs(self, bucket: int | None) -> list[int]:
-        """Outputs whose first dim is the bucket (sliced back to N per call); the caller's own tensors never are."""
+    def batched_outputs(self, bucket: int | None) -> list[tuple]:
+        """(output, dim, size) per output dim cut back per call to size(leaves) (None: to N), the unpadded call's
+        size. Symbolic traces: every dim sized by a batch symbol; static ones (bucket 1): a first dim equal to the
+        bucket. The caller's own tensors never are."""
         if bucket is None:
             return []
-        size = (lambda d: d) if self.shapes is None else (lambda d: self.shapes.size(d, bucket))
-        return [
-            j
+        rows = [] if self.axes is None else output_rows(self.axes, self.outs, set(self.out_passthrough))
+        if self.axes is not None and not self.axes.specialized:
+            return rows
+        cut = {j for j, _, _ in rows}  # a trace whose batch size a guard fixed (`if N == 8`) has static outputs
+        return rows + [
+            (j, 0, None)
             for j, v in enumerate(self.outs)
             if j not in self.out_passthrough
+            and j not in cut
             and isinstance(v, torch.Tensor)
             and v.dim() > 0
-            and size(v.shape[0]) == bucket
+            and isinstance(v.shape[0], int)
+            and v.shape[0] == bucket
         ]
 
 
@@ -224,9 +262,11 @@ class Entry:
         outs = list(outs)
         for j, i in self.passthrough:
             outs[j] = leaves[i]
-        if n is not None and n != self.sig.bucket:
-            for j in self.out_batched:
-                outs[j] = outs[j][:n]
+        if n is not None:
+            for j, d, rows in self.out_batched:  # cut back to the unpadded call's size (Traced.batched_outputs)
+                size = n if rows is None else rows(leaves)
+                if outs[j].shape[d] != size:
+                    outs[j] = outs[j].narrow(d, 0, size)
         if copy_outputs:
             outs = [
                 o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o
@@ -264,7 +304,10 @@ class Entry:
         host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
         args = self._args(call.leaves)
         self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
-        with P.execution() as token:  # one execution: the plan made here serves the warm-up and the capture
+        # donated leaves the program writes go back to their values after warm-up and capture (fgraph/_state.py);
+        # scratch ones are left to the function's padding contract when capture runs on all-padding inputs
+        touched = [call.leaves[i] for i in self.traced.written if not (call.n == 0 and i in self.traced.scratch)]
+        with P.execution() as token, put_back(touched):  # one execution: its plan serves warm-up and capture
             ready = self._plan(host, call.n, call.statics, capturing=True)
             # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
             # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per

@@ -22,6 +22,8 @@ def _entry_text(name: str, e, n: int | None) -> str:
         lines.append(f"  tokens: {n} -> bucket {e.sig.bucket} ({e.sig.bucket - n} padded)")
     lines.append(f"  mode: {e.mode.name} ({e.reason})")
     lines.extend(avals_lines(e))
+    for f in e.traced.mixing or ():  # ops the padded rows take part in (fgraph/_padding.py)
+        lines.append(f"  padding visible: {f}")
     pieces = e.program.pieces
     lines.append(
         f"  pieces: {len(pieces)} ({sum(not p.is_break for p in pieces)} graph, "

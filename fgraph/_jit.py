@@ -24,6 +24,7 @@ from ._errors import SignatureError
 from ._inductor import inductor_options
 from ._lower import lower
 from ._modes import Mode
+from ._padding import check_lengths, check_options
 from ._pytree import check_static_fields, flatten_with_paths, flattener
 from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
 
@@ -64,6 +65,7 @@ class Jitted:
         *,
         static=(),
         donate=(),
+        scratch=(),
         batch=None,
         buckets=None,
         mode="FULL_AND_PIECEWISE",
@@ -78,7 +80,7 @@ class Jitted:
     ):
         static, donate = B.setup(self, fn, {k: v for k, v in locals().items() if k not in ("self", "fn")})
         params = self.signature.parameters
-        for kind, names in (("static", static), ("donate", donate), ("batch", list(batch or {}))):
+        for kind, names in (("static", static), ("donate", donate), ("scratch", scratch), ("batch", list(batch or {}))):
             for a in names:
                 if a not in params and not (kind == "donate" and a in self._lifted.roots()):
                     raise SignatureError(
@@ -88,6 +90,7 @@ class Jitted:
                     )
         self.static = tuple(static)
         self.donate = tuple(donate)
+        self.scratch = tuple(scratch)
         self.batch = dict(batch or {})
         self.buckets = tuple(sorted(buckets)) if buckets is not None else default_buckets()
         try:
@@ -106,6 +109,7 @@ class Jitted:
         self.strict = strict
         self.copy_outputs = copy_outputs
         self.routine = routine
+        check_options(self.name, self.signature, self)
         self.warmups = warmups
         self.compile = inductor_options(self.name, compile)
         self.entries: dict[Signature, Entry] = {}
@@ -276,6 +280,7 @@ class Jitted:
                 )
             entry = self._new_entry(call)
             self._capture(entry, self._dummy(call, call.sig.bucket) if call.n is not None else call)
+        check_lengths(self.name, entry.traced.tied, call.leaves)
         out = entry.run(call.leaves, call.n, call.bound, self.copy_outputs, check=True)
         self._remember(call, entry)
         entry.verified = None
@@ -328,7 +333,10 @@ class Jitted:
         family = (
             call.sig.statics,
             call.sig.treespec,
-            tuple(B.family_leaf(leaf, s) for leaf, s in zip(call.sig.leaves, call.specs)),
+            tuple(
+                leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape))
+                for leaf, s in zip(call.sig.leaves, call.specs)
+            ),
         )
         traced = next((t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket)), None)
         new = traced is None
@@ -481,7 +489,10 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
     """Trace `fn` once per signature and capture CUDA graphs for it.
 
     static: argument names that are hashable Python values (a new value is a new signature).
-    donate: argument names whose tensors the function may update in place (KV cache, state).
+    donate: argument names whose tensors the function may update in place (KV cache, state). What warm-up and
+      capture write there is put back: after a call the state is what one eager call leaves.
+    scratch: donated argument names whose padded rows, by the function's padding values, write only into a scratch
+      area (the KV cache's page 0): not copied and put back around capture (which runs on all-padding inputs).
     batch: {argument name: Batched or a prefix tree of Batched/None}: leaves that carry the token axis.
     buckets: the padded token counts to capture (default vLLM's: 1, 2, 4, 8, ..., 256, 272, ..., 512).
     mode: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE (default); `routine` names the static

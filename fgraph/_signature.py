@@ -25,13 +25,18 @@ class Batched:
     pad: a scalar fill value; "ramp" for offset arrays (a [S+1] array of segment starts): each padded row
     continues the last value by one, clamped at the bucket, so offsets stay monotonic and end at the padded
     total; or a callable (tensor, size) -> tensor of `size` along `axis` for any other rule.
-    Outputs are sliced back to the call's N along their first dim (where it is the bucket): whatever the
-    inputs' axis, return per-token results token-first.
+    Outputs are cut back to the unpadded call's shape along every dim whose traced size is a batch size (from a
+    bucket-1 trace, which has no symbols: a first dim of the bucket). Leaves the function uses as one batch must
+    agree on their size; the non-batch dims are part of the signature. Ops that combine rows along the axis
+    (sums, softmax, sort, ...) see the padded rows: fgraph logs them at trace time unless `mixes=True`.
     """
 
     axis: int = 0
     pad: Any = 0
     extra: int = 0
+    # the function combines rows along this axis on purpose (padded rows masked by the function itself): fgraph
+    # does not log the reductions, softmaxes, ... along it that it otherwise reports (fgraph/_padding.py)
+    mixes: bool = False
     # whether the pad rows depend only on the call's length (a fill value), not on the data ("ramp", callables)
     fixed_tail: bool = attrs.field(init=False, eq=False, repr=False)
 
@@ -87,6 +92,10 @@ class Batched:
         shape = list(x.shape)
         shape[self.axis] = bucket + self.extra
         return tuple(shape)
+
+    def family_shape(self, shape: tuple[int, ...]) -> tuple[int | None, ...]:
+        """The shape traces are shared over: the batch axis None, every other dim part of it."""
+        return tuple(None if d == self.axis else s for d, s in enumerate(shape))
 
     def real(self, x: torch.Tensor) -> int:
         return x.shape[self.axis] - self.extra

@@ -3,12 +3,17 @@
 SILENT MISMATCHES (wrong results, no error):
   outputs_overwritten_by_next_replay     MED   outputs live in graph memory; copy_outputs=True or .clone()
   python_constants_frozen_at_trace       HARD  inherent to tracing: closures and globals are read once
-  warmup_and_capture_run_the_function    MED   donated state sees the all-padding dummy calls of capture
   python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only
   containers_read_once_by_identity       MED   a params/state container passed again is not re-flattened
 ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   state_replaced_after_capture           EASY  SignatureError naming the key path (tests/test_errors.py)
+  padded_rows_mixed_into_real_ones       MED   logged once at trace time with the line, listed by explain
+                                               (x.mean(0), softmax over tokens, ...: tests/test_padding.py)
+FIXED (pinned so they stay fixed; tests/test_capture_state.py and tests/test_padding.py hold the full specs):
+  warmup_and_capture_leave_no_trace            donated state written by warm-up and capture is put back;
+                                               jit(scratch=[...]) skips the copy for state whose padded rows
+                                               write only a scratch area (the KV cache's page 0)
 """
 
 import pytest
@@ -53,7 +58,7 @@ def test_python_constants_frozen_at_trace():
         assert f(torch.ones(4)).tolist() == [10.0] * 4
 
 
-def test_warmup_and_capture_run_the_function_on_padding():
+def test_warmup_and_capture_leave_no_trace():
     def bump(x, state):
         state["calls"].add_(1)
         return x + 1, state
@@ -61,9 +66,9 @@ def test_warmup_and_capture_run_the_function_on_padding():
     f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
     state = {"calls": torch.zeros(())}
     f(torch.ones(3), state)
-    assert state["calls"].item() == 3  # should be 1! warm-up and capture ran it on the all-padding dummy too
+    assert state["calls"].item() == 1  # warm-up and capture ran it on the all-padding dummy, then put it back
     f(torch.ones(3), state)
-    assert state["calls"].item() == 4  # replays are exact
+    assert state["calls"].item() == 2  # replays are exact
 
 
 def test_warmup_runs_once_per_trace_capture_once_per_signature():
@@ -74,7 +79,10 @@ def test_warmup_runs_once_per_trace_capture_once_per_signature():
     f = fgraph.jit(bump, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4, 8, 16])
     state = {"calls": torch.zeros(())}
     f.capture(torch.ones(3), state, progress=False)
-    assert state["calls"].item() == 1 + 3  # one warm-up (buckets >= 2 share a trace), one capture run per bucket
+    assert state["calls"].item() == 0  # capture ran the function, then put the donated state back
+    assert f.stats()["total"]["warmups"] == 1  # one warm-up (buckets >= 2 share a trace), one capture per bucket
+    f(torch.ones(3), state)
+    assert state["calls"].item() == 1
 
 
 @pytest.mark.parametrize(
@@ -96,8 +104,8 @@ def test_a_planned_break_is_warmed_up_per_signature_only_inside_full_graphs(brea
     f = fgraph.jit(bump, donate=["state"], batch={"x": Batched(), "lens": Batched()}, mode=mode, buckets=[4, 8, 16])
     state = {"calls": torch.zeros(())}
     f.capture(torch.ones(3, 2), torch.ones(3, dtype=torch.int32), state, progress=False)
-    assert state["calls"].item() == runs  # warm-ups + one capture run per bucket
-    assert f.stats()["total"]["warmups"] == runs - 3
+    assert state["calls"].item() == 0  # put back after the warm-ups and capture runs
+    assert f.stats()["total"]["warmups"] == runs - 3  # warm-ups + one capture run per bucket
 
 
 def test_python_side_effects_run_once_at_trace():

@@ -418,7 +418,7 @@ def test_pad_modes_scalar_ramp_and_callable(dtype):
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16])  # numpy host path, and the torch path
 def test_batch_axis_other_than_the_first_is_padded_along_it(dtype):
     """Batched(axis=1): [2, N] leaves padded along N (fill 7); a shorter call after a longer one re-pads what the
-    longer one wrote. Outputs are sliced back to N along their first dim only, so the function puts N first."""
+    longer one wrote. Outputs are cut back to N along the dims sized by it (tests/test_padding.py)."""
     f = fgraph.jit(lambda x: x.T * 2, batch={"x": Batched(axis=1, pad=7)}, mode="FULL", buckets=[8])
     for n in (5, 3, 3, 8):
         x = torch.arange(2 * n, dtype=dtype).view(2, n)
@@ -437,7 +437,7 @@ def test_a_function_returning_none_runs_once_per_call():
     state = {"n": torch.zeros(())}
     for _ in range(3):
         assert f(torch.ones(3), state) is None
-    assert state["n"].item() == 9  # three calls of 3 (warm-up and capture ran on all-zero padding)
+    assert state["n"].item() == 9  # three calls of 3 (what warm-up and capture added is put back)
     assert f.stats()["total"]["calls"] == 3
 
 

@@ -102,7 +102,8 @@ class _ModulePlan:
         at = [i for i, a in enumerate(args) if a is indptr]
         if len(at) != 1:
             raise LookupError(f"the host indptr is argument {at} of the module's plan call")  # caught: no replay
-        self.indptr = torch.zeros(batch + 1, dtype=torch.int32)  # persistent: the argument list holds them
+        # persistent: the argument list holds them (host tensors name their device: set_default_device("cuda"))
+        self.indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cpu")
         self.indptr_np = self.indptr.numpy()
         args[at[0]] = self.indptr
         self.lens_np = None
@@ -113,7 +114,7 @@ class _ModulePlan:
             and nxt.dtype == torch.int32
             and nxt.shape == (batch,)
         ):  # the tensor-core plan's kv lengths (get_seq_lens of indptr and last)
-            lens = torch.zeros(batch, dtype=torch.int32)
+            lens = torch.zeros(batch, dtype=torch.int32, device="cpu")
             self.lens_np, args[at[0] + 1] = lens.numpy(), lens
         self.fi, self.fn, self.args = fi_wrapper, fi_wrapper._cached_module.plan, args
         self.device = fi_wrapper.device

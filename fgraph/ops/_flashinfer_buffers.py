@@ -105,7 +105,7 @@ class _DecodeBuffers:
         self.uploads = {"full": 0, "lengths": 0, "graph_full": 0, "graph_lengths": 0}
         self.cuda = torch.device(device).type == "cuda"
         if self.cuda:
-            self.stage = [torch.zeros(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self.stage = [torch.zeros(n, dtype=torch.int32, device="cpu", pin_memory=True) for _ in range(2)]
             self.stage_np = [st.numpy() for st in self.stage]
             # two events made once (creating one per step costs a cudaEventCreate on its first record)
             self.copied, self.events, self.turn = [False, False], [torch.cuda.Event(), torch.cuda.Event()], 0
@@ -120,7 +120,7 @@ class _DecodeBuffers:
 
     def make_graph_stage(self) -> None:
         if self.gstage is None:
-            self.gstage = torch.zeros(self.flat.numel(), dtype=torch.int32, pin_memory=self.cuda)
+            self.gstage = torch.zeros(self.flat.numel(), dtype=torch.int32, device="cpu", pin_memory=self.cuda)
             self.gstage_np = self.gstage.numpy()
             self.g_event = torch.cuda.Event(external=True) if self.cuda else DoneEvent()
             self.g_event.record()  # created outside any capture (torch creates events on first record)

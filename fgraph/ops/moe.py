@@ -99,7 +99,10 @@ class MoEWeights:
         """Random weights with unit-ish activations (for tests and benchmarks)."""
 
         def r(*shape, fan_in):
-            return (torch.randn(*shape, generator=generator) * (scale / fan_in**0.5)).to(dtype=dtype, device=device)
+            return (
+                torch.randn(*shape, generator=generator, device=generator.device if generator else "cpu")
+                * (scale / fan_in**0.5)
+            ).to(dtype=dtype, device=device)
 
         sw13 = r(2 * shared_inter, dim, fan_in=dim) if shared_inter else None
         sw2 = r(dim, shared_inter, fan_in=shared_inter) if shared_inter else None

@@ -1,0 +1,303 @@
+"""Padding made visible: what a symbolic trace says about the batch axis, used at trace time and per call.
+
+A signature pads every Batched leaf to its bucket. That is invisible only to per-row work; this module finds, on
+the trace (batch axes are sympy symbols there), the ops whose result the padded rows can change (reductions,
+softmax/cumsum/sort along the axis, matmuls contracting it, negative indexing, concatenation along it, scatters
+of its rows into state, Python branches on its size), and derives the exact size of each output along every
+batch-sized dim, so outputs are cut back to what the unpadded call returns and nothing else is sliced.
+
+Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
+a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from typing import NamedTuple
+
+import sympy
+import torch
+import torch.fx as fx
+
+from . import _primitives as P
+from ._errors import SignatureError
+from ._trace import _LIB_DIRS, Shapes, base_of
+
+# ops that combine rows along their `dim` / `dims` argument (the axis keeps its size)
+_ALONG = {
+    "_softmax",
+    "_log_softmax",
+    "softmax",
+    "log_softmax",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "logcumsumexp",
+    "sort",
+    "argsort",
+    "topk",
+    "kthvalue",
+    "median",
+    "mode",
+    "flip",
+    "roll",
+}
+# batch norm in training mode: statistics over the batch axis (its output keeps the axis)
+_BATCH_STATS = {"_native_batch_norm_legit", "native_batch_norm", "_batch_norm_with_update", "batch_norm"}
+# (op, index of the operand whose dim is contracted, that dim)
+_CONTRACT = {"mm": (0, 1), "bmm": (0, 2), "addmm": (1, 1), "baddbmm": (1, 2), "addbmm": (1, 2), "mv": (0, 1)}
+_CONTRACT.update({"dot": (0, 0), "vdot": (0, 0), "addmv": (1, 1)})
+# ops that read rows by index or only read metadata: they do not combine rows
+_READS = {"index", "index_select", "gather", "take", "take_along_dim", "embedding", "select", "slice", "narrow"}
+_READS |= {"unbind", "split", "split_with_sizes", "unsafe_split", "chunk", "as_strided", "expand", "copy_", "copy"}
+_SCATTERS = {"index_put", "index_put_", "index_copy", "index_copy_", "index_add", "index_add_", "scatter", "scatter_"}
+_SCATTERS |= {"scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "_unsafe_index_put"}
+
+
+class Finding(NamedTuple):
+    """One place where padding can change the answer."""
+
+    op: str  # "aten.mean", or "branch"
+    line: str  # the user's source line
+    what: str  # what it does with the batch axis
+
+    def __str__(self):
+        return f"{self.op} at {self.line}: {self.what}"
+
+
+class BatchAxes:
+    """The batch symbols of a symbolic trace: one per batched leaf (its length, as traced: `raw`), and the same
+    canonicalised through the trace's replacements (tokens and positions traced as s0 and s1 become one symbol
+    once an op ties them), with the leaves each stands for."""
+
+    def __init__(self, shapes: Shapes, leaves: list[tuple[str, int, int, object]]):
+        # leaves: per batched tensor leaf, in the order of shapes.syms: (key path, leaf index, axis, Batched)
+        self.shapes, self.env, self._syms = shapes, shapes.shape_env, {}
+        self.raw = {sym: (i, axis) for (sym, _), (_, i, axis, _) in zip(shapes.syms, leaves)}
+        self.leaves = []  # (path, leaf index, axis, spec, canonical symbol, offset): size = symbol + offset
+        for (sym, _), (path, i, axis, spec) in zip(shapes.syms, leaves):
+            e = self.canon(sym)
+            free = list(e.free_symbols)
+            off = e - free[0] if len(free) == 1 else None
+            off = int(off) if off is not None and off.is_Integer else None
+            self.leaves.append((path, i, axis, spec, free[0] if off is not None else None, off))
+        self.symbols = {leaf[4] for leaf in self.leaves if leaf[4] is not None}
+        # a guard fixed a batch size to a constant (`if x.shape[0] == 8`): that trace serves that bucket only
+        self.specialized = any(not getattr(self.canon(sym), "free_symbols", None) for sym in self.raw)
+
+    def canon(self, expr):
+        expr = expr.node.expr if isinstance(expr, torch.SymInt) else expr
+        return self.env.replace(sympy.sympify(expr)) if isinstance(expr, sympy.Basic) else expr
+
+    def dims(self, val) -> set[int]:
+        """The dims of a traced tensor whose size depends on a batch size (a leaf's length)."""
+        if not isinstance(val, torch.Tensor):
+            return set()
+        return {d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and s.node.expr.free_symbols}
+
+    def syms_of(self, size) -> set:
+        """The canonical batch symbols a traced size depends on."""
+        return self.syms_of_expr(size.node.expr) if isinstance(size, torch.SymInt) else set()
+
+    def syms_of_expr(self, key) -> set:
+        got = self._syms.get(key)
+        if got is None:  # a model's trace has thousands of tensors over a handful of size expressions
+            e = self.canon(key)
+            got = self._syms[key] = (e.free_symbols & self.symbols) if isinstance(e, sympy.Basic) else set()
+        return got
+
+    def intended(self, syms: set) -> bool:
+        """Every symbol involved stands for a leaf declared Batched(mixes=True)."""
+        return bool(syms) and all(any(leaf[3].mixes for leaf in self.leaves if leaf[4] == s) for s in syms)
+
+
+def _name(node: fx.Node) -> str:
+    return node.target._schema.name.split("::")[-1]  # aten.mean.dim -> "mean"
+
+
+def _arg(node: fx.Node, name: str, default=None):
+    schema = node.target._schema
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, a.default_value if a.has_default_value() else default)
+    return default
+
+
+def _val(x):
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return v[0] if isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor) else v
+
+
+def _shape(v) -> tuple:
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: dict[fx.Node, str]) -> list[Finding]:
+    """The ops of a symbolic trace that combine rows along a batch axis (so padded rows change real results),
+    and the guards the trace took on a batch size. Break primitives (attention, MoE) are excluded: they own their
+    padding contract. scratch: the key paths whose scatters from padded rows are declared to land in scratch."""
+    found: dict[tuple, Finding] = {}
+
+    def add(node, syms, what):
+        if axes.intended(syms):
+            return
+        f = Finding(f"aten.{_name(node)}", node.meta.get("line", "<unknown>"), what)
+        found.setdefault((f.op, f.line), f)
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if P.primitive_of(node) is not None:
+            continue
+        name = _name(node)
+        ins = [a for a in node.args if isinstance(a, fx.Node)]
+        ins += [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, fx.Node)]
+        first = _val(ins[0]) if ins else None
+        first = first if isinstance(first, torch.Tensor) else None
+        dims = axes.dims(first)
+        syms = set().union(*(axes.syms_of(first.shape[d]) for d in dims)) if dims else set()
+        if (name in _ALONG or name in _BATCH_STATS) and first is not None:
+            if name in _BATCH_STATS and not _arg(node, "training", True):
+                continue
+            dim = _arg(node, "dims", None) if name in ("flip", "roll") else _arg(node, "dim", None)
+            along = [dim] if isinstance(dim, int) else list(dim) if dim else list(range(first.dim()))
+            along = [d % first.dim() for d in along] if first is not None and first.dim() else along
+            if name in _BATCH_STATS:
+                along = [0] if 0 in dims else []
+            if any(d in dims for d in along):
+                add(node, syms, f"{name} along the batch axis: padded rows take part")
+            continue
+        if name in _CONTRACT:
+            k, d = _CONTRACT[name]
+            v = _val(node.args[k]) if k < len(node.args) else None
+            if v is not None and d in axes.dims(v):
+                add(node, axes.syms_of(v.shape[d]), "contracts the batch axis (a sum over rows): padded rows add in")
+            continue
+        if name in ("select", "slice") and dims:
+            d = _arg(node, "dim", 0) % first.dim()
+            ends = [_arg(node, "index")] if name == "select" else [_arg(node, "start"), _arg(node, "end")]
+            neg = [e for e in ends if isinstance(e, int) and 0 > e]
+            if d in dims and neg:
+                add(node, syms, f"index {neg[0]} counts from the end of the padded batch axis (a padded row)")
+            continue
+        if name == "cat":
+            tensors = [_val(t) for t in node.args[0]]
+            d = _arg(node, "dim", 0)
+            d = d % first.dim() if first is not None and first.dim() else d
+            if any(d in axes.dims(t) for t in tensors[:-1]):
+                add(node, syms, "concatenates along the batch axis: padded rows land between real ones")
+            continue
+        if name in _SCATTERS:
+            src = [_val(a) for a in ins[1:]]
+            if any(axes.dims(v) for v in src) and not axes.dims(first):
+                target = paths.get(base_of(node.args[0]), "a tensor without the batch axis")
+                if target.split("[")[0].split(".")[0] not in scratch:
+                    s = set().union(*(axes.syms_of(v.shape[d]) for v in src for d in axes.dims(v)))
+                    add(node, s, f"writes rows of the batch axis into {target}: padded rows write too")
+            continue
+        if name in _READS or name.startswith("new_") or name.startswith("sym_"):
+            continue
+        out, most = _val(node), max((len(axes.dims(_val(a))) for a in ins), default=0)
+        if isinstance(out, torch.Tensor) and len(axes.dims(out)) < most:
+            syms = set().union(*(axes.syms_of(s) for a in ins for s in _shape(_val(a))))
+            add(node, syms, "reduces over the batch axis: padded rows take part")
+    for g in axes.env.guards:
+        expr = g.expr
+        if isinstance(expr, sympy.Eq) and all(side.free_symbols for side in expr.args):
+            continue  # two batch sizes found equal (tokens and positions): a tie, checked per call (check_lengths)
+        line = _guard_line(g) if expr.free_symbols & set(axes.raw) else None
+        if line is None:  # a check inside torch or fgraph (topk's k <= size): a consequence of an op reported above
+            continue
+        f = Finding("branch", line, f"Python code depends on the batch size ({expr}), which is the bucket here")
+        if not axes.intended(set().union(*(axes.syms_of_expr(s) for s in expr.free_symbols))):
+            found.setdefault((f.op, f.line), f)
+    return list(found.values())
+
+
+def _guard_line(guard) -> str | None:
+    """The user's file:line that took a guard, or None when torch or fgraph took it."""
+    loc = getattr(guard, "sloc", None)
+    frame = getattr(loc, "framework_loc", None)
+    if isinstance(frame, traceback.FrameSummary) and not frame.filename.startswith(_LIB_DIRS):
+        return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
+    return getattr(loc, "maybe_user_loc", None)
+
+
+def _sizer(axes: BatchAxes, size) -> Callable[[list], int] | None:
+    """A traced size -> `leaves -> its value in a call`: the unpadded call's size, each leaf's symbol at that leaf's
+    length as passed (leaves tied to one size agree: check_lengths); None for a static size."""
+    e = size.node.expr if isinstance(size, torch.SymInt) else None
+    if e is None or not e.free_symbols or not e.free_symbols <= set(axes.raw):
+        return None
+    at = {s: axes.raw[s] for s in e.free_symbols}
+    if len(at) == 1:  # the usual a * N + b (N, [N * heads] flattened, S + 1 offsets): no sympy per call
+        ((s, (i, ax)),) = at.items()
+        a, b = e.coeff(s), e.subs(s, 0)
+        if a.is_Integer and b.is_Integer and sympy.expand(a * s + b - e) == 0:
+            a, b = int(a), int(b)
+            return lambda leaves: a * leaves[i].shape[ax] + b
+    return lambda leaves: int(e.xreplace({s: leaves[i].shape[ax] for s, (i, ax) in at.items()}))
+
+
+def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
+    """Per output dim sized by the batch: (output, dim, size), size(leaves) its length in the unpadded call
+    (x[:3] of N rows: min(3, N)). Static dims are never cut."""
+    rows = []
+    for j, v in enumerate(outs):
+        if j in skip or not isinstance(v, torch.Tensor):
+            continue
+        for d in axes.dims(v):
+            size = _sizer(axes, v.shape[d])
+            if size is not None:
+                rows.append((j, d, size))
+    return rows
+
+
+def tied_lengths(axes: BatchAxes) -> list[tuple]:
+    """Groups of batched leaves the trace ties to one batch size: [(path, leaf, axis, offset), ...] per symbol."""
+    groups: dict = {}
+    for path, i, axis, _, sym, off in axes.leaves:
+        if sym is not None:
+            groups.setdefault(sym, []).append((path, i, axis, off))
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def check_lengths(fname: str, groups: list, leaves: list) -> None:
+    """Leaves tied by the trace must have the same batch size in a call (the unpadded function would fail on
+    them, or broadcast); padding them to one bucket would hide that."""
+    for g in groups:
+        sizes = [(path, leaves[i].shape[axis], leaves[i].shape[axis] - off) for path, i, axis, off in g]
+        bad = next((s for s in sizes if s[2] != sizes[0][2]), None)
+        if bad is not None:
+            (p1, n1, _), (p2, n2, _) = sizes[0], bad
+            raise SignatureError(
+                f"fgraph.jit({fname}): {p1} has {n1} rows along its batch axis but {p2} has {n2}, and the "
+                "traced function uses them as one batch (padding both to the bucket would hide the mismatch)",
+                f"pass {p1} and {p2} with the same number of rows",
+            )
+
+
+def check_options(fname: str, signature, jitted) -> None:
+    """The jit options padding and capture rely on, checked when jit is called rather than at a first call."""
+    if not jitted.buckets:
+        raise SignatureError(f"fgraph.jit({fname}): buckets=[] leaves no size to pad a call to", "give buckets=[...]")
+    if any(not isinstance(b, int) or b < 1 for b in jitted.buckets):
+        raise SignatureError(f"fgraph.jit({fname}): buckets={list(jitted.buckets)}", "give positive integer sizes")
+    loose = [a for a in jitted.scratch if a not in jitted.donate]
+    if loose:
+        raise SignatureError(
+            f"fgraph.jit({fname}): scratch= names {loose}, which are not donated",
+            "scratch= declares donated state whose padded rows write only to a scratch area: donate it too",
+        )
+    if jitted.mode.value == "FULL_DECODE_ONLY" and jitted.routine not in jitted.static:
+        raise SignatureError(
+            f"fgraph.jit({fname}): mode FULL_DECODE_ONLY needs the static routine argument {jitted.routine!r} "
+            f'(its value "decode" marks the signatures to capture), but {fname}{signature} '
+            + ("has no such parameter" if jitted.routine not in signature.parameters else "does not make it static"),
+            f"add a `{jitted.routine}` parameter to static=[...] (or pass routine=<its name>), or use mode='FULL'",
+        )

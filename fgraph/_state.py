@@ -1,0 +1,32 @@
+"""Capture leaves no trace: the donated state that warm-up and capture write is put back afterwards, so after a
+jitted call the caller's state is what one eager call leaves (JAX's contract: tracing runs nothing).
+
+Warm-up runs the program eagerly; capture runs it too on the CPU (HostGraph) and runs breaks eagerly between
+PIECEWISE pieces on the GPU. Both write whatever the program writes in place. The donated leaves it writes are
+copied before and copied back after, except those declared `jit(scratch=[...])`: state too large to copy (a KV
+cache) whose padded rows, by the function's own padding values, write only into a scratch area (the KV cache's
+page 0). Capture runs on an all-padding batch, so then it writes nothing else there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+@contextlib.contextmanager
+def put_back(tensors: list[torch.Tensor]):
+    """Restore `tensors` in place when the block ends (raised or not): same storage, the values they had."""
+    saved = [t.clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
+
+
+def root_of(path: str) -> str:
+    """The argument name a key path starts with: `cache.k[3]` -> `cache`."""
+    return path.split("[")[0].split(".")[0]

@@ -1,0 +1,325 @@
+"""Padding is visible, never silent: every call is padded to a bucket, and a jitted function returns what the
+unpadded function returns (eager is the oracle), or fgraph says where padding takes part.
+
+  - outputs are cut back along every dim whose traced size is a batch size, and only those dims
+  - leaves the function uses as one batch must agree on their size (SignatureError naming both)
+  - non-batch dims of Batched leaves are part of the signature (a new width is a new trace)
+  - ops that combine rows along the batch axis are logged once at trace time with the user's line, and listed by
+    fgraph.explain, unless declared Batched(mixes=True); the example models report none
+Sizes below are never buckets, so every call is padded.
+"""
+
+import ast
+import logging
+import pathlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fgraph
+from fgraph import Batched
+
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def eager(fn, *args, **kw):
+    with fgraph.disable_jit():
+        return fn(*args, **kw)
+
+
+# -- ops that mix rows: each on the line after its def, so the expected source line is co_firstlineno + 1 ------
+def centered(x):
+    return x - x.mean(0)
+
+
+def softmax_over_rows(x):
+    return torch.softmax(x, 0)
+
+
+def running_total(x):
+    return x.cumsum(0)
+
+
+def sorted_rows(x):
+    return torch.sort(x, 0).values
+
+
+def gram(x):
+    return x.T @ x
+
+
+def last_row(x):
+    return x[-1] * 1
+
+
+def joined(x):
+    return torch.cat([x, x + 1])
+
+
+def branch_on_size(x):
+    return x * 2 if x.shape[0] > 4 else x
+
+
+MIXING = {
+    centered: "aten.mean",
+    softmax_over_rows: "aten._softmax",
+    running_total: "aten.cumsum",
+    sorted_rows: "aten.sort",
+    gram: "aten.mm",
+    last_row: "aten.select",
+    joined: "aten.cat",
+    branch_on_size: "branch",
+}
+
+
+def where(fn) -> str:
+    return f"test_padding.py:{fn.__code__.co_firstlineno + 1}"
+
+
+@pytest.mark.parametrize("fn", list(MIXING), ids=lambda f: f.__name__)
+def test_ops_mixing_the_batch_axis_are_logged_once_with_their_line(fn, caplog):
+    f = fgraph.jit(fn, batch={"x": Batched()}, buckets=[8], mode="PIECEWISE")
+    x = torch.randn(5, 3)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(x)
+        f(torch.randn(6, 3))
+    logged = [r.getMessage() for r in caplog.records if "padding is visible" in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert f"{MIXING[fn]} at " in logged[0] and where(fn) in logged[0]
+    text = str(fgraph.explain(f))
+    assert "padding visible: " + MIXING[fn] in text and where(fn) in text
+
+
+@pytest.mark.parametrize("fn", list(MIXING), ids=lambda f: f.__name__)
+def test_declared_mixing_is_silent(fn, caplog):
+    f = fgraph.jit(fn, batch={"x": Batched(mixes=True)}, buckets=[8], mode="NONE")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(torch.randn(5, 3))
+    assert "padding is visible" not in caplog.text
+    assert "padding visible" not in str(fgraph.explain(f))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_reported_mixing_is_real(mode, caplog):
+    """What the log says, shown against eager: x - x.mean(0) over a padded axis is not the unpadded answer."""
+    f = fgraph.jit(centered, batch={"x": Batched()}, buckets=[8], mode=mode)
+    x = torch.randn(5, 3) + 1
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        assert not torch.allclose(f(x), eager(centered, x))
+    assert "padding is visible: aten.mean at " in caplog.text and where(centered) + ":" in caplog.text
+
+
+def test_a_branch_fixing_the_batch_size_is_logged_and_outputs_still_cut(caplog):
+    def at_eight(x):
+        return x * 2 if x.shape[0] == 8 else x + 1
+
+    f = fgraph.jit(at_eight, batch={"x": Batched()}, buckets=[8], mode="NONE")
+    x = torch.ones(5)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        assert f(x).shape == (5,)  # eager: x + 1; the trace took the bucket's branch, which the log says
+    assert "padding is visible: branch at " in caplog.text and where(at_eight) + ":" in caplog.text
+
+
+def test_a_function_first_called_at_bucket_1_is_checked_at_its_first_symbolic_trace(caplog):
+    """Bucket 1 is traced with static shapes (nothing to find: one row pads nothing); the next bucket's trace is
+    symbolic and is checked."""
+    f = fgraph.jit(centered, batch={"x": Batched()}, buckets=[1, 8], mode="NONE")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(torch.randn(1, 3))
+        assert "padding is visible" not in caplog.text
+        f(torch.randn(5, 3))
+    assert "padding is visible: aten.mean at " in caplog.text and where(centered) + ":" in caplog.text
+
+
+def test_per_row_work_is_not_reported(caplog):
+    def per_row(x, w, idx):
+        h = torch.nn.functional.rms_norm(x @ w, (3,))  # reductions along the feature dim
+        return torch.softmax(h, -1) + w[idx, 0][:, None] + x[0] + x[:, 1:].sum(-1, keepdim=True)
+
+    f = fgraph.jit(per_row, batch={"x": Batched(), "idx": Batched()}, buckets=[8], mode="PIECEWISE")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(torch.randn(5, 3), torch.randn(3, 3), torch.tensor([0, 2, 1, 1, 0]))
+    assert "padding is visible" not in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_moe"])
+@pytest.mark.parametrize("routine", ["decode", "mixed"])
+def test_example_models_report_no_padding(kind, routine, caplog):
+    """Attention and MoE are breaks with their own padding contract; embeddings index by token; norms, RoPE, MLPs
+    and the LM head are per token: nothing in the models' steps combines rows along the batch axis."""
+    from benchmarks.common import decode_batch
+    from examples import llama, qwen2_moe
+    from fgraph.ops import attention as A
+
+    if kind == "llama":
+        cfg = llama.preset("tiny")
+        params, step = llama.init_params(cfg, torch.float32, "cpu"), llama.make_step(cfg, "torch", 32)
+    else:
+        cfg = qwen2_moe.preset("tiny-moe")
+        params, step = qwen2_moe.init_params(cfg, torch.float32, "cpu"), qwen2_moe.make_step(cfg, "torch", 32)
+    cache = llama.init_cache(cfg, 1 + 5 * 2, 16, torch.float32, "cpu")
+    batch, _ = decode_batch(cfg.vocab_size, 5, 16, 16, 32)
+    spec = llama.Batch(Batched(pad=0), Batched(pad=0), A.metadata_batching())
+    f = fgraph.jit(step, static=["routine"], donate=["cache"], batch={"batch": spec}, buckets=[8])
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        e = fgraph.explain(f, params, cache, batch, routine=routine).entries[0]
+    assert e.traced.mixing == [] and "padding is visible" not in caplog.text
+
+
+# -- shapes ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
+def test_non_batch_dims_are_part_of_the_signature(mode, device):
+    def scale(x):
+        return x * 2 + 1
+
+    f = fgraph.jit(scale, batch={"x": Batched()}, buckets=[8], mode=mode)
+    for width in (8, 16, 8):
+        x = torch.randn(5, width, device=device)
+        assert torch.equal(f(x), eager(scale, x))
+    assert len(f.entries) == 2 and sum(e.stats.traces for e in f.entries.values()) == 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_leaves_used_as_one_batch_must_agree(mode):
+    def add(x, y):
+        return x + y
+
+    f = fgraph.jit(add, batch={"x": Batched(), "y": Batched()}, buckets=[8], mode=mode)
+    with pytest.raises(RuntimeError):
+        eager(add, torch.ones(3), torch.ones(5))
+    for _ in range(2):  # not remembered by the replay path either
+        with pytest.raises(fgraph.SignatureError, match=r"x has 3 rows along its batch axis but y has 5"):
+            f(torch.ones(3), torch.ones(5))
+    assert torch.equal(f(torch.ones(5), torch.ones(5)), torch.full((5,), 2.0))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_independent_leaves_keep_their_own_sizes(mode):
+    def both(x, y):
+        return x * 2, y + 1
+
+    f = fgraph.jit(both, batch={"x": Batched(), "y": Batched()}, buckets=[8], mode=mode)
+    x, y = torch.randn(3, 2), torch.randn(5)
+    got, want = f(x, y), eager(both, x, y)
+    assert [t.shape for t in got] == [(3, 2), (5,)] and all(map(torch.equal, got, want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_output_the_size_of_the_bucket_but_not_of_the_batch_is_not_cut(mode, device):
+    def with_table(x, p):
+        return x * 2, p["table"] * 1  # table [4, 2]: 4 is the bucket, not the batch
+
+    f = fgraph.jit(with_table, batch={"x": Batched()}, buckets=[4], mode=mode)
+    p = {"table": torch.randn(4, 2, device=device)}
+    x = torch.randn(3, 2, device=device)
+    got, want = f(x, p), eager(with_table, x, p)
+    assert [t.shape for t in got] == [(3, 2), (4, 2)] and all(map(torch.equal, got, want))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_are_cut_along_every_batch_dim(mode):
+    def shapes(x, lens):
+        outer = x[:, None, 0] * x[None, :, 0]  # [N, N]
+        return x.T * 1, outer, lens[1:] - lens[:-1], x.reshape(-1) * 1, x[:6] * 1  # [2, N] [N, N] [S] [2N] [min(6, N)]
+
+    spec = {"x": Batched(), "lens": Batched(pad="ramp", extra=1)}
+    f = fgraph.jit(shapes, batch=spec, buckets=[8], mode=mode)
+    x, lens = torch.randn(5, 2), torch.tensor([0, 2, 5])
+    got, want = f(x, lens), eager(shapes, x, lens)
+    assert [t.shape for t in got] == [t.shape for t in want] == [(2, 5), (5, 5), (2,), (10,), (5, 2)]
+    assert all(map(torch.equal, got, want))
+
+
+def per_row(x, w):
+    return torch.tanh(x @ w) * x.norm(dim=1, keepdim=True) + 1
+
+
+JITTED, WEIGHTS = {}, {w: torch.randn(w, 4, generator=torch.Generator().manual_seed(w)) for w in (3, 5)}
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 16), mode=st.sampled_from(MODES), width=st.sampled_from([3, 5]))
+def test_padded_calls_are_bitwise_eager(n, mode, width):
+    f = JITTED.setdefault(mode, fgraph.jit(per_row, batch={"x": Batched()}, buckets=[1, 2, 4, 8, 16], mode=mode))
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(n, width, generator=g), WEIGHTS[width]  # weights are read by address: the same tensors
+    got = f(x, w)
+    assert got.shape == (n, 4) and torch.equal(got, eager(per_row, x, w))
+
+
+# -- options checked at jit time -------------------------------------------------------------------------------
+def test_empty_buckets_are_an_error_at_jit_time():
+    with pytest.raises(fgraph.SignatureError, match=r"buckets=\[\] leaves no size"):
+        fgraph.jit(lambda x: x, batch={"x": Batched()}, buckets=[])
+
+
+def test_full_decode_only_needs_the_static_routine_argument():
+    with pytest.raises(fgraph.SignatureError, match="FULL_DECODE_ONLY needs the static routine argument 'routine'"):
+        fgraph.jit(lambda x: x * 2, mode="FULL_DECODE_ONLY")
+    with pytest.raises(fgraph.SignatureError, match="does not make it static"):
+        fgraph.jit(lambda x, routine="decode": x * 2, mode="FULL_DECODE_ONLY")
+    f = fgraph.jit(lambda x, routine: x * 2, static=["routine"], mode="FULL_DECODE_ONLY", batch={"x": Batched()})
+    f(torch.ones(3), routine="decode")
+    assert next(iter(f.entries.values())).mode is fgraph.Mode.FULL
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])  # (NONE compiles nothing; FULL_AND_PIECEWISE is these two)
+def test_compiled_single_tensor_output_is_cut_like_uncompiled(mode):
+    def dense(x, w):
+        return torch.tanh(x @ w)
+
+    f = fgraph.jit(dense, batch={"x": Batched()}, buckets=[4], mode=mode, compile=True)
+    x, w = torch.randn(3, 4), torch.randn(4, 4)
+    for _ in range(2):
+        got = f(x, w)
+        assert isinstance(got, torch.Tensor) and got.shape == (3, 4)
+        torch.testing.assert_close(got, eager(dense, x, w))
+
+
+# -- host buffers name their device ----------------------------------------------------------------------------
+FACTORIES = {"empty", "zeros", "ones", "full", "arange", "tensor", "randn", "rand", "randint", "linspace", "eye"}
+
+
+def test_every_tensor_fgraph_makes_names_its_device():
+    """torch.set_default_device("cuda") (common in research code) must not move fgraph's host buffers: a pinned
+    mirror made without device="cpu" is a CUDA tensor, which cannot be pinned."""
+    root = pathlib.Path(fgraph.__file__).parent
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and node.func.attr in FACTORIES
+                and not any(k.arg == "device" for k in node.keywords)
+            ):
+                missing.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert missing == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_default_device_cuda_runs_every_mode(mode):
+    from tests import toys
+
+    params, state, batch = toys.make(n=5)  # made on the CPU (a CPU generator), then moved
+    params, state = {"w": params["w"].cuda()}, {"count": state["count"].cuda()}
+    torch.set_default_device("cuda")
+    try:
+        f = toys.jitted(mode=mode, buckets=[1, 8])
+        for n in (5, 1, 5):
+            x = batch["x"][:n]  # host inputs: fgraph pads them into its pinned mirrors and copies them over
+            out, _ = f(params, state, {"x": x})
+            want, _ = eager(toys.step, params, {"count": torch.zeros((), dtype=torch.int64)}, {"x": x.cuda()})
+            assert out.device.type == "cuda" and out.shape == (n, 8)
+            torch.testing.assert_close(out, want)
+        assert state["count"].item() == 3
+    finally:
+        torch.set_default_device(None)
