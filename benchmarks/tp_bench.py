@@ -47,6 +47,7 @@ def measure(cfg, params, step, local_cfg, a) -> dict:
                     mode=mode.split("+")[0],
                     compile=mode.endswith("+C"),
                     buckets=[B],
+                    copy_outputs=False,  # zero-copy: outputs are read before the next call
                 )  # "FULL+C": Inductor-compiled pieces
                 f(params, cache, batch, routine="decode")  # trace + capture
                 out[B, f"fg-{mode}"] = gpu_ms(lambda: f(params, cache, batch, routine="decode"))

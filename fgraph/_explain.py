@@ -20,6 +20,7 @@ def _entry_text(name: str, e, n: int | None) -> str:
     if n is not None:
         lines.append(f"  tokens: {n} -> bucket {e.sig.bucket} ({e.sig.bucket - n} padded)")
     lines.append(f"  mode: {e.mode.name} ({e.reason})")
+    lines.append(f"  inputs: {_inputs_text(e)}")
     pieces = e.program.pieces
     lines.append(
         f"  pieces: {len(pieces)} ({sum(not p.is_break for p in pieces)} graph, "
@@ -43,6 +44,17 @@ def _entry_text(name: str, e, n: int | None) -> str:
     else:
         lines.append("  captured: no graphs (runs the program eagerly)")
     return "\n".join(lines)
+
+
+def _inputs_text(e) -> str:
+    """Per input: padded into the input buffers (batched), read in place or copied (what the graphs read by address:
+    _dispatch.Slots), or read as passed (no graphs yet)."""
+    if e.slots is not None:
+        each = e.slots.describe()
+    else:
+        each = [f"{e.paths[i]}: read in place" for i in e.address_ix]
+    each = [f"{e.paths[i]}: padded into input buffers" for i in e.batched_ix] + each
+    return "; ".join(each[:16]) + (f"; and {len(each) - 16} more" if len(each) > 16 else "") or "-"
 
 
 def explain(fn, *args, **kwargs) -> Explanation:

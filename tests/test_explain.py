@@ -18,6 +18,7 @@ def test_explain_one_signature_before_capture():
 step(breaks=1, routine='mixed', bucket=8)
   tokens: 7 -> bucket 8 (1 padded)
   mode: PIECEWISE (FULL_AND_PIECEWISE requested -> PIECEWISE for the mixed routine)
+  inputs: batch['x']: padded into input buffers; params['w']: read in place; state['count']: read in place
   pieces: 3 (2 graph, 1 break)
   [0] graph 2 ops: mm, empty_like; ends at break toy_scale
       in: batch['x'], params['w']
@@ -45,6 +46,7 @@ def test_explain_shows_downgrades_and_capture_cost():
         == """\
 fn(routine='decode', bucket=4)
   mode: FULL (FULL requested)
+  inputs: x: padded into input buffers
   pieces: 3 (2 graph, 1 break)
   [0] graph 1 ops: empty_like; ends at break toy_decode_only
       in: x
@@ -57,6 +59,7 @@ fn(routine='decode', bucket=4)
 fn(routine='mixed', bucket=4)
   mode: PIECEWISE (FULL requested -> PIECEWISE (toy_decode_only has no mixed graph routine; toy_decode_only \
 supports UNIFORM_DECODE))
+  inputs: x: padded into input buffers
   pieces: 3 (2 graph, 1 break)
   [0] graph 1 ops: empty_like; ends at break toy_decode_only
       in: x
