@@ -7,11 +7,14 @@ Inputs are values (jax.jit's contract): any non-static tensor leaf may be a new 
   identity; every mutable node (dict, list, mutable record, other registered node types) is re-read per call and
   its children compared by identity with what the last flatten saw (`guard_for`).
 - Slots: a graph reads a non-batched tensor input at the address it was captured with. A call passing that tensor
-  (or one at the same address and strides) is read in place, for free. A call passing another tensor makes that
-  slot a copied one: fgraph allocates its own buffer for it (shared by the function's signatures), recaptures the
-  signature to read the buffer, and from then on copies the caller's tensor in before each replay, and back out
-  after it for donated state (the function wrote into it; eager would have written into the caller's tensor).
-  The originally captured tensor, passed again later, is copied like any other.
+  (or one at the same address and strides) is read in place, for free. The first time a call passes another
+  tensor there, the signature is captured again to read the new one in place (a reloaded checkpoint costs one
+  capture per signature, no copies, and fgraph lets go of the old tensors). The second time (state fed back as new
+  tensors each call, or two params sets in turn) the slot becomes a copied one: fgraph allocates its own buffer for
+  it (shared by the function's signatures), captures the signature to read that, and from then on copies the
+  caller's tensor in before each replay, and back out after it for donated state (the function wrote into it;
+  eager would have written into the caller's tensor). Captured tensors are never written into by a call that did
+  not pass them.
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ class Slots:
         self.ix = list(entry.address_ix)
         self.targets = [leaves[i] for i in self.ix]  # held: the graphs read their memory
         self.copied: list[int] = []  # positions into ix whose targets are fgraph's buffers
+        self.moved = [0] * len(self.ix)  # per position: how many times a call passed another tensor
         roots = set(donate)
         self.donated = [entry.paths[i].split("[")[0].split(".")[0] in roots for i in self.ix]
         self.logged = False
@@ -136,10 +140,17 @@ class Slots:
             if k not in copied and not _same_memory(leaves[i], t)
         ]
 
-    def own(self, positions: list[int], store: dict, leaves: list) -> None:
-        """Make these positions copied: their targets become fgraph's buffers (from `store`, shared by the
-        function's signatures: one buffer per key path and aval), filled with the caller's values."""
+    def move(self, positions: list[int], store: dict, leaves: list) -> None:
+        """New tensors at these positions: read the caller's in place the first time a position moves, copy into
+        fgraph's buffers (from `store`, shared by the function's signatures: one per key path and aval) after."""
+        own = []
         for k in positions:
+            self.moved[k] += 1
+            if self.moved[k] == 1:
+                self.targets[k] = leaves[self.ix[k]]
+            else:
+                own.append(k)
+        for k in own:
             x = leaves[self.ix[k]]
             key = (self.entry.paths[self.ix[k]], tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device))
             buf = store.get(key)
@@ -147,7 +158,7 @@ class Slots:
                 buf = store[key] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
             buf.copy_(x)
             self.targets[k] = buf
-        self.copied = sorted({*self.copied, *positions})
+        self.copied = sorted({*self.copied, *own})
 
     def args(self, leaves: list) -> list:
         """The leaves with fgraph's buffers in place of the caller's tensors at copied positions."""
@@ -275,8 +286,8 @@ def drop(jitted, sig, entry) -> None:
 
 
 def recapture(jitted, entry, call, moved: list[int]) -> None:
-    """Positions `moved` of the entry's address inputs got new tensors: make them copied (fgraph's buffers) and
-    capture the signature again to read those buffers. Counted in stats()["...]["captures"]."""
+    """Positions `moved` of the entry's address inputs got new tensors: capture the signature again, reading them in
+    place or from fgraph's buffers (Slots.move). Counted in stats() as captures."""
     from ._entry import _own_top_level
 
     if jitted.strict:
@@ -287,17 +298,24 @@ def recapture(jitted, entry, call, moved: list[int]) -> None:
             "pass the same tensors each call (update them in place), or call .reset() after replacing them",
         )
     old = entry.graphs
-    entry.slots.own(moved, jitted._owned, call.leaves)
+    entry.slots.move(moved, jitted._owned, call.leaves)
     leaves = entry.slots.args(call.leaves)
     c = call._replace(leaves=leaves)
     entry.graphs, entry.full, entry.buffers = [], None, None
     entry.module = _own_top_level(entry.traced.program.module)
     entry.verified = None
+    # warm-up and capture run the function: the caller's donated tensors get their values back afterwards (a
+    # recapture happens only when a call moved a tensor; the engine's calls never do)
+    donated = [call.leaves[i] for k, i in enumerate(entry.slots.ix) if entry.slots.donated[k]]
+    saved = [t.clone() for t in donated]
     try:
         jitted._capture(entry, jitted._dummy(c, c.sig.bucket) if c.n is not None else c)
     except BaseException:
         drop(jitted, call.sig, entry)
         raise
+    finally:
+        for t, v in zip(donated, saved):
+            t.copy_(v)
     jitted._retired.extend([_Held(g) for g in old if g.in_use()])
 
 

@@ -102,7 +102,8 @@ class Traced:
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         ph_pos = {ph: k for k, ph in enumerate(placeholders)}
         self.outs = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out_node.args[0]]
-        self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(out_node.args[0]) if o in ph_pos}
+        outs = [_self_of(o) for o in out_node.args[0]]  # `x.add_(1)` returned is the caller's own x, as in eager
+        self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(outs) if o in ph_pos}
         self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
         self.bucket = call.sig.bucket
         self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
@@ -212,12 +213,11 @@ class Entry:
         # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
         in_graph = self.full is not None and self.buffers.graph_mirror is not None  # the graph copies its inputs
         host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=in_graph)
+        args = leaves
         if self.full is None and not self.graphs:
             st.eager += 1
-            args = leaves
         else:
             st.replays += 1
-            args = leaves
             if slots is not None and slots.copied:
                 slots.copy_in(leaves, st, self.traced.fname)
                 args = slots.args(leaves)
@@ -302,6 +302,19 @@ class Entry:
             torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.pool_bytes = G.pool_bytes(self.device) - mem0
+
+
+def _self_of(o):
+    """The tensor an output is, through in-place ops (aten's `op_` variants return their first argument)."""
+    while (
+        isinstance(o, fx.Node)
+        and isinstance(o.target, torch._ops.OpOverload)
+        and o.target._schema.name.endswith("_")
+        and o.args
+        and isinstance(o.args[0], fx.Node)
+    ):
+        o = o.args[0]
+    return o
 
 
 def _after(first: Callable[[], None], fn: Callable) -> Callable:

@@ -125,5 +125,5 @@ def test_storage_swapped_under_a_tensor():
     f(torch.ones(4), p)
     p["s"].data = torch.full((1,), 5.0)
     assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! the graph reads the old memory
-    p["s"] = torch.full((1,), 5.0)  # a new tensor is seen (copied into fgraph's buffer)
+    p["s"] = torch.full((1,), 5.0)  # a new tensor is seen
     assert f(torch.ones(4), p).tolist() == [5.0] * 4

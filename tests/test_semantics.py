@@ -56,7 +56,8 @@ def test_new_input_tensors_every_call(mode, device):
     for k in range(4):
         x = rand(device, 3, 4, seed=k)  # not Batched: read by address in a graph
         torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
-    assert j.stats()["total"]["copies"] == (0 if mode == "NONE" else 3)  # the first x is read in place
+    # the first x and the second (the graphs are captured again to read it) are read in place, later ones copied
+    assert j.stats()["total"]["copies"] == (0 if mode == "NONE" else 2)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -66,12 +67,16 @@ def test_a_reloaded_checkpoint_is_copied_and_the_old_one_still_works(mode, devic
     before = {k: v.clone() for k, v in old.items()}
     x = rand(device, 3, 4)
     torch.testing.assert_close(j(old, x), layer(old, x), rtol=0, atol=0)
-    torch.testing.assert_close(j(new, x), layer(new, x), rtol=0, atol=0)
-    torch.testing.assert_close(j(old, x), layer(old, x), rtol=0, atol=0)
-    for k in old:  # the captured tensors were never written into
+    captures = j.stats()["total"]["captures"]
+    for _ in range(3):  # the new params are read in place after one more capture: no copies
+        torch.testing.assert_close(j(new, x), layer(new, x), rtol=0, atol=0)
+    graphed = mode != "NONE"
+    assert j.stats()["total"]["copies"] == 0
+    assert j.stats()["total"]["captures"] == captures * (2 if graphed else 1)
+    torch.testing.assert_close(j(old, x), layer(old, x), rtol=0, atol=0)  # the old ones too, now copied
+    for k in old:  # tensors are never written into by a call that did not pass them
         assert torch.equal(old[k], before[k])
-    copies = j.stats()["total"]["copies"]
-    assert copies == (0 if mode == "NONE" else 2)
+    assert j.stats()["total"]["copies"] == int(graphed)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -356,7 +361,8 @@ def test_explain_says_what_is_read_in_place_and_what_is_copied():
     j = fgraph.jit(layer, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
     p, x = params("cpu"), rand("cpu", 3, 4)
     j(p, x)
-    j({"w": p["w"], "b": p["b"].clone()}, x)
+    j({"w": p["w"], "b": p["b"].clone()}, x)  # a new b: read in place (captured again)
+    j({"w": p["w"], "b": p["b"].clone()}, x)  # and another: copied into fgraph's buffer from now on
     text = str(fgraph.explain(j))
     assert "inputs: x: padded into input buffers; p['w']: read in place; p['b']: copied" in text
 
