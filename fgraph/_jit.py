@@ -132,7 +132,7 @@ class Jitted:
         self._logged: set = set()  # warnings already logged once
         self._retired: list[Entry] = []
         self._lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
-        self._owned: dict = {}  # fgraph's buffers for inputs copied per call (Slots.own), shared by signatures
+        self._owned: dict = {}  # fgraph's buffers for inputs copied per call (Slots.move), shared by signatures
         self._made = 0  # signatures made by calls (not capture()): bounded by config.max_signatures
         functools.update_wrapper(self, fn)
 
@@ -480,13 +480,14 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
       argument whose value "decode" marks uniform decode signatures.
     breaks: primitive names that cut the graph (default: all registered primitives).
     strict: raise instead of running eagerly for unseen signatures or oversize batches, and instead of copying a
-      non-batched input that is not the tensor the graphs were captured with.
+      non-batched input that is not the tensor the graphs were captured with (or capturing again for it).
     copy_outputs: return copies (the default: what a caller keeps is never overwritten by a later call). False:
       zero-copy, outputs live in graph memory until the next call of this function (every signature's graphs share
       one pool, so any later replay may write over them): for engines that read outputs before the next step.
     Inputs are values: any non-static tensor may be a new tensor on any call. Tensors the graphs were captured with
-    are read in place; others are copied into fgraph's buffers (stats() counts copies; donated ones are copied
-    back). Calls are serialised by a lock per jitted function, so threads may share one.
+    are read in place; a new one is read in place after one recapture, one that moves again is copied into
+    fgraph's buffers per call (stats() counts copies; donated ones are copied back). Calls are serialised by a
+    lock per jitted function, so threads may share one.
     compile: compile the graph pieces with Inductor before capturing them (fuses elementwise work between
       matmuls; costs compile time per signature, so capture fewer buckets with it). True, or a dict of Inductor
       config options as torch.compile(options=...) takes them, e.g. {"coordinate_descent_tuning": True}: with it,

@@ -20,12 +20,21 @@ from fgraph import _entry as E
 from tests import toys
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# "cuda-default": on the GPU with torch.set_default_device("cuda") in force (fgraph's own buffers must not follow it)
+DEVICES = ["cpu"] + (["cuda", "cuda-default"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture(params=DEVICES)
 def device(request):
-    return request.param
+    if request.param != "cuda-default":
+        yield request.param
+        return
+    prev = torch.get_default_device()
+    torch.set_default_device("cuda")
+    try:
+        yield "cuda"
+    finally:
+        torch.set_default_device(prev)
 
 
 def layer(p, x):
