@@ -155,7 +155,7 @@ class Slots:
             key = (self.entry.paths[self.ix[k]], tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device))
             buf = store.get(key)
             if buf is None:
-                buf = store[key] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                buf = store[key] = torch.empty_like(x, memory_format=torch.preserve_format)
             buf.copy_(x)
             self.targets[k] = buf
         self.copied = sorted({*self.copied, *own})
