@@ -19,6 +19,7 @@ Inputs are values (jax.jit's contract): any non-static tensor leaf may be a new 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from collections.abc import Callable
@@ -250,9 +251,12 @@ def make(jitted, call, capture_call):
     """A new signature's entry, traced and captured; nothing of it is kept when that fails or is interrupted
     (KeyboardInterrupt included): the next call makes it again. Returns None when the capture ran out of device
     memory (what it made is freed; the caller runs the call eagerly)."""
-    entry = None
     try:
-        entry = jitted._new_entry(call)
+        entry = jitted._new_entry(call)  # tracing: its errors are the trace's own (TraceError, the function's)
+    except BaseException:
+        drop(jitted, call.sig, None)
+        raise
+    try:
         jitted._capture(entry, capture_call)
         return entry
     except BaseException as e:
@@ -262,7 +266,8 @@ def make(jitted, call, capture_call):
         if isinstance(e, FgraphError) or not isinstance(e, Exception):
             raise
         raise CaptureError(
-            f"fgraph.jit({jitted.name}): making signature {call.sig.describe()} failed: {type(e).__name__}: {e}",
+            f"fgraph.jit({jitted.name}): the warm-up or capture of signature {call.sig.describe()} failed: "
+            f"{type(e).__name__}: {e}",
             "the eager function fails the same way on these inputs (fgraph.disable_jit() to see it there); the "
             "signature was dropped and the next call tries again",
         ) from e
@@ -281,8 +286,9 @@ def drop(jitted, sig, entry) -> None:
                 family.remove(entry.traced)
     entry.graphs, entry.full, entry.buffers = [], None, None
     if entry.device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        with contextlib.suppress(Exception):  # the error being handled is the one to report
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
 
 def recapture(jitted, entry, call, moved: list[int]) -> None:
