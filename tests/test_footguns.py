@@ -8,6 +8,8 @@ SILENT MISMATCHES (wrong results, no error):
   storage_swapped_under_a_tensor         HARD  `t.data = u` / `t.set_(u)` on a captured tensor: the same object,
                                                other memory; not seen (checking every address per call costs
                                                more than a small model's step). Pass `u` instead.
+  frozen_record_changed_by_force         HARD  object.__setattr__ on a frozen attrs/dataclass instance: frozen
+                                               trees are proven unchanged by identity. attrs.evolve it instead.
 FIXED (now specs in tests/test_semantics.py):
   new tensors, replaced containers, grown lists, changed static fields, threads, interrupted captures, kept outputs
 ERRORS RAISED (at least the user knows):
@@ -127,3 +129,20 @@ def test_storage_swapped_under_a_tensor():
     assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! the graph reads the old memory
     p["s"] = torch.full((1,), 5.0)  # a new tensor is seen
     assert f(torch.ones(4), p).tolist() == [5.0] * 4
+
+
+def test_frozen_record_changed_by_force():
+    import attrs
+
+    @fgraph.register
+    @attrs.frozen
+    class P:
+        s: torch.Tensor
+
+    f = fgraph.jit(lambda x, p: x * p.s, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    p = P(torch.full((1,), 2.0))
+    f(torch.ones(4), p)
+    f(torch.ones(4), p)
+    object.__setattr__(p, "s", torch.full((1,), 5.0))
+    assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! a frozen tree is not re-read
+    assert f(torch.ones(4), attrs.evolve(p)).tolist() == [5.0] * 4  # a new object is
