@@ -85,6 +85,7 @@ def make_jitted(cfg, backend, mode, max_ctx, buckets, inductor=None):
         mode=mode.split("+")[0],
         compile=dict(inductor or {}) if mode.endswith("+C") else False,
         buckets=buckets,
+        copy_outputs=False,  # zero-copy: outputs are read before the next call
     )
 
 
@@ -374,6 +375,7 @@ def capture_cost(cfg, params, backend, a) -> dict:
         batch={"batch": spec},
         mode="FULL_AND_PIECEWISE",
         buckets=fgraph.default_buckets(a.capture_max_bucket),
+        copy_outputs=False,  # zero-copy: outputs are read before the next call
     )
     cuda = str(dev).startswith("cuda")
     if cuda:

@@ -44,6 +44,7 @@ def _jitted(step, mode: str, B: int):
         mode=mode.split("+")[0],
         compile=mode.endswith("+C"),  # "FULL+C": Inductor-compiled pieces
         buckets=[B],
+        copy_outputs=False,  # zero-copy: outputs are read before the next call
     )
 
 

@@ -108,6 +108,7 @@ class Engine:
                 buckets=self.buckets,
                 mode=mode,
                 compile=compile,
+                copy_outputs=False,  # zero-copy: outputs are read before the next call
             )
             if capture if capture is not None else (self.device.type == "cuda" and mode != "NONE"):
                 self.step_fn.capture(params, cache, self.example_batch(), routine=["decode", "mixed"])

@@ -94,7 +94,7 @@ def preset(name: str) -> LlamaConfig:
 
 
 @fgraph.register
-@attrs.define
+@attrs.frozen  # frozen (and layers a tuple): fgraph's replay path proves an immutable tree unchanged by identity alone
 class Layer:
     attn_norm: torch.Tensor  # [dim]
     wqkv: torch.Tensor  # [(Hq + 2*Hkv) * D, dim]: q, k, v rows fused at load time
@@ -106,10 +106,10 @@ class Layer:
 
 
 @fgraph.register
-@attrs.define
+@attrs.frozen
 class Params:
     embed: torch.Tensor  # [V, dim]
-    layers: list[Layer]
+    layers: tuple[Layer, ...] = attrs.field(converter=tuple)
     norm: torch.Tensor  # [dim]
     lm_head: torch.Tensor | None  # [V, dim], None when tied to `embed`
     inv_freq: torch.Tensor  # [D/2] float32 RoPE frequencies (scaling applied)

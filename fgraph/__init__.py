@@ -1,12 +1,12 @@
 """fgraph: JAX-style functional tracing over PyTorch that captures CUDA graphs per static signature."""
 
+from ._config import config as config
 from ._errors import CaptureError as CaptureError
 from ._errors import FgraphError as FgraphError
 from ._errors import SignatureError as SignatureError
 from ._errors import TraceError as TraceError
 from ._explain import explain as explain
 from ._jit import Jitted as Jitted
-from ._jit import config as config
 from ._jit import disable_jit as disable_jit
 from ._jit import jit as jit
 from ._modes import Mode as Mode

@@ -43,10 +43,12 @@ class Call(NamedTuple):
 
 
 class Stats:
-    __slots__ = ("traces", "captures", "warmups", "replays", "eager", "calls", "padded")
+    # copies: calls that copied non-batched inputs into fgraph's buffers (Slots), copied_bytes: how much in all
+    __slots__ = ("traces", "captures", "warmups", "replays", "eager", "calls", "padded", "copies", "copied_bytes")
 
     def __init__(self):
         self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.padded = 0
+        self.copies = self.copied_bytes = 0
 
     def as_dict(self):
         return {k: getattr(self, k) for k in self.__slots__}
@@ -56,7 +58,7 @@ class Traced:
     """One trace and its split program, shared by every signature (bucket) its symbolic batch dims fit."""
 
     def __init__(self, jitted, call: Call, device: str):
-        fname = jitted.name
+        fname = self.fname = jitted.name
         tensor_ix = [i for i, x in enumerate(call.leaves) if isinstance(x, torch.Tensor)]
         self.tensor_ix, self.paths = tensor_ix, [path_str(p) for p in call.paths]
         self.batched_ix = [i for i in tensor_ix if call.specs[i] is not None]
@@ -107,7 +109,8 @@ class Traced:
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         ph_pos = {ph: k for k, ph in enumerate(placeholders)}
         self.outs = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out_node.args[0]]
-        self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(out_node.args[0]) if o in ph_pos}
+        outs = [_self_of(o) for o in out_node.args[0]]  # `x.add_(1)` returned is the caller's own x, as in eager
+        self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(outs) if o in ph_pos}
         self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
         self.bucket = call.sig.bucket
         # the donated leaves the program writes (put back after warm-up and capture), and those declared scratch
@@ -202,6 +205,7 @@ class Entry:
         self.specs = [call.specs[i] for i in self.batched_ix]
         self.graphs: list = []
         self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
+        self.slots = None  # the inputs its graphs read by address: in place or copied (_dispatch.Slots)
         self.full, self.buffers = None, None
         self.capture_seconds, self.pool_bytes = 0.0, 0
 
@@ -236,26 +240,33 @@ class Entry:
             ]
         )
 
-    def run(self, leaves: list, n: int | None, bound: dict, copy_outputs: bool, check: bool):
-        """One call: inputs in, plan, replay (or run the program), outputs out. `check`: verify the tensors
-        captured by address (skipped when dispatch knows these are the very containers already verified)."""
+    def run(self, leaves: list, n: int | None, bound: dict, copy_outputs: bool, check: bool = False):
+        """One call: inputs in, plan, replay (or run the program), outputs out. Dispatch has made sure every
+        non-batched tensor is read in place or copied (Slots.diverged is empty); `check` re-verifies that."""
         st = self.stats
         st.calls += 1
         if n is not None:
             st.padded += self.sig.bucket - n
+        slots = self.slots
+        if check and slots is not None and slots.diverged(leaves):
+            raise SignatureError(f"fgraph.jit: an input of {self.sig.describe()} is not where its graphs read it")
         # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
         in_graph = self.full is not None and self.buffers.graph_mirror is not None  # the graph copies its inputs
         host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=in_graph)
+        args = leaves
         if self.full is None and not self.graphs:
             st.eager += 1
         else:
-            if check:
-                self._check_addresses(leaves)
             st.replays += 1
+            if slots is not None and slots.copied:
+                slots.copy_in(leaves, st, self.traced.fname)
+                args = slots.args(leaves)
         with P.execution(in_graph=in_graph):
             if self.plans:
                 self._plan(host, n, self.statics, capturing=False)
-            outs = self.full.replay() if self.full is not None else self.module(*self._args(leaves))
+            outs = self.full.replay() if self.full is not None else self.module(*self._args(args))
+        if args is not leaves:
+            slots.copy_back(leaves)
         return self._outputs(leaves, n, bound, outs, copy_outputs)
 
     def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
@@ -276,17 +287,6 @@ class Entry:
             return self.unflatten(iter(outs))
         return self.unflatten(iter([outs[x] if type(x) is int else bound[x] for x in self.out_recipe]))
 
-    def _check_addresses(self, leaves):
-        ptrs = tuple(leaves[i].data_ptr() for i in self.address_ix)
-        if ptrs != self.addresses:
-            k = next(k for k, (a, b) in enumerate(zip(ptrs, self.addresses)) if a != b)
-            raise SignatureError(
-                f"fgraph.jit: {self.paths[self.address_ix[k]]} is not the tensor the graph of signature "
-                f"{self.sig.describe()} was captured with (graphs read state by address)",
-                "update state in place and pass the same tensors back (donate=[...]), "
-                "or call .reset() to drop the graphs after replacing them",
-            )
-
     # -- capturing -------------------------------------------------------------------------------------------
     def capture(self, call: Call, pool, warmups: int, compile: dict | None = None, inputs_in_graph: bool = False):
         """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
@@ -303,7 +303,6 @@ class Entry:
         )
         host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
         args = self._args(call.leaves)
-        self.addresses = tuple(call.leaves[i].data_ptr() for i in self.address_ix)
         # donated leaves the program writes go back to their values after warm-up and capture (fgraph/_state.py);
         # scratch ones are left to the function's padding contract when capture runs on all-padding inputs
         touched = [call.leaves[i] for i in self.traced.written if not (call.n == 0 and i in self.traced.scratch)]
@@ -348,6 +347,19 @@ class Entry:
             torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.pool_bytes = G.pool_bytes(self.device) - mem0
+
+
+def _self_of(o):
+    """The tensor an output is, through in-place ops (aten's `op_` variants return their first argument)."""
+    while (
+        isinstance(o, fx.Node)
+        and isinstance(o.target, torch._ops.OpOverload)
+        and o.target._schema.name.endswith("_")
+        and o.args
+        and isinstance(o.args[0], fx.Node)
+    ):
+        o = o.args[0]
+    return o
 
 
 def _after(first: Callable[[], None], fn: Callable) -> Callable:

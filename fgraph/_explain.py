@@ -22,6 +22,7 @@ def _entry_text(name: str, e, n: int | None) -> str:
         lines.append(f"  tokens: {n} -> bucket {e.sig.bucket} ({e.sig.bucket - n} padded)")
     lines.append(f"  mode: {e.mode.name} ({e.reason})")
     lines.extend(avals_lines(e))
+    lines.append(f"  read: {_inputs_text(e)}")
     for f in e.traced.mixing or ():  # ops the padded rows take part in (fgraph/_padding.py)
         lines.append(f"  padding visible: {f}")
     pieces = e.program.pieces
@@ -47,6 +48,17 @@ def _entry_text(name: str, e, n: int | None) -> str:
     else:
         lines.append("  captured: no graphs (runs the program eagerly)")
     return "\n".join(lines)
+
+
+def _inputs_text(e) -> str:
+    """Per input: padded into the input buffers (batched), read in place or copied (what the graphs read by address:
+    _dispatch.Slots), or read as passed (no graphs yet)."""
+    if e.slots is not None:
+        each = e.slots.describe()
+    else:
+        each = [f"{e.paths[i]}: read in place" for i in e.address_ix]
+    each = [f"{e.paths[i]}: padded into input buffers" for i in e.batched_ix] + each
+    return "; ".join(each[:16]) + (f"; and {len(each) - 16} more" if len(each) > 16 else "") or "-"
 
 
 def explain(fn, *args, **kwargs) -> Explanation:

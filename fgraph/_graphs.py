@@ -76,8 +76,10 @@ class HostGraph:
         return False
 
     def capture(self, fn: Callable, *args) -> Any:
-        self.fn, self.args = fn, args
-        self.out = fn(*args)
+        # aliases of the inputs' memory, not the tensor objects: a CUDA graph reads the memory it was captured with
+        # even if the object is later pointed elsewhere (`t.data = u`)
+        self.fn, self.args = fn, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        self.out = fn(*self.args)
         return self.out
 
     def replay(self) -> Any:

@@ -8,19 +8,22 @@ import itertools
 import logging
 import operator
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import overload
 
-import torch
 import torch.utils._pytree as pytree
 
 from . import _bind as B
+from . import _dispatch as D
 from . import _graphs as G
 from . import _primitives as P
 from . import _trace
+from ._config import config
+from ._dispatch import _Key
 from ._entry import Call, Entry, Stats, Traced, _device_of
-from ._errors import SignatureError
+from ._errors import CaptureError, SignatureError
 from ._inductor import inductor_options
 from ._lower import lower
 from ._modes import Mode
@@ -29,17 +32,6 @@ from ._pytree import check_static_fields, flatten_with_paths, flattener
 from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
 
 log = logging.getLogger("fgraph")
-
-
-class config:
-    """Process-wide switches (JAX's jax_explain_cache_misses / jax_log_compiles are the models)."""
-
-    explain_cache_misses = False  # log, for each new signature, the closest previous one and what differs
-    log_captures = False  # log every graph captured
-    # FULL graphs copy their batched inputs in themselves (InputBuffers.copy_in_graph): a call pads into pinned
-    # memory and replays, with no copy or event of its own: two CUDA calls fewer per call, tens of us of host time
-    # each on a busy GPU (docs/performance.md). False: each call copies its inputs and records an event.
-    inputs_in_graph = True
 
 
 _disabled = False
@@ -71,7 +63,7 @@ class Jitted:
         mode="FULL_AND_PIECEWISE",
         breaks=None,
         strict=False,
-        copy_outputs=False,
+        copy_outputs=True,
         routine="routine",
         warmups=1,
         compile=False,
@@ -129,9 +121,12 @@ class Jitted:
         self._traces: dict[tuple, list] = {}  # (statics, structure, non-batch shapes) -> traces
         self.sealed = False  # capture() ran: unseen signatures run eagerly (or raise with strict) from now on
         self.pool = None
-        self.fallbacks = {"unseen": 0, "oversize": 0}
+        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0}
         self._logged: set = set()  # warnings already logged once
         self._retired: list[Entry] = []
+        self._lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
+        self._owned: dict = {}  # fgraph's buffers for inputs copied per call (Slots.move), shared by signatures
+        self._made = 0  # signatures made by calls (not capture()): bounded by config.max_signatures
 
     __get__ = B.get  # a method: a Jitted of the bound method per instance
 
@@ -209,7 +204,7 @@ class Jitted:
                 leaves.extend(lv)
             else:
                 c = self._flat.get(name)
-                if c is None or c[0] is not v:
+                if c is None or c[0] is not v or (c[3] is not None and not c[3]()):
                     return _MISS
                 parts.append(c[2])
                 held.append(c[2])  # the identity-cached containers (not the batched args)
@@ -220,12 +215,14 @@ class Jitted:
         entry = self._fast.get((statics, bucket, tuple(parts)))
         if entry is None:
             return _MISS
-        check = (
+        if (
             entry.verified is None
             or len(held) != len(entry.verified)
             or not all(map(operator.is_, held, entry.verified))
-        )
-        out = entry.run(leaves, n, bound, self.copy_outputs, check)
+        ) and entry.slots is not None:
+            if entry.slots.diverged(leaves):  # a new tensor where the graphs read another: the slow path copies it
+                return _MISS
+        out = entry.run(leaves, n, bound, self.copy_outputs)
         entry.verified = held
         return out
 
@@ -242,14 +239,14 @@ class Jitted:
                     specs = batch_specs(
                         self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1], len(lv)
                     )
-                    read = self._specs[name, spec] = _reader(flattener(spec), specs, len(self._specs))
+                    read = self._specs[name, spec] = D.reader(flattener(spec), specs, len(self._specs))
                     self._readers.setdefault(name, []).append(read)
                 parts.append(read(v)[1])
             else:
                 key = _Key((spec, tuple(leaf_of(x) for x in lv)))
                 c = self._flat.get(name)
-                if c is None or c[0] is not v or c[2] != key:
-                    self._flat[name] = c = (v, lv, key)
+                if c is None or c[0] is not v or c[2] != key or (c[3] is not None and not c[3]()):
+                    self._flat[name] = c = (v, lv, key, D.guard_for(v, spec))
                 parts.append(c[2])
         statics = tuple(call.bound[k] for k in self._static_sorted)
         self._fast[(statics, call.sig.bucket, tuple(parts))] = entry
@@ -258,9 +255,13 @@ class Jitted:
         if _disabled or _trace.active:  # called while another function traces: inlined
             return self.fn(*args, **kwargs)
         B.check_transforms(self)  # vmap / grad over a jitted call: an fgraph error
-        out = self._fast_call(args, kwargs) if self._plain else _MISS
-        if out is not _MISS:
-            return out
+        with self._lock:
+            out = self._fast_call(args, kwargs) if self._plain else _MISS
+            if out is not _MISS:
+                return out
+            return self._slow_call(args, kwargs)
+
+    def _slow_call(self, args, kwargs):
         call = self._bind(args, kwargs)
         if call.n is not None and call.sig.bucket is None:
             return self._fallback(
@@ -278,8 +279,21 @@ class Jitted:
                     f"signature {call.sig.describe()} was not captured" + self._closest(call.sig),
                     f"add it to {self.name}.capture(...)",
                 )
-            entry = self._new_entry(call)
-            self._capture(entry, self._dummy(call, call.sig.bucket) if call.n is not None else call)
+            if self._made >= config.max_signatures:
+                return self._fallback(
+                    "cap",
+                    call,
+                    f"{self._made} signatures made by calls already (fgraph.config.max_signatures)"
+                    + self._closest(call.sig),
+                    "pass values that change per call as tensors, or capture() the signatures you need up front",
+                )
+            entry = D.make(self, call, self._dummy(call, call.sig.bucket) if call.n is not None else call)
+            if entry is None:  # the capture ran out of device memory: freed, this call runs eagerly
+                return self._fallback("oom", call, "capturing ran out of device memory", "capture fewer buckets")
+            self._made += 1
+            D.warn_retraces(self, call)
+        elif entry.slots is not None and (moved := entry.slots.diverged(call.leaves)):
+            D.recapture(self, entry, call, moved)
         check_lengths(self.name, entry.traced.tied, call.leaves)
         out = entry.run(call.leaves, call.n, call.bound, self.copy_outputs, check=True)
         self._remember(call, entry)
@@ -306,6 +320,8 @@ class Jitted:
             self.compile if graphed else None,
             config.inputs_in_graph,
         )
+        if entry.slots is None and (entry.graphs or entry.full is not None):
+            entry.slots = D.Slots(entry, call.leaves, self.donate)
         if config.log_captures and graphed:
             log.warning(
                 "fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB",
@@ -353,25 +369,7 @@ class Jitted:
 
     def _closest(self, sig: Signature) -> str:
         """The nearest known signature and the first thing that differs (JAX's explain_cache_misses)."""
-        if not self.entries:
-            return ""
-
-        def diff(a: Signature, b: Signature):
-            if a.statics != b.statics:
-                return 3, f"static arguments {dict(b.statics)} vs {dict(a.statics)}"
-            if a.treespec != b.treespec:
-                return 2, "the tree structure of the arguments"
-            if a.bucket != b.bucket:
-                return 1, f"bucket {b.bucket} vs {a.bucket}"
-            some = next(((i, x, y) for i, (x, y) in enumerate(zip(a.leaves, b.leaves)) if x != y), None)
-            return 0, f"leaf #{some[0]}: {some[2]} vs {some[1]}" if some else "nothing"
-
-        entry = min(self.entries.values(), key=lambda e: diff(sig, e.sig)[0])
-        what = diff(sig, entry.sig)[1]
-        if what.startswith("leaf #"):
-            i = int(what[6 : what.index(":")])
-            what = f"{entry.paths[i]}: {sig.leaves[i]} (captured {entry.sig.leaves[i]})"
-        return f"; closest captured signature {entry.sig.describe()} differs in {what}"
+        return D.closest(self.entries, sig)
 
     # -- capture ---------------------------------------------------------------------------------------------
     def capture(self, *args, buckets=None, progress=True, **kwargs):
@@ -400,11 +398,15 @@ class Jitted:
                     call = self._dummy(self._bind(args, {**rest, **statics}), b)
                     if call.sig in self.entries:
                         continue
-                    entry = self._new_entry(call)
                     if device is None:
-                        device = entry.device
+                        device = _device_of(self.name, call)
                         stack.enter_context(G.capture_session(device))
-                    self._capture(entry, call)
+                    entry = D.make(self, call, call)
+                    if entry is None:
+                        raise CaptureError(
+                            f"fgraph.jit({self.name}).capture: {call.sig.describe()} ran out of device memory",
+                            "capture fewer buckets (buckets=[...]) or free memory first",
+                        )
                     graphs += len(entry.graphs)
                 bar.close()
         self.sealed = True
@@ -430,8 +432,9 @@ class Jitted:
     lower = lower  # jax.jit(f).lower(*args): this call's signature traced, .as_text() its program
 
     def stats(self) -> dict:
-        """Counters (Stats: traces, captures, warm-ups, replays, eager, calls, padded) per signature and totals."""
-        per = {e.sig.describe(): e.stats.as_dict() for e in self.entries.values()}
+        """Counters (Stats: traces, captures, warm-ups, replays, eager, calls, padded, copies, copied bytes) per
+        signature (keyed by its description, plus the leaves that tell apart signatures described alike)."""
+        per = {k: e.stats.as_dict() for k, e in D.stats_keys(self.entries.values())}
         total = {k: sum(d[k] for d in per.values()) for k in Stats.__slots__}
         return {"signatures": per, "total": total, "fallbacks": dict(self.fallbacks)}
 
@@ -441,44 +444,12 @@ class Jitted:
         self._retired = [e for e in [*self._retired, *self.entries.values()] if any(g.in_use() for g in e.graphs)]
         self.entries.clear()
         self._flat.clear(), self._specs.clear(), self._readers.clear(), self._fast.clear(), self._traces.clear()
+        self._owned.clear()
+        self._made = 0
         self.sealed, self.pool = False, None
 
 
 _MISS = object()  # the fast path's "not here": a jitted function may itself return None
-
-
-def _reader(flatten, specs, spec_id: int):
-    """A batched argument's reader for the fast path: `tree -> (leaves, key, n)`, or None for another structure.
-    key: the structure's id and each leaf's (dtype, device, shape) as passed (unpadded: each token count met gets its
-    own key, after one call down the slow path; Python leaves by value); n: the largest real token count among its
-    Batched leaves (None if none). Generated per structure as one tuple display (a loop of small tuples cost ~2 us)."""
-    env = {"flatten": flatten, "_T": torch.Tensor, "_leaf": leaf_of}
-    names = [f"a{i}" for i in range(len(specs))]
-    key = "".join(f"({a}.dtype, {a}.device, {a}.shape) if isinstance({a}, _T) else _leaf({a}), " for a in names)
-    rows = [f"{a}.shape[{s.axis}] - {s.extra}" for a, s in zip(names, specs) if s is not None]
-    n = "None" if not rows else rows[0] if len(rows) == 1 else f"max({', '.join(rows)})"
-    unpack = f"  {''.join(a + ', ' for a in names)}= lv\n" if names else ""
-    src = (
-        f"def read(x):\n  lv = flatten(x)\n  if lv is None:\n    return None\n{unpack}"
-        f"  return lv, ({spec_id}, {key}), {n}\n"
-    )
-    exec(compile(src, "<fgraph batched reader>", "exec"), env)
-    return env["read"]
-
-
-class _Key:
-    """A hashable layout key that hashes once: a params tree of hundreds of leaves is looked up per call."""
-
-    __slots__ = ("key", "hash")
-
-    def __init__(self, key):
-        self.key, self.hash = key, hash(key)
-
-    def __hash__(self):
-        return self.hash
-
-    def __eq__(self, other):
-        return self is other or (isinstance(other, _Key) and self.hash == other.hash and self.key == other.key)
 
 
 @overload
@@ -498,9 +469,15 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
     mode: NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE (default); `routine` names the static
       argument whose value "decode" marks uniform decode signatures.
     breaks: primitive names that cut the graph (default: all registered primitives).
-    strict: raise instead of running eagerly for unseen signatures or oversize batches.
-    copy_outputs: return copies; by default outputs live in graph memory until the next call of this function
-      (every signature's graphs share one pool, so any later replay may write over them).
+    strict: raise instead of running eagerly for unseen signatures or oversize batches, and instead of copying a
+      non-batched input that is not the tensor the graphs were captured with (or capturing again for it).
+    copy_outputs: return copies (the default: what a caller keeps is never overwritten by a later call). False:
+      zero-copy, outputs live in graph memory until the next call of this function (every signature's graphs share
+      one pool, so any later replay may write over them): for engines that read outputs before the next step.
+    Inputs are values: any non-static tensor may be a new tensor on any call. Tensors the graphs were captured with
+    are read in place; a new one is read in place after one recapture, one that moves again is copied into
+    fgraph's buffers per call (stats() counts copies; donated ones are copied back). Calls are serialised by a
+    lock per jitted function, so threads may share one.
     compile: compile the graph pieces with Inductor before capturing them (fuses elementwise work between
       matmuls; costs compile time per signature, so capture fewer buckets with it). True, or a dict of Inductor
       config options as torch.compile(options=...) takes them, e.g. {"coordinate_descent_tuning": True}: with it,

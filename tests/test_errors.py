@@ -167,18 +167,6 @@ def test_wrong_dtype_after_sealing_names_the_key_path():
         f({"w": params["w"].double()}, state, batch, routine="decode")
 
 
-def test_state_replaced_after_capture():
-    f = jitted(mode="PIECEWISE", buckets=[8])
-    params, state, batch = make()
-    f.capture(params, state, batch, routine="decode", progress=False)
-    with pytest.raises(
-        SignatureError,
-        match=r"state\['count'\] is not the tensor the graph of signature .* was "
-        r"captured with.*\nFix: update state in place",
-    ):
-        f(params, {"count": torch.zeros((), dtype=torch.int64)}, batch, routine="decode")
-
-
 def test_batched_leaf_must_be_a_tensor():
     f = fgraph.jit(lambda x: x, batch={"x": Batched()})
     with pytest.raises(SignatureError, match=r"x is declared Batched but is a int"):

@@ -1,16 +1,20 @@
 """Footguns: behaviour that changes when a function is jitted and captured. Each test pins what happens.
 
 SILENT MISMATCHES (wrong results, no error):
-  outputs_overwritten_by_next_replay     MED   outputs live in graph memory; copy_outputs=True or .clone()
+  outputs_overwritten_with_copy_outputs_off  MED  copy_outputs=False (the engine's opt-in): valid until the next call
   python_constants_frozen_at_trace       HARD  inherent to tracing: closures and globals are read once
   python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only
-  containers_read_once_by_identity       MED   a params/state container passed again is not re-flattened
+  storage_swapped_under_a_tensor         HARD  `t.data = u` / `t.set_(u)` on a captured tensor: the same object,
+                                               other memory; not seen (checking every address per call costs
+                                               more than a small model's step). Pass `u` instead.
+  frozen_record_changed_by_force         HARD  object.__setattr__ on a frozen attrs/dataclass instance: frozen
+                                               trees are proven unchanged by identity. attrs.evolve it instead.
 ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
-  state_replaced_after_capture           EASY  SignatureError naming the key path (tests/test_errors.py)
   padded_rows_mixed_into_real_ones       MED   logged once at trace time with the line, listed by explain
                                                (x.mean(0), softmax over tokens, ...: tests/test_padding.py)
-FIXED (pinned so they stay fixed; tests/test_capture_state.py and tests/test_padding.py hold the full specs):
+FIXED (pinned so they stay fixed; the full specs: tests/test_semantics.py, test_capture_state.py, test_padding.py):
+  new tensors, replaced containers, grown lists, changed static fields, threads, interrupted captures, kept outputs
   warmup_and_capture_leave_no_trace            donated state written by warm-up and capture is put back;
                                                jit(scratch=[...]) skips the copy for state whose padded rows
                                                write only a scratch area (the KV cache's page 0)
@@ -33,16 +37,16 @@ def scale_fn():
     return f, factor
 
 
-def test_outputs_overwritten_by_next_replay():
-    f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+def test_outputs_overwritten_with_copy_outputs_off():
+    f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4], copy_outputs=False)
     a = f(torch.ones(4))
     b = f(torch.full((4,), 3.0))
     assert a.tolist() == [6.0] * 4  # should be [2.0] * 4! the second replay wrote into the same buffer
     assert a.data_ptr() == b.data_ptr()
 
 
-def test_copy_outputs_or_clone_keeps_them():
-    f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4], copy_outputs=True)
+def test_outputs_are_copies_by_default():
+    f = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
     a = f(torch.ones(4))
     f(torch.full((4,), 3.0))
     assert a.tolist() == [2.0] * 4
@@ -121,14 +125,31 @@ def test_python_side_effects_run_once_at_trace():
     assert log == ["called"]  # should be 3 entries! only the trace ran Python
 
 
-def test_containers_read_once_by_identity():
-    """The replay path caches a container's flat layout by identity (flattening hundreds of leaves per call costs
-    more than a small model's step). Update tensors in place, or pass a new container, which is re-checked."""
+def test_storage_swapped_under_a_tensor():
+    """The replay path proves a leaf unchanged by identity: the same tensor object. Swapping the memory under it
+    (`.data =`, `.set_`) keeps the object, so the graph still reads the old memory."""
     f = fgraph.jit(lambda x, p: x * p["s"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
     p = {"s": torch.full((1,), 2.0)}
     f(torch.ones(4), p)
     f(torch.ones(4), p)
-    p["s"] = torch.full((1,), 5.0)  # replaced inside the same dict
-    assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! the dict was not re-read
-    with pytest.raises(fgraph.SignatureError, match=r"p\['s'\] is not the tensor the graph .* was captured with"):
-        f(torch.ones(4), dict(p))  # a new container is flattened and checked: the replaced tensor is caught
+    p["s"].data = torch.full((1,), 5.0)
+    assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! the graph reads the old memory
+    p["s"] = torch.full((1,), 5.0)  # a new tensor is seen
+    assert f(torch.ones(4), p).tolist() == [5.0] * 4
+
+
+def test_frozen_record_changed_by_force():
+    import attrs
+
+    @fgraph.register
+    @attrs.frozen
+    class P:
+        s: torch.Tensor
+
+    f = fgraph.jit(lambda x, p: x * p.s, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    p = P(torch.full((1,), 2.0))
+    f(torch.ones(4), p)
+    f(torch.ones(4), p)
+    object.__setattr__(p, "s", torch.full((1,), 5.0))
+    assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! a frozen tree is not re-read
+    assert f(torch.ones(4), attrs.evolve(p)).tolist() == [5.0] * 4  # a new object is

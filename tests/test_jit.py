@@ -33,6 +33,8 @@ def test_one_trace_serves_every_bucket_of_a_routine():
         "eager": 0,
         "calls": 5,
         "padded": 3 + 2 + 1 + 0 + 3,
+        "copies": 0,
+        "copied_bytes": 0,
     }
     assert st["signatures"]["(breaks=2, routine='decode', bucket=4)"]["traces"] == 0
 
@@ -240,7 +242,7 @@ def test_oversize_runs_eagerly_and_is_counted():
     x = torch.randn(9, 8)
     out, _ = f(params, state, {"x": x}, routine="decode")
     torch.testing.assert_close(out, eager(params, {"x": x}, routine="decode"))
-    assert f.stats()["fallbacks"] == {"unseen": 0, "oversize": 1} and not f.entries
+    assert f.stats()["fallbacks"] == {"unseen": 0, "oversize": 1, "cap": 0, "oom": 0} and not f.entries
 
 
 def test_sealed_function_never_captures_lazily():

@@ -94,7 +94,7 @@ def test_greedy_tokens_identical_to_eager(backend, mode):
         stats = eng.step_fn.stats()
         diff = first_difference(want, got)
         assert diff is None, f"backend={backend} mode={mode}: {diff}"
-        assert stats["fallbacks"] == {"unseen": 0, "oversize": 0}, stats["fallbacks"]
+        assert stats["fallbacks"] == {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0}, stats["fallbacks"]
         if mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):  # every step replays graphs
             assert stats["total"]["replays"] == stats["total"]["calls"] > 0, stats["total"]
         else:  # FULL_DECODE_ONLY: decode steps replay, mixed ones run the traced program eagerly
@@ -195,7 +195,12 @@ def test_inductor_pieces_as_close_to_eager_as_torch_compile(backend):
                 f"fgraph FULL+C {err:.2e}, torch.compile {ref_err:.2e}"
             )
             assert err <= max(2 * ref_err, 2e-2) and err < 0.1, (backend, routine, n, err, ref_err)
-    assert f.stats()["total"]["replays"] == 4 and f.stats()["fallbacks"] == {"unseen": 0, "oversize": 0}
+    assert f.stats()["total"]["replays"] == 4 and f.stats()["fallbacks"] == {
+        "unseen": 0,
+        "oversize": 0,
+        "cap": 0,
+        "oom": 0,
+    }
 
 
 def test_compiled_engine_greedy_tokens_identical_to_eager_fp32():

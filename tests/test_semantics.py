@@ -1,0 +1,465 @@
+"""jax.jit's contract, as specs against eager: a jitted function gives the answer the plain function would, for any
+inputs of the same kind, in every mode, whatever the caller did between calls (issue #20, dispatch half).
+
+Inputs are values: a non-static tensor may be a new tensor on any call (read in place when it is the captured one,
+else copied, counted in stats()). Nothing is stale: a leaf replaced inside a container, a longer list, a changed
+static field are seen. Threads get their own results. A failed or interrupted capture leaves nothing behind.
+Outputs are copies by default. Retraces are bounded and loud. stats() counts every signature.
+"""
+
+import logging
+import threading
+
+import attrs
+import pytest
+import torch
+
+import fgraph
+from fgraph import Batched
+from fgraph import _entry as E
+from tests import toys
+
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
+# "cuda-default": on the GPU with torch.set_default_device("cuda") in force (fgraph's own buffers must not follow it)
+DEVICES = ["cpu"] + (["cuda", "cuda-default"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    if request.param != "cuda-default":
+        yield request.param
+        return
+    prev = torch.get_default_device()
+    torch.set_default_device("cuda")
+    try:
+        yield "cuda"
+    finally:
+        torch.set_default_device(prev)
+
+
+def layer(p, x):
+    """A dense layer, a break (so PIECEWISE and FULL really split), another dense op: x [N, 4] -> [N, 4]."""
+    h = x @ p["w"]
+    o = torch.empty_like(h)
+    toys.toy_scale(o, h, 0.5)
+    return torch.tanh(o) + p["b"]
+
+
+def params(device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return {
+        "w": torch.randn(4, 4, generator=g, device="cpu").to(device),
+        "b": torch.randn(4, generator=g, device="cpu").to(device),
+    }
+
+
+def rand(device, *shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator(device="cpu").manual_seed(seed), device="cpu").to(device)
+
+
+# -- inputs are values -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_new_input_tensors_every_call(mode, device):
+    j = fgraph.jit(layer, mode=mode)
+    p = params(device)
+    for k in range(4):
+        x = rand(device, 3, 4, seed=k)  # not Batched: read by address in a graph
+        torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    # the first x and the second (the graphs are captured again to read it) are read in place, later ones copied
+    assert j.stats()["total"]["copies"] == (0 if mode == "NONE" else 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reloaded_checkpoint_is_read_in_place_and_the_old_one_still_works(mode, device):
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4])
+    old, new = params(device, 0), params(device, 1)
+    before = {k: v.clone() for k, v in old.items()}
+    x = rand(device, 3, 4)
+    torch.testing.assert_close(j(old, x), layer(old, x), rtol=0, atol=0)
+    captures = j.stats()["total"]["captures"]
+    for _ in range(3):  # the new params are read in place after one more capture: no copies
+        torch.testing.assert_close(j(new, x), layer(new, x), rtol=0, atol=0)
+    graphed = mode != "NONE"
+    assert j.stats()["total"]["copies"] == 0
+    assert j.stats()["total"]["captures"] == captures * (2 if graphed else 1)
+    torch.testing.assert_close(j(old, x), layer(old, x), rtol=0, atol=0)  # the old ones too, now copied
+    for k in old:  # tensors are never written into by a call that did not pass them
+        assert torch.equal(old[k], before[k])
+    assert j.stats()["total"]["copies"] == int(graphed)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_new_params_are_seen_by_every_signature(mode, device):
+    """Each signature's graphs read their own captured tensors: new params met at one bucket are copied at the
+    others too, also when the replay path meets them first there."""
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4, 8])
+    old, new = params(device, 0), params(device, 1)
+    x4, x8 = rand(device, 3, 4), rand(device, 7, 4)
+    j(old, x4), j(old, x8)
+    for p, x in [(new, x4), (new, x8), (new, x8), (old, x4), (old, x8)]:
+        torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_functional_state_fed_back(mode, device):
+    """jax-style state: a new dict of new tensors returned and passed back in."""
+
+    def step(p, x, state):
+        h = layer(p, x) + state["h"]
+        return h.sum(0), {"h": h * 0.5}
+
+    j = fgraph.jit(step, mode=mode)
+    p, x = params(device), rand(device, 3, 4)
+    s_jit = s_eager = {"h": torch.zeros(3, 4, device=device)}
+    for _ in range(4):
+        y, s_jit = j(p, x, s_jit)
+        y_ref, s_eager = step(p, x, s_eager)
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+        torch.testing.assert_close(s_jit["h"], s_eager["h"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_donated_state_passed_as_a_new_tensor(mode, device):
+    """The function updates donated state in place: a new tensor passed for it ends the call holding what eager
+    would leave in it, and the originally captured tensor, passed again later, still works."""
+
+    def step(p, x, state):
+        state["h"].mul_(0.5).add_(layer(p, x))
+        return state["h"].sum(0), state
+
+    j = fgraph.jit(step, donate=["state"], mode=mode)
+    p, x = params(device), rand(device, 3, 4)
+    first = {"h": torch.zeros(3, 4, device=device)}
+    j(p, x, first)  # captures with `first` (warm-up and capture run the function too: tests/test_footguns.py)
+    for s in [{"h": rand(device, 3, 4, seed=7)}, first, {"h": rand(device, 3, 4, seed=8)}, first]:
+        ref = {"h": s["h"].clone()}
+        y, back = j(p, x, s)
+        assert back is s  # the caller's own state object, as eager returns it
+        torch.testing.assert_close(y, step(p, x, ref)[0], rtol=0, atol=0)
+        torch.testing.assert_close(s["h"], ref["h"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
+def test_strict_refuses_to_copy(mode):
+    j = fgraph.jit(layer, mode=mode, strict=True)
+    p = params("cpu")
+    j(p, rand("cpu", 3, 4))
+    with pytest.raises(fgraph.SignatureError, match=r"x is not the tensor the graphs of signature .* read"):
+        j(p, rand("cpu", 3, 4, seed=2))
+
+
+def test_large_copies_are_logged_once(caplog):
+    j = fgraph.jit(lambda p, x: x @ p["w"], mode="PIECEWISE")
+    x = torch.ones(2, 2048)
+    j({"w": torch.zeros(2048, 1024)}, x)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for v in (1.0, 2.0):
+            out = j({"w": torch.full((2048, 1024), v)}, x)
+    assert out[0, 0].item() == 2048 * 2.0
+    msgs = [r.getMessage() for r in caplog.records if "copies" in r.getMessage()]
+    assert len(msgs) == 1 and "8.0 MiB" in msgs[0] and "p['w']" in msgs[0]
+
+
+# -- never stale -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_a_leaf_replaced_inside_the_same_dict_is_seen(mode, device):
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4])
+    p, x = params(device), rand(device, 3, 4)
+    j(p, x), j(p, x)  # the second call takes the replay path
+    p["b"] = torch.full((4,), 5.0, device=device)
+    torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    p["b"].fill_(7.0)  # updated in place: read in place (or copied again)
+    torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_longer_list_is_seen(mode, device):
+    def f(ws, x):
+        for w in ws:
+            x = layer({"w": w, "b": 0.0}, x)
+        return x
+
+    j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
+    ws, x = [rand(device, 4, 4, seed=3)], rand(device, 3, 4)
+    j(ws, x), j(ws, x)
+    ws.append(rand(device, 4, 4, seed=4))
+    torch.testing.assert_close(j(ws, x), f(ws, x), rtol=0, atol=0)
+    assert len(j.entries) == 2
+
+
+@fgraph.register
+@attrs.define
+class Cfg:
+    w: torch.Tensor
+    scale: float = fgraph.field(static=True, default=1.0)
+
+
+@fgraph.register
+@attrs.frozen
+class FrozenCfg:
+    w: torch.Tensor
+    parts: list  # a mutable list inside a frozen record: still re-read per call
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_static_field_on_the_same_object_is_seen(mode, device):
+    def f(c, x):
+        return layer({"w": c.w, "b": 0.0}, x) * c.scale
+
+    j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
+    c, x = Cfg(rand(device, 4, 4)), rand(device, 3, 4)
+    j(c, x), j(c, x)
+    c.scale = 3.0
+    torch.testing.assert_close(j(c, x), f(c, x), rtol=0, atol=0)
+    c.w = rand(device, 4, 4, seed=9)
+    torch.testing.assert_close(j(c, x), f(c, x), rtol=0, atol=0)
+
+
+def test_a_mutable_container_inside_a_frozen_one_is_seen():
+    def f(c, x):
+        return x @ c.w + sum(c.parts)
+
+    j = fgraph.jit(f, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    c, x = FrozenCfg(torch.eye(4), [torch.ones(4)]), torch.ones(3, 4)
+    j(c, x), j(c, x)
+    c.parts[0] = torch.full((4,), 2.0)
+    torch.testing.assert_close(j(c, x), f(c, x), rtol=0, atol=0)
+
+
+def test_guards_skip_immutable_trees():
+    from fgraph._dispatch import guard_for
+    from fgraph._pytree import flatten_with_paths
+
+    frozen = (torch.ones(1), (torch.ones(1),))
+    assert guard_for(frozen, flatten_with_paths(frozen)[1]) is None  # identity is the proof: no per-call work
+    d = {"a": [torch.ones(1)]}
+    g = guard_for(d, flatten_with_paths(d)[1])
+    assert g()
+    d["a"].append(torch.ones(1))
+    assert not g()
+
+
+# -- threads ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_threads_get_their_own_results(mode, device):
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4])
+    p = params(device)
+    xs = [rand(device, 3, 4, seed=k) for k in range(4)]
+    refs = [layer(p, x) for x in xs]
+    j(p, xs[0])
+    bad = []
+
+    def worker(k):
+        for _ in range(100):
+            if not torch.equal(j(p, xs[k]), refs[k]):
+                bad.append(k)
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert bad == []
+
+
+# -- failure leaves nothing half made --------------------------------------------------------------------------
+def _failing_capture(monkeypatch, exc):
+    real, failed = E.Entry.capture, []
+
+    def capture(self, *a, **k):
+        if not failed:
+            failed.append(True)
+            raise exc
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(E.Entry, "capture", capture)
+    return failed
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
+def test_an_interrupted_capture_is_made_again(mode, monkeypatch):
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4])
+    p, x = params("cpu"), rand("cpu", 3, 4)
+    _failing_capture(monkeypatch, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        j(p, x)
+    assert not j.entries and not any(j._traces.values())
+    torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    assert j.stats()["total"]["traces"] == 1 and len(j.entries) == 1
+
+
+def test_a_failed_capture_says_why_and_is_made_again(monkeypatch):
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    p, x = params("cpu"), rand("cpu", 3, 4)
+    _failing_capture(monkeypatch, RuntimeError("cublas handle"))
+    with pytest.raises(
+        fgraph.CaptureError, match=r"warm-up or capture of signature \(bucket=4\) failed: RuntimeError: cublas handle"
+    ):
+        j(p, x)
+    assert not j.entries
+    torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    assert j.stats()["total"]["replays"] == 1
+
+
+def test_a_capture_out_of_memory_frees_it_and_runs_eagerly(monkeypatch):
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    p, x = params("cpu"), rand("cpu", 3, 4)
+    _failing_capture(monkeypatch, torch.OutOfMemoryError("out of memory"))
+    torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    assert not j.entries and j.stats()["fallbacks"]["oom"] == 1
+    torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    assert len(j.entries) == 1
+
+
+@pytest.mark.gpu
+def test_a_capture_out_of_memory_on_the_gpu_frees_what_it_made(monkeypatch):
+    from fgraph import _graphs as G
+
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    p, x = params("cuda"), rand("cuda", 3, 4)
+    real = G.CudaGraph.capture
+
+    def capture(self, fn, *args):
+        self.junk = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # what the capture made before failing
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    monkeypatch.setattr(G.CudaGraph, "capture", capture)
+    torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    assert j.stats()["fallbacks"]["oom"] == 1 and not j.entries
+    assert torch.cuda.memory_allocated() < before + (1 << 20)
+    monkeypatch.setattr(G.CudaGraph, "capture", real)
+    torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    assert j.stats()["total"]["replays"] == 1
+
+
+# -- outputs are safe by default -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_kept_outputs_are_not_overwritten(mode, device):
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4])
+    p = params(device)
+    x1, x2 = rand(device, 3, 4, seed=1), rand(device, 4, 4, seed=2)
+    a = j(p, x1)
+    j(p, x2)
+    torch.testing.assert_close(a, layer(p, x1), rtol=0, atol=0)
+
+
+# -- retraces are bounded and loud -----------------------------------------------------------------------------
+def test_python_scalars_retrace_per_value_with_a_warning_and_a_cap(caplog, monkeypatch):
+    monkeypatch.setattr(fgraph.config, "max_signatures", 12)
+    j = fgraph.jit(lambda x, step: x * step, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    x = torch.ones(3)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for step in range(20):
+            assert j(x, step).tolist() == [float(step)] * 3
+    warned = [r.getMessage() for r in caplog.records if "Python scalars" in r.getMessage()]
+    assert len(warned) == 1 and "step=8" in warned[0] and "Python scalars" in warned[0]
+    assert len(j.entries) == 12 and j.stats()["fallbacks"]["cap"] == 8
+
+
+# -- stats and explain -----------------------------------------------------------------------------------------
+def test_stats_counts_every_signature():
+    j = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    for dt in (torch.float32, torch.float64, torch.int64):
+        j(torch.ones(3, dtype=dt))
+    st = j.stats()
+    assert len(st["signatures"]) == 3 and st["total"]["traces"] == 3
+    assert "(bucket=4) {x: int64[4]@cpu}" in st["signatures"]
+
+
+def test_explain_says_what_is_read_in_place_and_what_is_copied():
+    j = fgraph.jit(layer, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    p, x = params("cpu"), rand("cpu", 3, 4)
+    j(p, x)
+    j({"w": p["w"], "b": p["b"].clone()}, x)  # a new b: read in place (captured again)
+    j({"w": p["w"], "b": p["b"].clone()}, x)  # and another: copied into fgraph's buffer from now on
+    text = str(fgraph.explain(j))
+    assert "inputs: x: padded into input buffers; p['w']: read in place; p['b']: copied" in text
+
+
+# -- random call sequences against eager -----------------------------------------------------------------------
+ACTIONS = ["same", "new_x", "replace_b", "bump_b", "append_w", "new_params", "new_state", "dtype", "scale"]
+
+
+def seq_step(p, state, x, scale):
+    """A stack of layers over a list of weights, a break each, donated state written then read, a Python scalar."""
+    h = x
+    for w in p["ws"]:
+        o = torch.empty_like(h)
+        toys.toy_scale(o, h @ w, 0.5)
+        h = torch.tanh(o)
+    state["h"].copy_(p["b"] * 2)  # written before it is read: warm-up and capture runs leave it right
+    state["acc"].mul_(0.5).add_(p["b"])  # read, then written: a new signature's capture runs it more often (#20.3)
+    return h * scale + state["h"], state
+
+
+def _world(device, dtype, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device="cpu").to(device, dtype)  # noqa: E731
+    return {"ws": [r(4, 4)], "b": r(4)}, {"h": r(4), "acc": r(4)}, r
+
+
+_SEQ_JITS: dict = {}
+
+
+def _check_sequence(mode, device, actions):
+    key = (mode, device)
+    if key not in _SEQ_JITS:  # one jitted function per mode across examples: its caches carry over, as in a server
+        _SEQ_JITS[key] = fgraph.jit(
+            seq_step, donate=["state"], static=["scale"], batch={"x": Batched()}, mode=mode, buckets=[2, 4, 8]
+        )
+    j = _SEQ_JITS[key]
+    dtype, seed = torch.float32, 0
+    p, state, r = _world(device, dtype, seed)
+    x, scale, kept = r(3, 4), 1.0, []
+    for action, n in actions:
+
+        def mk(*shape):
+            return r(*shape).to(dtype)
+
+        if action == "new_x":
+            x = mk(n, 4)
+        elif action == "replace_b":
+            p["b"] = mk(4)
+        elif action == "bump_b":
+            p["b"].add_(1.0)
+        elif action == "append_w" and len(p["ws"]) < 3:
+            p["ws"].append(mk(4, 4))
+        elif action == "new_params":
+            p = {"ws": [w.clone() for w in p["ws"]], "b": p["b"].clone() + 1}
+        elif action == "new_state":
+            state = {"h": mk(4), "acc": mk(4)}
+        elif action == "dtype":
+            dtype = torch.float64 if dtype is torch.float32 else torch.float32
+            p = {"ws": [w.to(dtype) for w in p["ws"]], "b": p["b"].to(dtype)}
+            state, x = {k: v.to(dtype) for k, v in state.items()}, x.to(dtype)
+        elif action == "scale":
+            scale = float(n)
+        ref_p = {"ws": [w.clone() for w in p["ws"]], "b": p["b"].clone()}
+        ref_out, ref_state = seq_step(ref_p, {k: v.clone() for k, v in state.items()}, x.clone(), scale)
+        made = len(j.entries)
+        out, back = j(p, state, x, scale=scale)
+        assert back is state
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+        torch.testing.assert_close(state["h"], ref_state["h"], rtol=0, atol=0)
+        if len(j.entries) == made:  # (a call that made a signature ran its capture on `acc` too: issue #20 item 3)
+            torch.testing.assert_close(state["acc"], ref_state["acc"], rtol=0, atol=0)
+        kept.append((out, out.clone()))
+    for out, copy in kept:  # outputs kept across calls were never written over
+        assert torch.equal(out, copy)
+
+
+def test_random_call_sequences_equal_eager(device):
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=60, deadline=None, derandomize=True, database=None)
+    @hypothesis.given(
+        st.sampled_from(MODES),
+        st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(1, 8)), min_size=1, max_size=10),
+    )
+    def run(mode, actions):
+        _check_sequence(mode, device, actions)
+
+    run()
