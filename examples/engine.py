@@ -132,7 +132,7 @@ class Engine:
                 prompt, max_new_tokens, temperature, top_p, seed, vocab_size=self.vocab_size
             )
         except RequestError as e:
-            raise RequestError(f"request {rid}: {e.what}", e.fix or "tokenize with the model's own tokenizer") from None
+            raise RequestError(f"request {rid}: {e.what}", e.fix) from None
         if len(prompt) + max_new_tokens - 1 > self.max_seq_len:
             raise RequestError(
                 f"request {rid}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed max_seq_len="

@@ -222,6 +222,11 @@ def read_config(model_dir: str, moe_backend: str = "local") -> MoEConfig:
         path,
         qkv_bias=a["qkv_bias"] and c.get("qkv_bias", True),
     )
+    for key in (a["experts"], "num_experts_per_tok", "moe_intermediate_size" if qwen else "intermediate_size"):
+        if not isinstance(c.get(key), int) or isinstance(c[key], bool):
+            raise checkpoint.CheckpointError(
+                f"{path}: key {key!r} is missing or not an integer", "use the config.json saved with the checkpoint"
+            )
     step = c.get("decoder_sparse_step", 1) if qwen else 1
     dense = tuple(
         i for i in range(base.n_layers) if (qwen and i in (c.get("mlp_only_layers") or [])) or (i + 1) % step != 0

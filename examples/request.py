@@ -52,7 +52,7 @@ class Request:
         return (self.t_done - self.t_first) / (len(self.output) - 1) if len(self.output) > 1 else None
 
 
-def integer(value, what: str, low: int, high: int | None = None) -> int:
+def integer(value, what: str, low: int, high: int | None = None, fix: str | None = None) -> int:
     """`value` as an int in [low, high) (bools, floats and strings are refused, numpy / torch integers taken)."""
     try:
         if isinstance(value, bool):
@@ -61,7 +61,8 @@ def integer(value, what: str, low: int, high: int | None = None) -> int:
     except TypeError:
         raise RequestError(f"{what}={value!r} is not an integer", f"pass an int >= {low}") from None
     if n < low or (high is not None and n >= high):
-        raise RequestError(f"{what}={n} is out of range [{low}, {high if high is not None else 'inf'})")
+        span = f"[{low}, {high if high is not None else 'inf'})"
+        raise RequestError(f"{what}={n} is out of range {span}", fix or f"pass an int in {span}")
     return n
 
 
@@ -81,7 +82,11 @@ def check(prompt, max_new_tokens, temperature, top_p, seed, *, vocab_size: int |
     seed or None). Lengths against the cache are the engine's to check."""
     if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
         raise RequestError(f"prompt={prompt!r:.60} is not a sequence of token ids", "pass a list of ints")
-    ids = [integer(t, f"prompt[{i}]", 0, vocab_size) for i, t in enumerate(prompt)]
+    ids = list(prompt)
+    fast = all(type(t) is int for t in ids)  # the usual case, checked at C speed (a per-id call costs ~1 us)
+    if not fast or (ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size))):
+        tokenize = "tokenize with the model's own tokenizer"
+        ids = [integer(t, f"prompt[{i}]", 0, vocab_size, tokenize) for i, t in enumerate(ids)]
     if not ids:
         raise RequestError("empty prompt", "pass at least one prompt token")
     return (

@@ -96,7 +96,7 @@ CASES = {  # name: (corrupt the directory, the error's message must match)
     ),
     "wrong-architecture": (
         lambda d: config(d, architectures=["LlamaForCausalLM"], model_type="llama"),
-        r"LlamaForCausalLM has no q/k/v biases, the weights has 'model\.layers\.0\.self_attn\.q_proj\.bias'",
+        r"LlamaForCausalLM has no q/k/v biases, but the weights have 'model\.layers\.0\.self_attn\.q_proj\.bias'",
     ),
     "unknown-architecture": (lambda d: config(d, architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel.*not supported"),
     "fewer-layers": (lambda d: config(d, num_hidden_layers=1), r"num_hidden_layers=1, the weights have layers 0\.\.1"),
