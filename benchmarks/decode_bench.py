@@ -6,8 +6,12 @@
   <backend>/NONE, /PIECEWISE, /FULL   fgraph.jit of the same step, batch passed from the host each call
   floor       bytes the step must move (weights + KV read) / copy bandwidth measured in this run
 
-Random weights (presets; bf16 on the GPU), every sequence at position C/2, medians of CUDA-event timings after
-warm-up. Peers run on one backend (--peer-backend, flash_attn: its eager step needs no host plan). Also: host
+Random weights (presets; bf16 on the GPU), every sequence at position C/2. Per cell, every contender's logits are
+first checked against eager's (uncompiled fgraph: bit for bit; Inductor-compiled ones within TOL_COMPILED of the
+largest logit; a contender that fails is reported, not timed), then all are timed in --rounds alternating rounds
+of CUDA-event timings after warm-up: the tables show the median ± half the range. Peers run on one backend
+(--peer-backend, flash_attn: its eager step needs no host plan); FlashInfer's FULL is compared with them at its
+own page size, so that comparison also differs in the KV page size (16 against 256). Also: host
 time per FULL call (entry -> graph launch, with and without the plan hook), and with --capture the capture cost
 of 2 routines x the default buckets (FULL_AND_PIECEWISE) per backend.
 
@@ -32,6 +36,7 @@ import sys
 import time
 
 import torch
+import torch._dynamo
 import torch.utils._pytree as pytree
 
 import fgraph
@@ -94,7 +99,7 @@ HOST_ROUNDS, HOST_CALLS = 4, 25  # host time: rounds over the cell's FULL modes 
 
 def host_times(fs: dict, params, cache, batch, dev) -> dict:
     """Host µs of a FULL decode call per mode ({mode: jitted}): HOST_ROUNDS rounds of HOST_CALLS calls of each
-    mode in turn, so drift of the host within the process (session 6: 2x between two runs of the same cell) is
+    mode in turn, so drift of the host within the process (2x between two runs of the same cell, measured) is
     billed to every mode alike. {mode: host_time's dict, or a note}."""
     samples = {m: ([], [], []) for m in fs}
     notes = {}
@@ -162,55 +167,95 @@ def host_samples(f, params, cache, batch, dev, n: int):
     return total, launch, planned
 
 
-def fgraph_cell(jitted, params, cache, batch, dev, backend, host) -> dict:
-    row = {}
+ROUNDS = 3  # timing rounds per cell: every contender once per round, in turn (--rounds)
+TOL_COMPILED = 0.1  # max |logits - eager| / max |eager| of Inductor-compiled steps (bf16 through every layer)
+
+
+def check_against_eager(name: str, got: torch.Tensor, ref: torch.Tensor, compiled: bool) -> tuple[float, str | None]:
+    """(relative max error, why it is refused or None). Uncompiled fgraph runs eager's kernels: bit for bit."""
+    err = ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    limit = TOL_COMPILED if compiled else 0.0
+    if not err <= limit:  # (NaN fails too)
+        return err, f"{name}: logits differ from eager's by {err:.2e} of the largest (limit {limit:g}): not timed"
+    return err, None
+
+
+def timed_rounds(calls: dict, dev, rounds: int) -> dict:
+    """{name: (median ms, spread ms)} from `rounds` rounds, each timing every call in turn (time_ms), so drift
+    of the GPU's clocks or the host within the process is billed to every contender alike."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(time_ms(call, dev))
+    return {name: (statistics.median(ts), max(ts) - min(ts)) for name, ts in times.items()}
+
+
+def on_device(batch, dev):
+    return llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
+
+
+def cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a) -> dict:
+    """One (ctx, B) cell: set up every contender (fgraph modes of this backend; with `peers`, eager, one CUDA
+    graph of the eager step and torch.compile's `compiled[B]`), check each one's logits against eager's, then
+    time them in alternating rounds. Row keys: <name>_ms (median), <name>_spread (max - min over rounds, ms)."""
+    row, calls, b = {}, {}, on_device(batch, dev)
+    ref = step(params, cache, b, "decode")[0].float()  # the oracle (repeating a step rewrites the same KV slots)
     for mode, f in jitted.items():
         key = f"{backend}/{mode}"
         try:
             t0 = time.perf_counter()
-            f(params, cache, batch, routine="decode")  # traces (first bucket of a family) and captures this bucket
+            out = f(params, cache, batch, routine="decode")[0]  # traces (first bucket of a family) and captures
             sync(dev)
             row[f"{key}_setup_s"] = time.perf_counter() - t0
-            row[f"{key}_ms"] = time_ms(lambda: f(params, cache, batch, routine="decode"), dev)
+            row[f"{key}_err"], why = check_against_eager(key, out, ref, mode.endswith("+C"))
+            if why:
+                row[f"{key}_error"] = why
+                continue
+            calls[key] = lambda f=f: f(params, cache, batch, routine="decode")
         except Exception as e:  # a failing mode is a result too; the others still run
             row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    if host:  # after every mode's setup: their host times in alternating rounds
-        full = {m: f for m, f in jitted.items() if m.startswith("FULL") and f"{backend}/{m}_error" not in row}
+    if "eager" in peers:
+        calls["eager"] = lambda: step(params, cache, b, "decode")
+    if "graph" in peers and str(dev).startswith("cuda"):
+        g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(params, cache, b, "decode")
+        torch.cuda.current_stream().wait_stream(s)
+        t0 = time.perf_counter()
+        with torch.cuda.graph(g):
+            out = step(params, cache, b, "decode")[0]
+        row["graph_capture_s"] = time.perf_counter() - t0
+        g.replay()
+        row["graph_err"], why = check_against_eager("graph", out, ref, False)
+        if why:
+            row["graph_error"] = why
+        else:
+            calls["graph"] = g.replay
+    elif "graph" in peers:
+        row["graph_skipped"] = "needs CUDA"
+    if compiled is not None:
+        out = compiled(b)
+        row["compile_err"], why = check_against_eager("compile", out, ref, True)
+        if why:
+            row["compile_error"] = why
+        else:
+            calls["compile"] = lambda: compiled(b)
+    for name, (ms, spread) in timed_rounds(calls, dev, a.rounds).items():
+        row[f"{name}_ms"], row[f"{name}_spread"] = ms, spread
+    row["rounds"] = a.rounds
+    if a.host:  # after every mode's setup: their host times in alternating rounds
+        full = {m: f for m, f in jitted.items() if m.startswith("FULL") and f"{backend}/{m}_ms" in row}
         for mode, got in host_times(full, params, cache, batch, dev).items():
             row.update({f"{backend}/{mode}/{k}": v for k, v in got.items()})
     return row
 
 
 # ------------------------------------------------------------------------------------------------ peers
-def on_device(batch, dev):
-    return llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
-
-
-def peers_cell(step, params, cache, batch, dev) -> dict:
-    """eager and one torch.cuda.graph of the eager step (its outputs are dropped: nothing kept across calls)."""
-    row, b = {}, on_device(batch, dev)
-    row["eager_ms"] = time_ms(lambda: step(params, cache, b, "decode"), dev)
-    if not str(dev).startswith("cuda"):
-        row["graph_skipped"] = "needs CUDA"
-        return row
-    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(params, cache, b, "decode")
-    torch.cuda.current_stream().wait_stream(s)
-    t0 = time.perf_counter()
-    with torch.cuda.graph(g):
-        step(params, cache, b, "decode")
-    row["graph_capture_s"] = time.perf_counter() - t0
-    row["graph_ms"] = time_ms(g.replay, dev)
-    del g
-    return row
-
-
 def compile_peer(cfg, params, cache, backend, max_ctx, inductor=None):
-    """`call(batch on the device)`: one decode step of torch.compile(step, mode="reduce-overhead", fullgraph=True,
-    dynamic=False); with `inductor` (options), the same with these options added (reduce-overhead is
-    {"triton.cudagraphs": True}). Params and cache are marked static addresses, so cudagraph trees accept the
+    """`call(batch on the device) -> logits`: one decode step of torch.compile(step, mode="reduce-overhead",
+    fullgraph=True, dynamic=False); with `inductor` (options), the same with these options added (reduce-overhead
+    is {"triton.cudagraphs": True}). Params and cache are marked static addresses, so cudagraph trees accept the
     in-place cache write. Caller: torch._dynamo.reset() when done."""
     import torch._dynamo
 
@@ -224,56 +269,43 @@ def compile_peer(cfg, params, cache, backend, max_ctx, inductor=None):
 
     def call(b):
         torch.compiler.cudagraph_mark_step_begin()
-        comp(params, cache, b, "decode")
+        return comp(params, cache, b, "decode")[0]
 
     return call
 
 
-def compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, est_s, base):
-    """The torch.compile peer (compile_peer): one compile per batch size (dynamic=False; the contexts share
-    shapes), measured on each context of that size while the budget lasts, else a row saying why not."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
+class CompilePeer:
+    """torch.compile's step for each batch size, compiled on first use (dynamic=False: one compile per B, shared
+    by every context, since block tables are sized for the largest), within the budget. `for_batch(B, b, row)`
+    returns the call, or None with the reason in `row`."""
 
-    call = compile_peer(cfg, params, cache, backend, max_ctx)
-    error = None
-    for B in sorted({B for _, B in cells}):
-        ctxs = [ctx for ctx, b in cells if b == B]
-        why = error or budget.why_not(est_s + 3 * len(ctxs))
+    def __init__(self, cfg, params, cache, backend, max_ctx, budget, est_s):
+        self.call, self.budget, self.est_s = compile_peer(cfg, params, cache, backend, max_ctx), budget, est_s
+        self.ready, self.error = set(), None
+
+    def for_batch(self, B: int, b, row: dict):
+        from torch._dynamo.utils import counters
+
+        if B in self.ready:
+            return self.call
+        why = self.error or self.budget.why_not(self.est_s)
         if why:
-            for ctx in ctxs:
-                rec({**base, "ctx": ctx, "batch": B, "compile_skipped": why})
-            continue
+            row["compile_skipped"] = why
+            return None
         try:
             skips0 = counters["inductor"]["cudagraph_skips"]
-            batches = {
-                ctx: on_device(decode_batch(cfg.vocab_size, B, ctx, A.page_size_for(backend), max_ctx)[0], dev)
-                for ctx in ctxs
-            }
             t0 = time.perf_counter()
             for _ in range(3):  # compile, then cudagraph trees' warm-up run and recording
-                call(batches[ctxs[0]])
-            sync(dev)
-            secs = time.perf_counter() - t0
-            est_s = max(est_s, 1.2 * secs)
-            for ctx in ctxs:
-                ms = time_ms(lambda b=batches[ctx]: call(b), dev)
-                rec(
-                    {
-                        **base,
-                        "ctx": ctx,
-                        "batch": B,
-                        "compile_ms": ms,
-                        "compile_s": secs,
-                        "compile_cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skips0,
-                    }
-                )
+                self.call(b)
+            sync(b.tokens.device)
+            row["compile_s"] = secs = time.perf_counter() - t0
+            row["compile_cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
+            self.est_s = max(self.est_s, 1.2 * secs)
+            self.ready.add(B)
+            return self.call
         except Exception as e:
-            error = f"compile failed at B={B}: {type(e).__name__}: {str(e)[:300]}"
-            for ctx in ctxs:
-                rec({**base, "ctx": ctx, "batch": B, "compile_error": error})
-    del call
-    torch._dynamo.reset()
+            self.error = row["compile_error"] = f"compile failed at B={B}: {type(e).__name__}: {str(e)[:300]}"
+            return None
 
 
 # ------------------------------------------------------------------------------------------------ passes
@@ -283,29 +315,22 @@ def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base
     cache = llama.init_cache(cfg, cache_pages(cells, ps), ps, a.dtype, dev)
     jitted = {m: make_jitted(cfg, backend, m, max_ctx, a.buckets) for m in modes}
     step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
+    comp = CompilePeer(cfg, params, cache, backend, max_ctx, budget, a.compile_est_s) if "compile" in peers else None
     with torch.no_grad():
         for ctx, B in cells:
             why = budget.why_not(a.cell_est_s)
             if why:
-                rec(
-                    {
-                        **base,
-                        "ctx": ctx,
-                        "batch": B,
-                        f"{backend}_skipped": why,
-                        **{f"{p}_skipped": why for p in peers if p != "compile"},
-                    }
-                )
+                rec({**base, "ctx": ctx, "batch": B, f"{backend}_skipped": why, **{f"{p}_skipped": why for p in peers}})
                 continue
             batch, _ = decode_batch(cfg.vocab_size, B, ctx, ps, max_ctx)
-            row = fgraph_cell(jitted, params, cache, batch, dev, backend, a.host)
-            if {"eager", "graph"} & set(peers):
-                row.update(peers_cell(step, params, cache, batch, dev))
+            row = {}
+            compiled = comp.for_batch(B, on_device(batch, dev), row) if comp is not None else None
+            row.update(cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a))
             rec({**base, "ctx": ctx, "batch": B, **row})
-        del jitted
+        del jitted, comp
         gc.collect()
         if "compile" in peers:
-            compile_sweep(cfg, params, cache, backend, cells, dev, max_ctx, rec, budget, a.compile_est_s, base)
+            torch._dynamo.reset()
     del cache
     gc.collect()
     if str(dev).startswith("cuda"):
@@ -324,8 +349,8 @@ def first_trace_s(dev) -> float:
 
 def backend_import_s(backend: str) -> float | None:
     """The one-off import of the backend's library, paid before its capture like the first trace and reported beside
-    it: flashinfer's took 1.45 s of a 14.6 s capture on the H200's host (results/s7/diagnose-capture.txt), and is
-    inside the capture times of sessions 3-7's first run."""
+    it: flashinfer's took 1.45 s of a 14.6 s capture on the H200's host (scripts/diagnose_gpu.py capture), and was
+    inside the capture times of a process's first run before it was reported apart."""
     if backend not in ("flash_attn", "flashinfer"):
         return None  # (the torch backend imports nothing)
     t0 = time.perf_counter()
@@ -486,6 +511,7 @@ def parse_args(argv=None):
     ap.add_argument("--peers", nargs="+", default=["eager", "graph", "compile"], help='subset, or "none"')
     ap.add_argument("--peer-backend", default=None, help="attention backend of the peers (default: flash_attn)")
     ap.add_argument("--no-host", dest="host", action="store_false", help="skip host time per FULL call")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="alternating timing rounds per cell")
     ap.add_argument(
         "--inputs-by-call",
         dest="inputs_in_graph",

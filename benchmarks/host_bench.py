@@ -4,7 +4,7 @@ graph launch, with the launch itself stubbed (no GPU needed, so any machine can 
 The model has the leaf layout of a preset (its layer count: 24 for Qwen2.5-0.5B, 32 for Llama-3-8B) with tiny
 dims, so the call does no real work; the CPU has no pinned mirror or H2D copy, so this times bind + flatten +
 key lookup (dispatch), padding into the input buffers (write) and output slicing (outputs). On the H200's host the
-same Python ran ~3x slower in session 4 (benchmarks/NOTES.md); this is the dev-loop number, not the target's.
+same Python has run ~3x slower on a slower host (benchmarks/NOTES.md); this is the dev-loop number, not the target's.
 Each cell twice: inputs copied by the call, and by the graph (fgraph.config.inputs_in_graph, the default: on
 the CPU the write then pads into the graph's own mirror; the copy is the stubbed replay's).
 

@@ -5,7 +5,7 @@ outputs 4-512, all submitted at once, so TTFT includes queueing), greedy, on the
 in bf16. Each engine first runs a short warm-up workload (another seed), so lazily created kernels and wrappers
 are not billed to whichever mode runs first. The engines of one backend are built side by side and the workload
 runs --repeats times per mode, the modes alternating (PIECEWISE, FULL_AND_PIECEWISE, PIECEWISE, ...): one run is
-only ~4 s on the H200, and three single runs of session 6 gave FULL_AND_PIECEWISE -12 % to +39 % over PIECEWISE,
+only ~4 s on the H200, and three single runs once gave FULL_AND_PIECEWISE -12 % to +39 % over PIECEWISE,
 so a single pair measures the host's drift as much as the modes. Reports per mode the median output throughput
 (and min-max), TTFT and TPOT, the gain over PIECEWISE as the median of the per-round ratios (paired: a round runs
 both modes back to back), and how many requests' greedy tokens differ from the first mode's first run, over every

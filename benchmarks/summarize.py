@@ -87,9 +87,10 @@ def best_peer(c) -> tuple[str | None, float | None]:
 
 
 def cell_text(c, col) -> str:
-    v, floor = c.get(f"{col}_ms"), c.get("floor_ms")
+    v, floor, spread = c.get(f"{col}_ms"), c.get("floor_ms"), c.get(f"{col}_spread")
     if isinstance(v, (int, float)):
-        return f"{v:.2f} ({v / floor:.1f}x)" if floor else f"{v:.2f}"
+        text = f"{v:.2f} ±{spread / 2:.2f}" if isinstance(spread, (int, float)) else f"{v:.2f}"  # median ± half range
+        return f"{text} ({v / floor:.1f}x)" if floor else text
     for k in (f"{col}_skipped", f"{col}_error", f"{col.split('/')[0]}_skipped"):
         if k in c:
             return "skipped" if k.endswith("skipped") else "error"
@@ -229,7 +230,7 @@ def host_lines(cells) -> list[str]:
     out = [
         "",
         "Host time per FULL decode call, us (median, GPU kept busy; the modes of a cell in alternating rounds "
-        "since session 6): entry->launch = plan + the rest; entry->return",
+        "entry->launch = plan + the rest; entry->return",
         "",
         "| ctx | B | "
         + " | ".join(
@@ -299,7 +300,7 @@ def routine_cost(c, routine) -> str:
 
 def _serve_gain(r, rows) -> float:
     """Output throughput over PIECEWISE's: the median of paired per-round ratios where the run has them (rows of
-    before session 6: the ratio of the two single runs)."""
+    without paired repeats: the ratio of the two single runs)."""
     if r.get("mode") == "PIECEWISE":
         return 0.0
     if "gain_paired" in r:
@@ -331,7 +332,7 @@ def serve_lines(rows) -> list[str]:
             out.append(f"| {r.get('model', '')} | {r.get('backend')} | {r.get('mode')} | {what} | | | | | | | | |")
             continue
         tput = r.get("throughput_runs", [r["throughput_tok_s"]])
-        wait = f"{r['waiting_share']:.0%}" if "waiting_share" in r else "-"  # (rows of sessions before 7: not measured)
+        wait = f"{r['waiting_share']:.0%}" if "waiting_share" in r else "-"  # (older rows: not measured)
         out.append(
             f"| {r.get('model', '')} | {r['backend']} | {r['mode']} | {r['setup_s']:.1f} | {len(tput)} | "
             f"{r['elapsed_s']:.1f} | {r['throughput_tok_s']:.0f} ({min(tput):.0f}-{max(tput):.0f}) | "

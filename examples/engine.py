@@ -59,6 +59,8 @@ class Engine:
     seed: the seed of requests added without one (mixed with the request's id).
     capture: capture every bucket of both routines up front (default: on CUDA, unless mode is NONE/eager).
     overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
+    compile: Inductor-compiled pieces (fgraph.jit's compile=): the FULL+C step the benchmarks measure. Each
+      signature compiles its pieces at capture, so capture takes longer: pass fewer buckets with it.
     """
 
     overlap_supported = True  # (EPEngine steps through its own agreement: it turns this off)
@@ -79,6 +81,7 @@ class Engine:
         seed: int = 0,
         capture: bool | None = None,
         overlap: bool = True,
+        compile: bool | dict = False,
     ):
         num_pages, self.page_size = cache.k[0].shape[0], cache.k[0].shape[1]
         if max_seqs > max_batch_tokens:
@@ -114,6 +117,7 @@ class Engine:
                 batch={"batch": self.spec},
                 buckets=self.buckets,
                 mode=mode,
+                compile=compile,
             )
             if capture if capture is not None else (self.device.type == "cuda" and mode != "NONE"):
                 self.step_fn.capture(params, cache, self.example_batch(), routine=["decode", "mixed"])

@@ -113,6 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=[m.value for m in fgraph.Mode] + ["EAGER"],
         help="capture mode, or EAGER (no fgraph.jit)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the graph pieces with Inductor before capture (fgraph.jit(compile=True)); slower capture",
+    )
     p.add_argument("--device", type=_device, help="default: cuda when available, else cpu")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu"
@@ -242,6 +247,7 @@ def _main(args, argv) -> dict:
             max_batch_tokens=max_batch_tokens,
             eos_ids=eos,
             seed=args.seed,
+            compile=args.compile,
         )
         if args.explain:
             if args.mode == "EAGER":

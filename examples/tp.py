@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import fgraph
 
-from . import checkpoint, engine, llama
+from . import allreduce, checkpoint, engine, llama
 from .layers import linear
 
 # torch >= 2.12 names it all_gather_single; 2.11 (the GPU image) has only all_gather_tensor: the same traced op
@@ -55,9 +55,12 @@ class TP:
     rank: int
     world: int
     group: str
+    all_reduce_impl: str = "nccl"  # "symm": small messages one-shot through symmetric memory (examples/allreduce)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, dim], this rank's partial sum (its heads / MLP columns) -> the sum over ranks, on every rank
+        if self.all_reduce_impl == "symm":
+            return allreduce.symm_all_reduce(x, self.group)
         return funcol.all_reduce(x, "sum", self.group)
 
     def embed(self, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -80,9 +83,14 @@ def init(
     init_method: str = "env://",
     backend: str | None = None,
     timeout_s: float = 600,
+    all_reduce: str = "auto",
 ) -> TP:
     """Join (or create) the default process group -> this rank's TP. rank/world default to torchrun's RANK and
-    WORLD_SIZE; on CUDA each rank takes GPU LOCAL_RANK (else `rank`), NCCL, and gloo on CPU."""
+    WORLD_SIZE; on CUDA each rank takes GPU LOCAL_RANK (else `rank`), NCCL, and gloo on CPU.
+    all_reduce: "nccl" (functional collectives: NCCL, or gloo on CPU), "symm" (symmetric-memory one-shot for
+    small messages, NCCL above: examples/allreduce.py) or "auto" (symm on CUDA with torch's symmetric memory)."""
+    if all_reduce not in ("auto", "nccl", "symm"):
+        raise fgraph.FgraphError(f"tp.init: all_reduce={all_reduce!r}", "use 'auto', 'nccl' or 'symm'")
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
@@ -99,7 +107,21 @@ def init(
             timeout=timedelta(seconds=timeout_s),
             **kw,
         )
-    return TP(dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name)
+    group = dist.group.WORLD.group_name
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    if all_reduce == "auto":
+        all_reduce = "symm" if device.type == "cuda" and dist.get_world_size() > 1 and _has_symm_mem() else "nccl"
+    if all_reduce == "symm":
+        allreduce.setup(group, device)
+    return TP(dist.get_rank(), dist.get_world_size(), group, all_reduce)
+
+
+def _has_symm_mem() -> bool:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out")
 
 
 # ------------------------------------------------------------------------------------------------ sharding
@@ -219,9 +241,9 @@ def build(cfg: llama.LlamaConfig, params: llama.Params, tp: TP, verify: bool = T
 
 
 # ------------------------------------------------------------------------------------------------ processes
-def _rank_main(rank, fn, world, args, init_method, backend, result):
+def _rank_main(rank, fn, world, args, init_method, backend, result, all_reduce="auto"):
     torch.set_num_threads(max(1, torch.get_num_threads() // world))  # ranks share the host's cores
-    tp = init(rank, world, init_method, backend, timeout_s=600)
+    tp = init(rank, world, init_method, backend, timeout_s=600, all_reduce=all_reduce)
     try:
         out = fn(tp, *args)
         if rank == 0:
@@ -244,15 +266,15 @@ def _exit_cleanly():
     os._exit(0)
 
 
-def launch(fn, world: int, *args, timeout_s: float | None = None, backend: str | None = None):
+def launch(fn, world: int, *args, timeout_s: float | None = None, backend: str | None = None, all_reduce: str = "auto"):
     """Run `fn(tp, *args)` in `world` spawned processes, one per rank (fn: a module-level function); returns
-    rank 0's result. A rank's exception is re-raised here; past `timeout_s` every rank is killed (a rank stuck
-    in a collective never returns) and this raises."""
+    rank 0's result (all_reduce: as `init` takes it). A rank's exception is re-raised here; past `timeout_s`
+    every rank is killed (a rank stuck in a collective never returns) and this raises."""
     with tempfile.TemporaryDirectory() as d:
         result = os.path.join(d, "result.pkl")
         ctx = mp.start_processes(
             _rank_main,
-            args=(fn, world, args, f"file://{d}/store", backend, result),
+            args=(fn, world, args, f"file://{d}/store", backend, result, all_reduce),
             nprocs=world,
             join=False,
             start_method="spawn",

@@ -9,6 +9,7 @@ from ._jit import Jitted as Jitted
 from ._jit import config as config
 from ._jit import disable_jit as disable_jit
 from ._jit import jit as jit
+from ._modes import Mode as Mode
 from ._primitives import PlanCall as PlanCall
 from ._primitives import Primitive as Primitive
 from ._primitives import Support as Support
@@ -20,6 +21,5 @@ from ._signature import Aval as Aval
 from ._signature import Batched as Batched
 from ._signature import Signature as Signature
 from ._signature import default_buckets as default_buckets
-from ._split import Mode as Mode
 from ._split import Piece as Piece
 from ._split import Program as Program

@@ -11,12 +11,15 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from . import _graphs as G
 from . import _primitives as P
-from . import capture as C
+from ._buffers import InputBuffers
 from ._errors import SignatureError
+from ._inductor import Compiled
+from ._modes import Mode, resolve_mode
 from ._pytree import unflattener
 from ._signature import Signature, aval_of, path_str
-from ._split import Mode, Program, breaks_filter, resolve_mode, split
+from ._split import Program, breaks_filter, split
 from ._trace import check, trace
 
 
@@ -139,8 +142,14 @@ class Entry:
         self.stats.traces = int(new_trace)
         self.program, self.mode, self.reason = traced.program, traced.mode, traced.reason
         self.module = _own_top_level(traced.program.module)
-        for k in ("tensor_ix", "paths", "batched_ix", "address_ix", "out_spec", "out_args", "out_passthrough", "plans"):
-            setattr(self, k, getattr(traced, k))
+        self.tensor_ix = traced.tensor_ix
+        self.paths = traced.paths
+        self.batched_ix = traced.batched_ix
+        self.address_ix = traced.address_ix
+        self.out_spec = traced.out_spec
+        self.out_args = traced.out_args
+        self.out_passthrough = traced.out_passthrough
+        self.plans = traced.plans
         self.out_recipe = getattr(traced, "out_recipe", None)
         self.unflatten = unflattener(self.out_spec)
         # outputs that are inputs handed back, minus those inside a folded argument (the caller's own object is
@@ -242,12 +251,12 @@ class Entry:
         With `compile` (Inductor config options; {}: the defaults), Inductor compiles each graph piece first
         (fusing norms, RoPE, activations, residuals); breaks stay as they are. inputs_in_graph (FULL): the graph
         itself copies the batched inputs in (InputBuffers.copy_in_graph)."""
-        t0, mem0 = time.perf_counter(), C.pool_bytes(self.device)
+        t0, mem0 = time.perf_counter(), G.pool_bytes(self.device)
         if compile is not None:
             for piece in self.program.pieces:
                 if not piece.is_break:
                     setattr(self.module, piece.name, Compiled(piece.module, compile))
-        self.buffers = C.InputBuffers(
+        self.buffers = InputBuffers(
             [(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix], self.device
         )
         host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
@@ -268,7 +277,7 @@ class Entry:
             self.traced.warmed = self.traced.warmed or warmups > 0
             if self.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            Graph = C.graph_class(self.device)
+            Graph = G.graph_class(self.device)
             if self.mode is Mode.PIECEWISE:
                 pieces = self.program.pieces
                 runners = [
@@ -293,7 +302,7 @@ class Entry:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
-        self.pool_bytes = C.pool_bytes(self.device) - mem0
+        self.pool_bytes = G.pool_bytes(self.device) - mem0
 
 
 def _after(first: Callable[[], None], fn: Callable) -> Callable:
@@ -325,63 +334,6 @@ def _fold_arguments(out: tuple, out_args: dict[int, str]):
         recipe.extend([out_args[k]] if k in out_args else range(base, base + n))
         base += n
     return recipe, pytree.tree_flatten(tuple(None if k in out_args else o for k, o in enumerate(out)))[1]
-
-
-class Compiled(torch.nn.Module):
-    """A graph piece compiled by Inductor on its first call (for the shapes of that call: one signature)."""
-
-    def __init__(self, module: fx.GraphModule, options: dict):
-        super().__init__()
-        self.module, self.options, self.fn = module, options, None
-
-    def forward(self, *args):
-        if self.fn is None:
-            from torch._inductor import config
-            from torch._inductor.compile_fx import compile_fx
-
-            with config.patch({**self.options, "post_grad_custom_post_pass": _residual_adds_out_of_gemms()}):
-                self.fn = compile_fx(self.module, list(args))
-        return self.fn(*args)
-
-
-def _residual_adds_out_of_gemms():
-    """An Inductor post-grad pass for the pieces. Inductor folds `x + a @ b` into addmm(x, a, b) when the sum
-    has a non-pointwise user, and a piece's residual stream always has one: the piece's output (the next piece's
-    input, across a break). cuBLAS's addmm then first copies x into its output: a device copy per residual add,
-    2 per layer (46 copies, ~4 % of a 0.5B decode step on the H200), which torch.compile of the whole step, having
-    no boundary there, does not make. Undone here for full-size addends (biases keep their GEMM epilogue): a plain
-    mm, and the add as a pointwise op Inductor fuses into the neighbouring norm kernel."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    aten = torch.ops.aten
-
-    class ResidualAddsOutOfGemms(CustomGraphPass):
-        def __call__(self, graph: fx.Graph) -> None:
-            for node in list(graph.nodes):
-                if node.op != "call_function" or node.target is not aten.addmm.default or len(node.args) != 3:
-                    continue
-                inp, a, b = node.args
-                val = node.meta.get("val")
-                if (
-                    node.kwargs.get("beta", 1) != 1
-                    or node.kwargs.get("alpha", 1) != 1
-                    or val is None
-                    or not isinstance(inp, fx.Node)
-                    or getattr(inp.meta.get("val"), "shape", None) != val.shape
-                ):
-                    continue
-                with graph.inserting_before(node):
-                    mm = graph.call_function(aten.mm.default, (a, b))
-                    add = graph.call_function(aten.add.Tensor, (inp, mm))
-                mm.meta.update(node.meta)
-                add.meta.update(node.meta)
-                node.replace_all_uses_with(add)
-                graph.erase_node(node)
-
-        def uuid(self):
-            return "fgraph.residual_adds_out_of_gemms.v1"
-
-    return ResidualAddsOutOfGemms()
 
 
 class PieceRunner(torch.nn.Module):

@@ -1,14 +1,18 @@
-"""One error base class; every message says what, where (function, key path, line) and one fix."""
+"""One error base class; every message says what, where (function, key path, line), one fix, and its docs page."""
 
 from __future__ import annotations
 
 
 class FgraphError(Exception):
-    """Base of fgraph's errors. `str(e)` = what went wrong, then 'Fix: ...'."""
+    """Base of fgraph's errors. `str(e)` = what went wrong, then 'Fix: ...', then 'See: docs/errors.md#<class>'.
+
+    A new subclass needs a section of its own in docs/errors.md, headed by its name (the anchor is the class name
+    in lower case)."""
 
     def __init__(self, what: str, fix: str | None = None):
         self.what, self.fix = what, fix
-        super().__init__(what + (f"\nFix: {fix}" if fix else ""))
+        see = f"\nSee: docs/errors.md#{type(self).__name__.lower()}"
+        super().__init__(what + (f"\nFix: {fix}" if fix else "") + see)
 
 
 class TraceError(FgraphError):

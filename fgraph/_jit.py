@@ -15,13 +15,14 @@ from collections.abc import Callable
 import torch
 import torch.utils._pytree as pytree
 
+from . import _graphs as G
 from . import _primitives as P
-from . import capture as C
 from ._entry import Call, Entry, Stats, Traced, _device_of
 from ._errors import SignatureError
+from ._inductor import inductor_options
+from ._modes import Mode
 from ._pytree import check_static_fields, flatten_with_paths, flattener
 from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
-from ._split import Mode
 
 log = logging.getLogger("fgraph")
 
@@ -32,8 +33,8 @@ class config:
     explain_cache_misses = False  # log, for each new signature, the closest previous one and what differs
     log_captures = False  # log every graph captured
     # FULL graphs copy their batched inputs in themselves (InputBuffers.copy_in_graph): a call pads into pinned
-    # memory and replays, with no copy or event of its own (H200, FA2 B=1: 237 -> 178 us entry -> return; FlashInfer's
-    # plan hook 159 -> 81 us; benchmarks/NOTES.md, session 6). False: each call copies its inputs and records an event.
+    # memory and replays, with no copy or event of its own: two CUDA calls fewer per call, tens of us of host time
+    # each on a busy GPU (docs/performance.md). False: each call copies its inputs and records an event.
     inputs_in_graph = True
 
 
@@ -81,7 +82,9 @@ class Jitted:
                         f"{self.name}{self.signature}",
                         f"use one of {list(params)}",
                     )
-        self.static, self.donate, self.batch = tuple(static), tuple(donate), dict(batch or {})
+        self.static = tuple(static)
+        self.donate = tuple(donate)
+        self.batch = dict(batch or {})
         self.buckets = tuple(sorted(buckets)) if buckets is not None else default_buckets()
         try:
             self.mode = Mode(mode.upper() if isinstance(mode, str) else mode)
@@ -95,18 +98,31 @@ class Jitted:
                 f"fgraph.jit({self.name}): breaks= names unknown primitives {unknown}",
                 f"registered primitives are {sorted(P.registry)}",
             )
-        self.breaks, self.strict, self.copy_outputs = breaks, strict, copy_outputs
-        self.routine, self.warmups, self.compile = routine, warmups, _inductor_options(self.name, compile)
+        self.breaks = breaks
+        self.strict = strict
+        self.copy_outputs = copy_outputs
+        self.routine = routine
+        self.warmups = warmups
+        self.compile = inductor_options(self.name, compile)
         self.entries: dict[Signature, Entry] = {}
-        self._names, self._defaults = list(params), {k: p.default for k, p in params.items()}
+        self._names = list(params)
+        self._defaults = {k: p.default for k, p in params.items()}
         self._static_sorted = tuple(sorted(self.static))
         # bound -> the statics tuple, in one C call (itemgetter returns a bare value for a single name)
         get = operator.itemgetter(*self._static_sorted) if self._static_sorted else (lambda b: ())
         self._statics_of = get if len(self._static_sorted) != 1 else (lambda b, g=get: (g(b),))
         self._dynamic = [k for k in params if k not in self.static]
-        self._flat, self._specs, self._readers, self._fast = {}, {}, {}, {}  # the fast path's caches (_fast_call)
+        # the fast path's caches (_fast_call): per argument, its flat layout by container identity; per batched
+        # argument and structure, its reader; per (statics, bucket, layouts), the entry
+        self._flat: dict[str, tuple] = {}
+        self._specs: dict[tuple, Callable] = {}
+        self._readers: dict[str, list[Callable]] = {}
+        self._fast: dict[tuple, Entry] = {}
         self._traces: dict[tuple, list] = {}  # (statics, structure, non-batch shapes) -> traces
-        self.sealed, self.pool, self.fallbacks, self._logged = False, None, {"unseen": 0, "oversize": 0}, set()
+        self.sealed = False  # capture() ran: unseen signatures run eagerly (or raise with strict) from now on
+        self.pool = None
+        self.fallbacks = {"unseen": 0, "oversize": 0}
+        self._logged: set = set()  # warnings already logged once
         self._retired: list[Entry] = []
         functools.update_wrapper(self, fn)
 
@@ -291,7 +307,7 @@ class Jitted:
 
     def _pool(self, device):
         if self.pool is None:
-            self.pool = C.new_pool(device)
+            self.pool = G.new_pool(device)
         return self.pool
 
     def _new_entry(self, call: Call) -> Entry:
@@ -372,7 +388,7 @@ class Jitted:
                     entry = self._new_entry(call)
                     if device is None:
                         device = entry.device
-                        stack.enter_context(C.capture_session(device))
+                        stack.enter_context(G.capture_session(device))
                     self._capture(entry, call)
                     graphs += len(entry.graphs)
                 bar.close()
@@ -446,29 +462,6 @@ class _Key:
 
     def __eq__(self, other):
         return self is other or (isinstance(other, _Key) and self.hash == other.hash and self.key == other.key)
-
-
-def _inductor_options(fname: str, compile) -> dict | None:
-    """jit(compile=...) -> None (no Inductor) or the Inductor config options to compile the pieces under."""
-    if compile is False or compile is None:
-        return None
-    if compile is True:
-        return {}
-    if not isinstance(compile, dict):
-        raise SignatureError(
-            f"fgraph.jit({fname}): compile={compile!r} is neither a bool nor a dict of Inductor options",
-            "pass compile=True, or e.g. compile={'coordinate_descent_tuning': True}",
-        )
-    from torch._inductor import config as inductor_config
-
-    unknown = [k for k in compile if not isinstance(k, str) or not hasattr(inductor_config, k)]
-    if unknown:
-        raise SignatureError(
-            f"fgraph.jit({fname}): compile= names {unknown}, which are not Inductor config "
-            "options (torch._inductor.config)",
-            "check the spelling against torch._inductor.list_options()",
-        )
-    return dict(compile)
 
 
 def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], Jitted]:

@@ -1,4 +1,4 @@
-"""Split a trace at its break nodes into pieces, and resolve each signature's capture mode.
+"""Split a trace at its break nodes into pieces: the program that PIECEWISE captures piece by piece.
 
 The split keeps the original node order (mutations make reordering unsafe, as vLLM notes) and keeps
 consecutive breaks, and the getitems of a break's results, together with that break.
@@ -7,7 +7,6 @@ consecutive breaks, and the getitems of a break's results, together with that br
 from __future__ import annotations
 
 import collections
-import enum
 import operator
 from typing import NamedTuple
 
@@ -16,23 +15,6 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from . import _primitives as P
-from ._errors import CaptureError
-
-
-class Mode(enum.Enum):
-    NONE = "NONE"  # no graphs
-    PIECEWISE = "PIECEWISE"  # pieces captured, breaks eager between replays
-    FULL = "FULL"  # the whole step one graph, breaks included
-    FULL_DECODE_ONLY = "FULL_DECODE_ONLY"  # FULL for decode, NONE for mixed
-    FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"  # FULL for decode, PIECEWISE for mixed
-
-    def for_routine(self, decode: bool) -> Mode:
-        """The runtime mode (NONE, PIECEWISE or FULL) asked for a routine."""
-        if self is Mode.FULL_DECODE_ONLY:
-            return Mode.FULL if decode else Mode.NONE
-        if self is Mode.FULL_AND_PIECEWISE:
-            return Mode.FULL if decode else Mode.PIECEWISE
-        return self
 
 
 class Piece(NamedTuple):
@@ -124,38 +106,6 @@ def breaks_filter(breaks: list[str] | None):
         return p is not None and (breaks is None or p.name in breaks)
 
     return is_break
-
-
-def resolve_mode(fname: str, requested: Mode, decode: bool, gm: fx.GraphModule, is_break) -> tuple[Mode, str]:
-    """requested mode -> effective runtime mode for one signature, limited by the weakest break's support.
-
-    Full graphs need every break at ALWAYS (UNIFORM_DECODE suffices for decode signatures); otherwise the
-    signature runs its piecewise program, which the full graph was wrapped around anyway. A primitive that is
-    not a break sits inside a captured piece, so it must meet that bar in every graphed mode: else an error.
-    """
-    want = requested.for_routine(decode)
-    need = P.Support.UNIFORM_DECODE if decode else P.Support.ALWAYS
-    weakest = None
-    for node in gm.graph.nodes:
-        p = P.primitive_of(node)
-        if p is None:
-            continue
-        level, why = P.support_of(node)
-        if not is_break(node):
-            if want is not Mode.NONE and level < need:
-                raise CaptureError(
-                    f"fgraph.jit({fname}): primitive {p.name!r} ({why}; support {level.name}) is not in "
-                    f"breaks=, so it would run inside a {want.name} CUDA graph",
-                    f"add {p.name!r} to breaks=[...] (or leave breaks=None), or use mode='NONE'",
-                )
-            continue
-        if weakest is None or level < weakest[0]:
-            weakest = (level, why, p.name)
-    if want is Mode.FULL and weakest is not None and weakest[0] < need:
-        return Mode.PIECEWISE, (f"FULL requested -> PIECEWISE ({weakest[1]}; {weakest[2]} supports {weakest[0].name})")
-    if want is requested:
-        return want, f"{requested.name} requested"
-    return want, f"{requested.name} requested -> {want.name} for the {'decode' if decode else 'mixed'} routine"
 
 
 def op_summary(ops: tuple[str, ...], k: int = 4) -> str:

@@ -13,6 +13,8 @@
 #   smoke     CPU check of decode_bench, serve_bench and summarize (tiny preset; no GPU, no .gpu needed)
 # Extra arguments after PART go to the benchmark (e.g. grid8b --peers eager graph: no torch.compile).
 # Then, on the machine holding the fetched results:  python3 -m benchmarks.summarize RESULTS_DIR [...]
+# Without $OUT, parts write to benchmarks/results/PART/, which git ignores: a run to publish replaces
+# benchmarks/results/latest/ (with a RUNS.md of its commands; see the README's Contributing section).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:?usage: bash scripts/bench_all.sh grid05|grid8b|serve|inductor|attention|smoke}"

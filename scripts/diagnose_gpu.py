@@ -106,7 +106,7 @@ def stages(cfg, params):
     by the call: one H2D copy and an event); plan = execution token + plan hooks up to the replay; replay =
     CUDAGraph.replay; outputs = the rest (slice, unflatten, return). Per cell, two jits of the same step:
     fgraph.config.inputs_in_graph off (the call copies its inputs) and on (the graph does), called in alternating
-    rounds of STAGES_CALLS (default 50) for STAGES_ROUNDS rounds (default 6): session 6's two runs of off-then-on
+    rounds of STAGES_CALLS (default 50) for STAGES_ROUNDS rounds (default 6): two runs of off-then-on
     disagreed, the host drifting within the process, and alternation bills that drift to both alike.
     STAGES_WAIT=spin waits for each call by polling an event instead of torch.cuda.synchronize(): whether a call
     after a blocking wait (a VM's vCPU that slept) is what makes dispatch 30-60 us there against ~5 us back to back."""
@@ -307,7 +307,7 @@ def kernels(cfg, params):
 
 def pool(cfg, params):
     """Capture cost (benchmarks.decode_bench.capture_cost, FA2) with attention() as it is, then with k/v made
-    contiguous in the traced program (the attention() of session 3: an N == 1 guard, 4 traces): pool and time."""
+    contiguous in the traced program (an attention() with an N == 1 guard made 4 traces): pool and time."""
     import argparse
 
     from benchmarks.decode_bench import capture_cost
@@ -334,19 +334,19 @@ def inductor(cfg, params):
     """How far Inductor-compiled steps are from the eager step (bf16, FA2, 7 sequences at position 300, both
     routines): fgraph FULL+C with and without its residual-add pass, and torch.compile of the same step, each as
     max |d| / max |logit| and argmax agreement (the scale tests/test_models_gpu.py's FULL+C tolerance is set by)."""
-    from fgraph import _entry
+    from fgraph import _inductor
 
     ps = A.page_size_for("flash_attn")
     batch, pages = decode_batch(cfg.vocab_size, 7, 300, ps, 1024)
     g = torch.Generator(device=DEV).manual_seed(0)
     step = llama.make_step(cfg, backend="flash_attn", max_seq_len=1024)
     comp = torch.compile(step, fullgraph=True, dynamic=False)
-    real_pass = _entry._residual_adds_out_of_gemms
+    real_pass = _inductor._residual_adds_out_of_gemms
     for label in ("FULL+C", "FULL+C without the pass", "torch.compile", "FULL"):
         cache = llama.init_cache(cfg, pages + 1, ps, torch.bfloat16, DEV)
         for t in [*cache.k, *cache.v]:
             t.normal_(generator=g)
-        _entry._residual_adds_out_of_gemms = real_pass if label == "FULL+C" else (lambda: None)
+        _inductor._residual_adds_out_of_gemms = real_pass if label == "FULL+C" else (lambda: None)
         f = make_jitted(cfg, "flash_attn", label.split()[0] if label != "torch.compile" else "FULL", 1024, [8])
         for routine in ("decode", "mixed"):
             want = step(params, cache, on_device(batch, DEV), routine)[0].float()
@@ -358,7 +358,7 @@ def inductor(cfg, params):
             err = ((got - want).abs().max() / want.abs().max()).item()
             agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
             say(f"{label:26s} {routine:6s}: max |d| / max |logit| = {err:.2e}, argmax agreement {agree:.2f}")
-    _entry._residual_adds_out_of_gemms = real_pass
+    _inductor._residual_adds_out_of_gemms = real_pass
 
 
 def gemv(_cfg, _params):
@@ -493,7 +493,7 @@ def moe(_cfg, _params):
 
 
 def fa2out(cfg, params):
-    """FA2 attention writing into the break's `out` (now) against session 7's path (flash_attn's public functions,
+    """FA2 attention writing into the break's `out` (now) against the earlier path (flash_attn's public functions,
     then out.copy_), one process: two FULL+C jits per B (ctx 1k), GPU ms per step timed in alternating rounds, and
     the largest logit difference between them (the same kernels: expected 0)."""
     from benchmarks.common import gpu_ms

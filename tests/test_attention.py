@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
 from fgraph import Support, _trace
-from fgraph import capture as C
+from fgraph import _graphs as C
 from fgraph._primitives import support_rules
 from fgraph.ops import _attn_flash
 from fgraph.ops import _attn_flashinfer as FI
@@ -565,7 +565,7 @@ def test_flashinfer_decode_wrappers_are_never_made_inside_a_graph_capture(fake_f
     """Two models in one process (float32, then float64: two wrapper configurations of the same page size and scale),
     FULL decode, two buckets each: every decode wrapper a graph records is made by the plan hook before its capture,
     never inside it, where flashinfer could not plan it (the eager oracle makes its own, outside any graph). The
-    H200 found the hook calling a bucket ready when its only wrapper was the other model's (session 7)."""
+    H200 found the hook calling a bucket ready when its only wrapper was the other model's."""
     births = decode_wrapper_births(fake_flashinfer, monkeypatch)
     spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
     for dtype in (torch.float32, torch.float64):

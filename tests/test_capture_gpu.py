@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fgraph
-from fgraph.capture import CudaGraph
+from fgraph._graphs import CudaGraph
 from tests import toys
 from tests.toys import jitted, step
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
-DEADLINE_S = 50  # the whole test, spawn included; the process group times out before this
+DEADLINE_S = 120  # the whole test, spawn included; the process group times out before this
 
 
 def _checks(rank, world):

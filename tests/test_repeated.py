@@ -100,7 +100,7 @@ def test_outside_tracing_it_is_a_plain_call():
 def test_torch_compile_of_a_model_that_decorates_its_layers_inside_is_one_graph():
     """torch.compile(fullgraph=True) of the example step, which applies fgraph.repeated inside its forward: dynamo
     sees the plain layer (the decorator steps aside while dynamo traces), so the torch.compile peer of the
-    benchmarks compiles the very function fgraph jits. (The H200 run of session 7 found dynamo failing on the
+    benchmarks compiles the very function fgraph jits. (An H200 run found dynamo failing on the
     decorator's repr.)"""
     from benchmarks.common import decode_batch
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import fgraph
-from examples import checkpoint, engine, generate, llama, tp
+from examples import allreduce, checkpoint, engine, generate, llama, tp
 from fgraph.ops import attention as A
 
 WORLD = 2
-DEADLINE_S = 55  # the whole 2-process test, spawn included
+DEADLINE_S = 150  # the whole 2-process test, spawn included (a hang fails; a busy 2-core host does not)
 SHAPES = {  # head_dim 16, 2 layers: small enough that tracing dominates
     "gqa-split-kv-odd-vocab": dict(
         dim=64,
@@ -85,6 +85,9 @@ def greedy(build, *a, **kw):
 
 
 def _checks(t: tp.TP, hf_dir: str | None):
+    assert t.all_reduce_impl == "nccl"  # "auto" on CPU: gloo's functional collectives, as before
+    with pytest.raises(fgraph.FgraphError, match="needs CUDA devices"):
+        allreduce.setup(t.group, torch.device("cpu"))
     close = dict(rtol=0, atol=1e-5)  # measured: 3.4e-6 on logits up to 4.8 (reduction order)
     for name, shape in SHAPES.items():
         cfg = llama.LlamaConfig(**shape)
@@ -159,6 +162,20 @@ def test_tp2_matches_tp1_over_gloo(tmp_path):
         hf_dir = str(tmp_path / "hf")
         make_hf("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False), hf_dir)
     assert tp.launch(_checks, WORLD, hf_dir, timeout_s=DEADLINE_S) == "ok"
+
+
+def test_symm_all_reduce_traces_as_one_op_inside_the_pieces():
+    """The symmetric-memory all-reduce is an ordinary op of the trace (a fake rule, no break): fgraph keeps it
+    inside the captured pieces and FULL graphs like NCCL's functional all-reduce (the H200 lane runs it)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    t = tp.TP(0, 2, "g", "symm")
+    gm = make_fx(lambda x: t.all_reduce(x @ x.T), tracing_mode="fake")(torch.randn(4, 8))
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_function" and "symm_all_reduce" in str(n.target)]
+    assert tuple(node.meta["val"].shape) == (4, 4) and node.args[1] == "g"
+    assert not allreduce.one_shot(16, "g")  # no workspace for the group: every message goes through NCCL
+    with pytest.raises(fgraph.FgraphError, match="all_reduce='bogus'"):
+        tp.init(all_reduce="bogus")
 
 
 def test_shards_reassemble_and_uneven_splits_fail():

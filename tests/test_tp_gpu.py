@@ -60,6 +60,7 @@ def _tokens_per_mode(t, dtype_name: str, backend: str, with_tp1: bool):
     mine = tp.shard_params(full, cfg, t)
     del full
     torch.cuda.empty_cache()
+    out["impl"] = t.all_reduce_impl
     for mode in MODES:
         out[mode] = generate_all(tp.build, cfg, mine, t, backend=backend, mode=mode)
     return out
@@ -77,6 +78,7 @@ def test_tp2_greedy_tokens_equal_tp1_in_every_mode_fp32():
     from examples import tp
 
     got = tp.launch(_tokens_per_mode, 2, "float32", "torch", True, timeout_s=DEADLINE_S)
+    assert got["impl"] == "symm"  # the default on GPUs: the symmetric-memory all-reduce is what is compared
     assert len({tuple(t) for t in got["tp1"]}) > 1  # outputs vary with the prompt: the comparison means something
     for mode in MODES:
         diff = first_difference(got["tp1"], got[mode])
@@ -88,9 +90,49 @@ def test_tp2_captured_equals_tp2_eager_bf16():
     from fgraph.ops import attention as A
 
     got = tp.launch(_tokens_per_mode, 2, "bfloat16", A.resolve_backend("auto", "cuda"), False, timeout_s=DEADLINE_S)
+    assert got["impl"] == "symm"
     for mode in MODES[1:]:
         diff = first_difference(got["eager"], got[mode])
         assert diff is None, f"TP=2 {mode} vs TP=2 eager (bfloat16): {diff}"
+
+
+def _all_reduce_cases(t):
+    """Rank side: the symm all-reduce against NCCL's, for messages on both sides of the one-shot limit, called
+    eagerly and replayed from a CUDA graph on a new value at the captured address."""
+    import attrs
+
+    from examples import allreduce
+
+    nccl = attrs.evolve(t, all_reduce_impl="nccl")
+    out = []
+    sizes = [(1, torch.bfloat16), (7, torch.float32), (896, torch.bfloat16), (64 * 4096, torch.bfloat16)]
+    sizes.append((allreduce.ONE_SHOT_MAX_BYTES // 2 + 8, torch.bfloat16))  # past the workspace: NCCL
+    for n, dtype in sizes:
+        g = torch.Generator(device="cuda").manual_seed(n + t.rank)
+        x = torch.randn(n, device="cuda", generator=g).to(dtype)
+        eager = t.all_reduce(x)
+        want = nccl.all_reduce(x).clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = t.all_reduce(x)
+        x.mul_(3)
+        graph.replay()
+        want_new = nccl.all_reduce(x).clone()
+        one_shot = allreduce.one_shot(x.numel() * x.element_size(), t.group)
+        out.append((n, one_shot, torch.equal(eager, want), torch.equal(replayed, want_new)))
+    torch.cuda.synchronize()
+    return out
+
+
+def test_symm_all_reduce_equals_nccl_eager_and_in_a_graph():
+    from examples import tp
+
+    got = tp.launch(_all_reduce_cases, 2, timeout_s=DEADLINE_S, all_reduce="symm")
+    # one-shot for messages of whole 16-byte vectors that fit the workspace; the rest go through NCCL
+    assert [one for _, one, _, _ in got] == [False, False, True, True, False]
+    for n, _, eager_ok, graph_ok in got:
+        assert eager_ok, f"symm all-reduce of {n} elements != NCCL's"
+        assert graph_ok, f"symm all-reduce of {n} elements replayed in a CUDA graph != NCCL's on the new input"
 
 
 def test_tp_bench_prints_latency_table():

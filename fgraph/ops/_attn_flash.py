@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from fgraph._primitives import once_per_execution
+from fgraph.ops import once_per_execution
 from fgraph.ops._attn_torch import write_kv
 
 MAX_SPLITS = 128  # flash-attn's limit

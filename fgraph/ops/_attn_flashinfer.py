@@ -21,17 +21,17 @@ shared device buffers once (one pinned non-blocking copy), then, per decode wrap
     fast_decode_plan call (_ModulePlan): the C++ DecodePlan/PrefillPlan (a few us) plus FFI argument passing;
   - the first plan goes through flashinfer's plan(), the second through fast_decode_plan (recorded); where a
     flashinfer lacks fast_decode_plan or the recording cannot be matched, every plan keeps that API path.
-Measured before this path (H200 host, fast_decode_plan every step): 164-202 us at batch 1-256, stock plan()
-67/90/239/718 us at 1/8/64/256. benchmarks/attention_bench.py (plan_step_us, plan_skip_us) measures it now.
+The stock plan() costs tens to hundreds of us of host time per step, growing with the batch;
+benchmarks/attention_bench.py (plan_step_us, plan_skip_us) measures both paths.
 
 Freshness. All layers of one step share one plan. The eager rule treats the plan as current when the hook made
-it for the execution in progress (`fgraph._primitives.executing()`: fgraph sets a token around each execution
+it for the execution in progress (`fgraph.ops.executing()`: fgraph sets a token around each execution
 of a signature), or, for a direct call outside fgraph, when the plan was made by hand (A.plan_attention) and
 not used yet, or when it gets the very tensors (same objects, same version counter) its plan was made or
 first used for (the later layers of the step). Anything else, e.g. the model called directly outside fgraph.jit,
-re-plans from the device tensors (a host sync, refused during capture). (Before the token, a plan the hook
-made for one jitted call was taken as current by the next eager call of another model in the process: wrong
-attention, and an illegal address when its page tables were smaller: the H200 run of 2026-11-29.)
+re-plans from the device tensors (a host sync, refused during capture). Without the token, a plan the hook
+made for one jitted call would be taken as current by the next eager call of another model in the process:
+wrong attention, or an illegal address when that model's page tables are smaller.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ import weakref
 import attrs
 import torch
 
-from fgraph._errors import FgraphError
-from fgraph._primitives import executing
+from fgraph.ops import FgraphError, executing
 from fgraph.ops._attn_torch import write_kv
 from fgraph.ops._flashinfer_buffers import HostPlan, _DecodeBuffers, host_plan
 
@@ -177,9 +176,8 @@ class _Wrapper:
             self.bufs.upload(host, gen)
         if _tensor_cores(self.cfg[0], self.cfg[1]) and not TENSOR_CORE_PLAN_PATHS:
             # The switch off: tensor-core wrappers (their decode plans with the prefill scheduler) re-plan every step
-            # through flashinfer's own entry points. Their skip / direct-module paths once met an illegal address on
-            # the H200; the cause proved to be the plan-freshness leak (fixed), and the models with these paths on
-            # equal eager on the H200 (2026-11-29, session 3): on by default since.
+            # through flashinfer's own entry points (a fallback kept for diagnosis; the skip / direct-module paths
+            # are the default and tested against eager on the GPU).
             self.replay = False
             self._plan_decode_api(host)
             return
@@ -229,7 +227,7 @@ class _State:
 
     gen: int
     host: HostPlan
-    token: object | None  # the execution the hook planned it for (fgraph._primitives.executing())
+    token: object | None  # the execution the hook planned it for (fgraph.ops.executing())
     ident: tuple | None  # (weakref, version) of (query_start_loc, seq_lens, block_table) it was used with
 
 

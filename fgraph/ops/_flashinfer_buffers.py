@@ -9,8 +9,8 @@ import attrs
 import numpy as np  # a flashinfer dependency
 import torch
 
-from fgraph._errors import FgraphError
-from fgraph.capture import DoneEvent
+from fgraph._buffers import DoneEvent
+from fgraph.ops import FgraphError
 
 
 # ------------------------------------------------------------------------------------------- host metadata

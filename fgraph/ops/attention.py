@@ -43,10 +43,8 @@ import attrs
 import numpy as np
 import torch
 
-from fgraph._errors import FgraphError
-from fgraph._primitives import PlanCall, Support, primitive
-from fgraph._pytree import register
-from fgraph._signature import Batched
+from fgraph import register
+from fgraph.ops import Batched, FgraphError, PlanCall, Support, primitive
 
 BACKENDS = ("torch", "flash_attn", "flashinfer")
 ROUTINES = ("decode", "mixed")

@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fgraph._errors import FgraphError
-from fgraph._primitives import Support, primitive
-from fgraph._pytree import field, register
+from fgraph import field, register
+from fgraph.ops import FgraphError, Support, primitive
 
 BACKENDS = ("local", "allgather", "all2all")
 SCORINGS = ("softmax", "sigmoid")

@@ -1,0 +1,115 @@
+"""Graphs: record a callable once and replay it, in a memory pool shared by a jitted function's graphs.
+
+CUDA graphs on the GPU; on the CPU a stand-in with the same contract (static inputs, outputs overwritten in
+place by every replay), so CPU tests drive the same dispatch path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+class CudaGraph:
+    """One torch.cuda.CUDAGraph in a pool shared by every graph of a jitted function."""
+
+    def __init__(self, pool):
+        self.graph, self.pool, self.out, self.uses = torch.cuda.CUDAGraph(), pool, None, ()
+
+    def weaken(self) -> None:
+        """Stop owning the outputs (after the signature's capture). Their pool blocks go back to the pool, so the
+        next signature captured reuses them: the pool holds about one signature's outputs, not the sum over all
+        (vLLM's weak_ref_tensors, Inductor's cudagraph trees). A replay still writes there, so outputs stay valid
+        until the next call of the function, which may replay another signature over the same memory."""
+        self.out = pytree.tree_map(_weak, self.out)
+        self.uses = self._uses()
+
+    def _uses(self) -> list[tuple[int, int]]:
+        # per output: views of its memory (storage use count) and references to the tensor itself (a call whose
+        # N is the bucket hands out the very tensor, no view)
+        return [(_uses(t), sys.getrefcount(t)) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)]
+
+    def in_use(self) -> bool:
+        """Does anyone besides this graph hold its outputs or views of them? (then its pool must outlive a reset)"""
+        return any(a[0] > b[0] or a[1] > b[1] for a, b in zip(self._uses(), self.uses))
+
+    def capture(self, fn: Callable, *args) -> Any:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.out = fn(*args)
+        return self.out
+
+    def replay(self) -> Any:
+        self.graph.replay()
+        return self.out
+
+
+def _weak(t):
+    """The same tensor, over memory it does not own (nothing frees it when the last view goes)."""
+    if not isinstance(t, torch.Tensor) or not t.is_cuda:
+        return t
+    st = t.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
+    return torch.empty((), dtype=t.dtype, device=t.device).set_(weak, t.storage_offset(), t.size(), t.stride())
+
+
+def _uses(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class HostGraph:
+    """The CPU stand-in: replay reruns `fn` on the captured arguments and writes into the captured outputs,
+    which reproduces a CUDA graph's observable behaviour (stable input and output addresses)."""
+
+    def __init__(self, pool=None):
+        self.fn, self.args, self.out = None, (), None
+
+    def weaken(self) -> None:  # host memory is not pooled: outputs stay owned, per graph
+        pass
+
+    def in_use(self) -> bool:
+        return False
+
+    def capture(self, fn: Callable, *args) -> Any:
+        self.fn, self.args = fn, args
+        self.out = fn(*args)
+        return self.out
+
+    def replay(self) -> Any:
+        new = self.fn(*self.args)
+        for old, fresh in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(new)):
+            if isinstance(old, torch.Tensor) and old is not fresh:
+                old.copy_(fresh)
+        return self.out
+
+
+def graph_class(device: str):
+    return CudaGraph if device.startswith("cuda") else HostGraph
+
+
+def new_pool(device: str):
+    return torch.cuda.graph_pool_handle() if device.startswith("cuda") else None
+
+
+@contextlib.contextmanager
+def capture_session(device: str):
+    """Freeze the GC for the whole capture: torch.cuda.graph collects and empties the cache on every entry,
+    which made capturing one graph per piece slow in vLLM; one collection up front is enough."""
+    gc.collect()
+    gc.freeze()
+    collect, empty = gc.collect, torch.cuda.empty_cache
+    gc.collect, torch.cuda.empty_cache = (lambda *a, **k: 0), (lambda: None)
+    try:
+        yield
+    finally:
+        gc.collect, torch.cuda.empty_cache = collect, empty
+        gc.unfreeze()
+
+
+def pool_bytes(device: str) -> int:
+    return torch.cuda.memory_reserved(device) if device.startswith("cuda") else 0
