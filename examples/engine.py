@@ -340,8 +340,7 @@ class Engine:
             if r.computed == r.length:
                 rows.append(offset - 1)
                 ready.append(r)
-        for r in ready:
-            r.output.append(PENDING)
+                r.output.append(PENDING)
         self._did(lambda: self._unaccount(plan, ready))
         for r in ready:
             if len(r.output) == r.max_new_tokens:
