@@ -268,6 +268,12 @@ def check_layout(ts: Tensors, cfg: LlamaConfig, arch: str, path: str) -> None:
             f"{path}: num_hidden_layers={cfg.n_layers}, the weights have layers 0..{max(layers)}",
             "use the config.json saved with these weights",
         )
+    experts = next((n for n in ts.files if ".experts." in n), None)
+    if experts is not None and type(cfg) is LlamaConfig:
+        raise CheckpointError(
+            f"{path}: architecture {arch} is dense, but the weights hold MoE experts ({experts!r})",
+            'set "architectures" to the MoE model the weights are (Qwen2MoeForCausalLM, MixtralForCausalLM)',
+        )
     bias = "model.layers.0.self_attn.q_proj.bias"
     if (bias in ts) != cfg.qkv_bias:
         raise CheckpointError(

@@ -98,6 +98,12 @@ CASES = {  # name: (corrupt the directory, the error's message must match)
         lambda d: config(d, architectures=["LlamaForCausalLM"], model_type="llama"),
         r"LlamaForCausalLM has no q/k/v biases, but the weights have 'model\.layers\.0\.self_attn\.q_proj\.bias'",
     ),
+    "moe-weights-labelled-dense": (
+        lambda d: edit(
+            d, lambda ts: set_(ts, "model.layers.0.mlp.experts.0.gate_proj.weight", ts[DOWN].T.contiguous())
+        ),
+        r"Qwen2ForCausalLM is dense, but the weights hold MoE experts \('model\.layers\.0\.mlp\.experts\.0",
+    ),
     "unknown-architecture": (lambda d: config(d, architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel.*not supported"),
     "fewer-layers": (lambda d: config(d, num_hidden_layers=1), r"num_hidden_layers=1, the weights have layers 0\.\.1"),
     "more-layers": (lambda d: config(d, num_hidden_layers=3), r"num_hidden_layers=3, the weights have layers 0\.\.1"),
