@@ -6,9 +6,12 @@ import collections
 
 
 class BlockAllocator:
-    """Free list of KV pages. Page 0 is the attention op's scratch page (padding rows), never handed out."""
+    """Free list of KV pages. Page 0 is the attention op's scratch page (padding rows), never handed out.
+    alloc takes from the front, release returns to the back; unalloc and unrelease take back the latest of either
+    exactly (the engine undoes a failed step's changes in reverse), so the list is as it was, order included."""
 
     def __init__(self, num_pages: int):
+        self.num_pages = num_pages
         self.free = collections.deque(range(1, num_pages))
 
     def alloc(self, n: int) -> list[int] | None:
@@ -18,3 +21,10 @@ class BlockAllocator:
 
     def release(self, pages: list[int]) -> None:
         self.free.extend(pages)
+
+    def unalloc(self, pages: list[int]) -> None:
+        self.free.extendleft(reversed(pages))
+
+    def unrelease(self, n: int) -> None:
+        for _ in range(n):
+            self.free.pop()

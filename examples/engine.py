@@ -8,6 +8,14 @@ memory (no preemption). Batches are built on the host as CPU int tensors; fgraph
 and moves them in one copy. run() builds step n+1's batch while the device runs step n (run_overlapped), so
 the host's scheduling and metadata work leaves the critical path. vLLM's scheduler (and its async scheduling, in
 part) and gpt-fast's generate.py are the references.
+
+Faults. add() refuses what could fail later (types, ranges, a request longer than the model or the cache). A step
+is all or nothing: every change it makes to the requests, the queues and the page list is logged as it is made,
+and an exception anywhere in it (KeyboardInterrupt included: Ctrl-C while the host waits for the device) undoes
+them in reverse before it goes on. The engine is then as it was before the step (the batch run() had built for it
+kept), so run() again resumes, and gives the tokens an uninterrupted run gives: the KV the step may have written
+is rewritten with the same values, and sampling depends on (seed, position) only (sampling.py). Finished requests
+are handed back (by run() in its Report, by step()) and the engine keeps no reference to them.
 """
 
 from __future__ import annotations
@@ -22,11 +30,11 @@ import torch.utils._pytree as pytree
 import fgraph
 from fgraph.ops import attention as A
 
-from . import llama
+from . import llama, request
 from .block_allocator import BlockAllocator
 from .report import Report
-from .request import PENDING, Request
-from .sampling import sample
+from .request import PENDING, Request, RequestError
+from .sampling import mix, sample, uniform
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -48,6 +56,7 @@ class Engine:
     mode: a fgraph.Mode name for fgraph.jit, or "eager" to call `step_fn` directly (the oracle). Eager batches
       are padded to the same buckets as jitted ones, so both run kernels of the same shapes (bit-comparable).
     buckets: padded token counts (default fgraph's, up to and including max_batch_tokens).
+    seed: the seed of requests added without one (mixed with the request's id).
     capture: capture every bucket of both routines up front (default: on CUDA, unless mode is NONE/eager).
     overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
     compile: Inductor-compiled pieces (fgraph.jit's compile=): the FULL+C step the benchmarks measure. Each
@@ -86,12 +95,14 @@ class Engine:
         self.max_seq_len, self.max_pages = max_seq_len, math.ceil(max_seq_len / self.page_size)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.eos_ids, self.vocab_size = frozenset(eos_ids), vocab_size
+        self.seed = request.integer(seed, "seed", 0, request.SEED_MAX)
         self.blocks = BlockAllocator(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.requests: list[Request] = []
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.steps, self.waited = 0, 0.0
+        self.finished: list[Request] = []  # finished, not yet handed back (by run() or step())
+        self.staged: tuple[list, llama.Batch] | None = None  # the next step's (plan, batch), built by run_overlapped
+        self._undo: list | None = None  # while a step runs: how to take back each change it made so far
+        self.next_id, self.steps, self.waited = 0, 0, 0.0
         self.buckets = sorted(set(buckets or fgraph.default_buckets(max_batch_tokens)) | {max_batch_tokens})
         self.spec = llama.Batch(
             tokens=fgraph.Batched(pad=0), positions=fgraph.Batched(pad=0), meta=A.metadata_batching()
@@ -114,31 +125,94 @@ class Engine:
                 self.step_fn.capture(params, cache, self.example_batch(), routine=["decode", "mixed"])
 
     # -- requests ------------------------------------------------------------------------------------
-    def add(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0) -> Request:
-        prompt = [int(t) for t in prompt]
-        if not prompt or max_new_tokens < 1:
-            raise fgraph.FgraphError(
-                f"request {len(self.requests)}: empty prompt or max_new_tokens < 1",
-                "pass at least one prompt token and max_new_tokens >= 1",
+    def add(
+        self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None
+    ) -> Request:
+        """Queue a request. Every parameter is checked here (RequestError), so none can fail a step later: prompt
+        ids in the vocabulary, max_new_tokens >= 1, temperature in [0, 1e4] (0: greedy), top_p in (0, 1], seed an
+        unsigned 64-bit int or None (then the engine's seed and the request's id), and the whole request within
+        max_seq_len and the KV cache. Its sampled tokens depend on its prompt, parameters and seed only."""
+        rid = self.next_id
+        try:
+            prompt, max_new_tokens, temperature, top_p, seed = request.check(
+                prompt, max_new_tokens, temperature, top_p, seed, vocab_size=self.vocab_size
             )
+        except RequestError as e:
+            raise RequestError(f"request {rid}: {e.what}", e.fix) from None
         if len(prompt) + max_new_tokens - 1 > self.max_seq_len:
-            raise fgraph.FgraphError(
-                f"request {len(self.requests)}: {len(prompt)} prompt + {max_new_tokens} new tokens "
-                f"exceed max_seq_len={self.max_seq_len}",
+            raise RequestError(
+                f"request {rid}: {len(prompt)} prompt + {max_new_tokens} new tokens exceed max_seq_len="
+                f"{self.max_seq_len}",
                 "raise max_seq_len or shorten the request",
             )
-        if self.vocab_size is not None and not all(0 <= t < self.vocab_size for t in prompt):
-            raise fgraph.FgraphError(
-                f"request {len(self.requests)}: a prompt id is outside [0, {self.vocab_size})",
-                "tokenize with the model's own tokenizer",
+        r = Request(rid, prompt, max_new_tokens, temperature, top_p, seed, t_arrive=time.perf_counter())
+        if r.seed is None:
+            r.seed = mix(self.seed ^ mix(rid))
+        if self._pages_needed(r) > self.blocks.num_pages - 1:
+            raise RequestError(
+                f"request {rid} needs {self._pages_needed(r)} KV pages, the cache has {self.blocks.num_pages - 1} "
+                "in all: it could never run",
+                "allocate more pages (num_pages) or shorten the request",
             )
-        r = Request(len(self.requests), prompt, max_new_tokens, temperature, top_p, t_arrive=time.perf_counter())
-        self.requests.append(r)
+        self.next_id += 1
         self.waiting.append(r)
         return r
 
     def _pages_needed(self, r: Request) -> int:
         return math.ceil((len(r.prompt) + r.max_new_tokens - 1) / self.page_size)  # the last token is never fed
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def take_finished(self) -> list[Request]:
+        """Hand back the requests finished since the last hand-back (submission order); the engine forgets them."""
+        out, self.finished = sorted(self.finished, key=lambda r: r.id), []
+        return out
+
+    # -- changes a step makes, each with its undo ------------------------------------------------------
+    def _did(self, undo) -> None:
+        if self._undo is not None:
+            self._undo.append(undo)
+
+    def _atomic(self, body):
+        """body() all or nothing: if it raises (anything, KeyboardInterrupt too), the changes it made are undone in
+        reverse order, so the engine is as before the call, and the exception goes on."""
+        self._undo = undo = []
+        try:
+            return body()
+        except BaseException:
+            for f in reversed(undo):
+                f()
+            raise
+        finally:
+            self._undo = None
+
+    def _admit(self, r: Request, pages: list[int]) -> None:
+        self._did(lambda: self._unadmit(r))
+        r.pages = pages
+        self.running.append(self.waiting.popleft())
+
+    def _unadmit(self, r: Request) -> None:
+        self.running.remove(r)
+        self.waiting.appendleft(r)
+        self.blocks.unalloc(r.pages)
+        r.pages = []
+
+    def _retire(self, r: Request) -> None:
+        i, pages = self.running.index(r), r.pages
+        self._did(lambda: self._unretire(r, i, pages))
+        del self.running[i]
+        r.pages = []
+        self.blocks.release(pages)
+
+    def _unretire(self, r: Request, i: int, pages: list[int]) -> None:
+        self.blocks.unrelease(len(pages))
+        r.pages = pages
+        self.running.insert(i, r)
+
+    def _stage(self, staged) -> None:
+        before, self.staged = self.staged, staged
+        self._did(lambda: setattr(self, "staged", before))
 
     # -- scheduling ----------------------------------------------------------------------------------
     def schedule(self) -> list[tuple[Request, int]]:
@@ -153,15 +227,8 @@ class Engine:
             r = self.waiting[0]
             pages = self.blocks.alloc(self._pages_needed(r))
             if pages is None:
-                if not self.running:
-                    raise fgraph.FgraphError(
-                        f"request {r.id} needs {self._pages_needed(r)} KV pages, the cache has "
-                        f"{len(self.blocks.free)} free",
-                        "allocate more pages (num_pages)",
-                    )
-                break
-            r.pages = pages
-            self.running.append(self.waiting.popleft())
+                break  # (add() made sure it fits an empty cache: it runs once others finish)
+            self._admit(r, pages)
             n = min(len(r.prompt), budget)
             plan.append((r, n))
             budget -= n
@@ -210,25 +277,51 @@ class Engine:
         logits, self.cache = self.step_fn(self.params, self.cache, batch, routine=routine)
         return logits
 
+    # -- steps ---------------------------------------------------------------------------------------
     def choose(self, logits: torch.Tensor, ready: list[Request]) -> list[int]:
-        """The next token of each ready request from its logits [S', V] (greedy, or sampled with its settings)."""
+        """The next token of each ready request from its logits [S', V] (greedy, or sampled with its settings and
+        the uniform of its seed and this token's position: its last, PENDING, output)."""
         if all(r.temperature == 0 for r in ready):
             return logits.argmax(-1).tolist()
-        temp = torch.tensor([r.temperature for r in ready], dtype=torch.float32, device=logits.device)
-        top_p = torch.tensor([r.top_p for r in ready], dtype=torch.float32, device=logits.device)
-        return sample(logits, temp, top_p, self.generator).tolist()
+        knobs = torch.tensor(  # [3, S']: one copy to the device
+            [
+                [r.temperature for r in ready],
+                [r.top_p for r in ready],
+                [uniform(r.seed, r.length - 1) for r in ready],
+            ],
+            dtype=torch.float32,
+        ).to(logits.device)
+        return sample(logits, knobs[0], knobs[1], knobs[2]).tolist()
 
     def step(self) -> list[Request]:
-        """Schedule, run the model once, sample, retire finished requests. Returns those that finished."""
-        plan = self.schedule()
-        if not plan:
-            return []
-        return self.advance(plan, self.run_batch(self.make_batch(plan), _routine(plan)))
+        """Run one step (the one run_overlapped staged, if any), all or nothing; hand back every finished request
+        not handed back yet."""
+        self._step()
+        return self.take_finished()
+
+    def _step(self) -> list[Request]:
+        """Schedule, run the model once, sample, retire finished requests (all or nothing). Returns those that
+        finished in it."""
+
+        def body():
+            if self.staged is not None:
+                plan, batch = self.staged
+                self._stage(None)
+            else:
+                plan = self.schedule()
+                if not plan:
+                    return []
+                batch = self.make_batch(plan)
+            return self.advance(plan, self.run_batch(batch, _routine(plan)))
+
+        return self._atomic(body)
 
     def advance(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
         """After the model ran `plan` (its rows first in `logits`): sample the ready requests, retire finished ones."""
         rows, ready = self._account(plan)
-        return self._settle(ready, self._sample(logits, rows, ready))
+        finished = self._settle(ready, self._sample(logits, rows, ready))
+        self.steps += 1
+        return finished
 
     def _sample(self, logits: torch.Tensor, rows: list[int], ready: list[Request]) -> list[int]:
         """The sampled tokens, on the host: a step's one wait for the device, timed into `waited` (a share of a run
@@ -240,7 +333,8 @@ class Engine:
 
     def _account(self, plan) -> tuple[list[int], list[Request]]:
         """The model ran `plan`: count its tokens as computed; (logits row, request) of each request that caught up
-        (prompt fully prefilled, or a decode), which is sampled."""
+        (prompt fully prefilled, or a decode), which is sampled: its output gets a PENDING token, and it is retired
+        now if that token is its last (it finishes with it, whatever it is)."""
         rows, ready, offset = [], [], 0
         for r, n in plan:
             offset += n
@@ -248,37 +342,45 @@ class Engine:
             if r.computed == r.length:
                 rows.append(offset - 1)
                 ready.append(r)
+                r.output.append(PENDING)
+        self._did(lambda: self._unaccount(plan, ready))
+        for r in ready:
+            if len(r.output) == r.max_new_tokens:
+                self._retire(r)
         return rows, ready
 
-    def _retire(self, r: Request) -> None:
-        self.blocks.release(r.pages)
-        self.running.remove(r)
+    @staticmethod
+    def _unaccount(plan, ready) -> None:
+        for r, n in plan:
+            r.computed -= n
+        for r in ready:
+            r.output.pop()
 
-    def _settle(self, ready: list[Request], new: list[int], placed: bool = False) -> list[Request]:
-        """The ready requests' new tokens (appended, or `placed` already as PENDING by run_overlapped, which also
-        retired those that reach max_new_tokens); finishes and retires requests. Returns those that finished."""
+    def _settle(self, ready: list[Request], new: list[int]) -> list[Request]:
+        """The ready requests' new tokens replace their PENDING ones; requests that reach EOS or max_new_tokens
+        finish (those at EOS are retired here, the others were in _account). Returns those that finished."""
         finished, now = [], time.perf_counter()
         for r, t in zip(ready, new):
-            if placed:
-                r.output[-1] = t
-            else:
-                r.output.append(t)
+            r.output[-1] = t
             r.t_first = r.t_first or now
             if t in self.eos_ids or len(r.output) == r.max_new_tokens:
                 r.finish_reason, r.t_done = ("eos" if t in self.eos_ids else "length"), now
-                if not (placed and len(r.output) == r.max_new_tokens):  # (run_overlapped retired those already)
+                if len(r.output) < r.max_new_tokens:
                     self._retire(r)
                 finished.append(r)
-        self.steps += 1
+        self.finished += finished
+        self._did(lambda: self._unsettle(finished))
         return finished
 
-    def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+    def _unsettle(self, finished: list[Request]) -> None:
+        for r in finished:
+            r.finish_reason = r.t_done = None
+        del self.finished[len(self.finished) - len(finished) :]
 
     def run_stepwise(self):
-        """Yield the requests finished by each step(), one after the other, until none is busy."""
+        """Yield the requests finished by each step, one after the other, until none is busy."""
         while self.busy():
-            yield self.step()
+            yield self._step()
 
     def run_overlapped(self):
         """Yield the requests finished by each step, building step n+1's batch while the device runs step n.
@@ -288,41 +390,50 @@ class Engine:
         as the synchronous loop would; step n+1 is scheduled and built; then the logits are read (the one wait) and
         the real tokens replace PENDING in the outputs and in step n+1's token ids. A request that stops at EOS had
         a row in step n+1: that batch is built again without it, and its pages come back a step later than in
-        step()'s loop. Without EOS the batches equal step()'s, so the tokens do too."""
+        step()'s loop. Without EOS the batches equal step()'s, so the tokens do too. Each step is all or nothing;
+        the (plan, batch) built for the next one is kept in `staged` until that step has run."""
+        while True:
+            if self.staged is None:
+                self._atomic(lambda: self._stage(self._schedule_and_build()))
+            if self.staged is None:
+                return
+            yield self._atomic(self._overlapped_step)
+
+    def _schedule_and_build(self):
         plan = self.schedule()
-        batch = self.make_batch(plan) if plan else None
-        while plan:
-            logits = self.run_batch(batch, _routine(plan))  # launched: step n
-            rows, ready = self._account(plan)
-            for r in ready:
-                r.output.append(PENDING)
-                if len(r.output) == r.max_new_tokens:
-                    self._retire(r)  # finishes with this token whatever it is
-            nxt = self.schedule()  # step n+1, on the host, while the device runs step n
+        return (plan, self.make_batch(plan)) if plan else None
+
+    def _overlapped_step(self) -> list[Request]:
+        plan, batch = self.staged
+        logits = self.run_batch(batch, _routine(plan))  # launched: step n
+        rows, ready = self._account(plan)
+        nxt = self.schedule()  # step n+1, on the host, while the device runs step n
+        nbatch = self.make_batch(nxt) if nxt else None
+        finished = self._settle(ready, self._sample(logits, rows, ready))
+        if any(r.finish_reason == "eos" for r in finished):
+            nxt = [(r, n) for r, n in nxt if r.finish_reason is None] or self.schedule()
             nbatch = self.make_batch(nxt) if nxt else None
-            finished = self._settle(ready, self._sample(logits, rows, ready), placed=True)
-            if any(r.finish_reason == "eos" for r in finished):
-                nxt = [(r, n) for r, n in nxt if r.finish_reason is None] or self.schedule()
-                nbatch = self.make_batch(nxt) if nxt else None
-            elif nbatch is not None and ready:
-                sampled, fix, offset = set(map(id, ready)), [], 0
-                for r, n in nxt:
-                    offset += n
-                    if id(r) in sampled:  # a decode of the token just sampled: one row, its last output
-                        fix.append((offset - 1, r.output[-1]))
-                if fix:
-                    at, vals = zip(*fix)
-                    nbatch.tokens[list(at)] = torch.tensor(vals, dtype=nbatch.tokens.dtype)
-            yield finished
-            plan, batch = nxt, nbatch
+        elif nbatch is not None and ready:
+            sampled, fix, offset = set(map(id, ready)), [], 0
+            for r, n in nxt:
+                offset += n
+                if id(r) in sampled:  # a decode of the token just sampled: one row, its last output
+                    fix.append((offset - 1, r.output[-1]))
+            if fix:
+                at, vals = zip(*fix)
+                nbatch.tokens[list(at)] = torch.tensor(vals, dtype=nbatch.tokens.dtype)
+        self._stage((nxt, nbatch) if nxt else None)
+        self.steps += 1
+        return finished
 
     def run(self, progress: bool = True) -> Report:
-        """Step until every request has finished (run_overlapped, or step() by step() without overlap); report tokens
-        and TTFT / TPOT / throughput."""
+        """Step until every request has finished (run_overlapped, or step by step without overlap); hand back the
+        finished requests (this run's, and any an interrupted run left) with their tokens and TTFT / TPOT /
+        throughput. After an exception (KeyboardInterrupt too) run() again goes on where the engine stood."""
         from tqdm import tqdm
 
         t0, steps0, waited0 = time.perf_counter(), self.steps, self.waited
-        todo = [r for r in self.requests if r.finish_reason is None]
+        todo = [*self.running, *self.waiting] if progress else []
         steps = self.run_overlapped() if self.overlap else self.run_stepwise()
         with tqdm(total=sum(r.max_new_tokens for r in todo), unit="tok", disable=not progress, leave=False) as bar:
             for finished in steps:
@@ -330,13 +441,9 @@ class Engine:
                     for r in finished:
                         bar.total -= r.max_new_tokens - len(r.output)  # stopped early at EOS
                     bar.update(sum(len(r.output) for r in todo) - bar.n)
-        return Report(
-            tokens=[r.output for r in todo],
-            ttft=[r.ttft for r in todo],
-            tpot=[r.tpot for r in todo],
+        return Report.of(
+            self.take_finished(),
             elapsed=time.perf_counter() - t0,
-            prompt_tokens=sum(len(r.prompt) for r in todo),
-            output_tokens=sum(len(r.output) for r in todo),
             steps=self.steps - steps0,
             waited=self.waited - waited0,
         )

@@ -19,8 +19,9 @@ class EPEngine(engine.Engine):
     match. So every step the ranks agree, in one small all-reduce, on the token count N (the largest) and the
     routine ("mixed" if any rank prefills); a rank pads its batch to N with one-token sequences on the scratch
     page, or runs a step of padding alone when it has nothing to do, until no rank has work (vLLM pads
-    data-parallel ranks the same way: num_tokens_across_dp, dummy batches). Its steps go one by one (step()
-    agrees before it schedules), not overlapped."""
+    data-parallel ranks the same way: num_tokens_across_dp, dummy batches). Its steps go one by one (a step
+    agrees before it schedules), not overlapped. A step that fails is undone on its rank only: the ranks' next
+    agreements then disagree, so a fault is not recoverable across ranks (restart them all)."""
 
     overlap_supported = False
 
@@ -40,13 +41,17 @@ class EPEngine(engine.Engine):
         anyone, self._anyone_busy = self._anyone_busy, None
         return bool(self._agree(0, False, super().busy())[2]) if anyone is None else anyone
 
-    def step(self) -> list[Request]:
+    def _step(self) -> list[Request]:
         busy = super().busy()
-        plan = self.schedule()
-        n = sum(k for _, k in plan)
-        N, mixed, anyone = self._agree(n, any(k != 1 for _, k in plan), busy)
-        self._anyone_busy = bool(anyone)
-        if N == 0:
-            return []
-        batch = self.make_batch(plan, pad_to=N)
-        return self.advance(plan, self.run_batch(batch, "mixed" if mixed else "decode"))
+
+        def body():
+            plan = self.schedule()
+            n = sum(k for _, k in plan)
+            N, mixed, anyone = self._agree(n, any(k != 1 for _, k in plan), busy)
+            self._anyone_busy = bool(anyone)
+            if N == 0:
+                return []
+            batch = self.make_batch(plan, pad_to=N)
+            return self.advance(plan, self.run_batch(batch, "mixed" if mixed else "decode"))
+
+        return self._atomic(body)

@@ -12,6 +12,10 @@ spawned here, or the processes of `torchrun --nproc-per-node N -m examples.gener
   python -m examples.generate --prompt-ids 1,2,3 --prompt-ids 4,5 --mode PIECEWISE --explain
   python -m examples.generate --preset tiny-moe --moe-backend all2all --explain
   python -m examples.generate --preset llama3-8b --tp 2 --num-prompts 64
+
+Errors (a bad flag, checkpoint or request) print one line on stderr and exit non-zero: 2 for a bad command line,
+1 otherwise, 130 on Ctrl-C; --debug shows the traceback instead. With a --seed, a prompt's sampled tokens are the
+same whatever else runs with it (every request is seeded with it, as vLLM's SamplingParams.seed).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -31,8 +36,46 @@ from . import checkpoint, engine, llama, qwen2_moe
 from . import tp as tensor_parallel
 
 
+def _number(kind, low, high=None, low_open=False):
+    """An argparse type: `kind` (int or float) in [low, high) for ints, [low, high] for floats ((low, ... with
+    low_open); anything else is a usage error (exit 2) naming the range."""
+
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        bad = x < low or (low_open and x == low) or (high is not None and (x >= high if kind is int else x > high))
+        if bad or (kind is float and not math.isfinite(x)):
+            lo, hi = "(" if low_open else "[", ")" if kind is int else "]"
+            raise argparse.ArgumentTypeError(f"{text} is out of range {lo}{low}, {'inf' if high is None else high}{hi}")
+        return x
+
+    parse.__name__ = kind.__name__  # (argparse names the type in its messages)
+    return parse
+
+
+def _device(text: str) -> str:
+    try:
+        dev = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: there are {torch.cuda.device_count()} CUDA devices")
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text}: only cpu and cuda are supported")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the usage block: `prog: error: message (see --help)`, exit 2
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m examples.generate",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -50,13 +93,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--prompt", action="append", default=[], metavar="TEXT", help="a prompt as text (needs tokenizer.json)"
     )
-    p.add_argument("--num-prompts", type=int, default=4, help="random prompts when none is given")
-    p.add_argument("--prompt-len", type=int, default=16, help="length of the random prompts")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--num-prompts", type=_number(int, 1), default=4, help="random prompts when none is given")
+    p.add_argument("--prompt-len", type=_number(int, 1), default=16, help="length of the random prompts")
+    p.add_argument("--max-new-tokens", type=_number(int, 1), default=32)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (default: temperature / top-p sampling)")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, random prompts and sampling")
+    p.add_argument("--temperature", type=_number(float, 0.0, 1e4), default=0.8, help="0: greedy")
+    p.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True), default=0.95)
+    p.add_argument(
+        "--seed",
+        type=_number(int, 0, 2**64),
+        default=0,
+        help="seeds the random weights, random prompts and every request's sampling",
+    )
     p.add_argument("--backend", default="auto", help="attention backend: auto, torch, flash_attn, flashinfer")
     p.add_argument(
         "--mode",
@@ -70,21 +118,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="compile the graph pieces with Inductor before capture (fgraph.jit(compile=True)); slower capture",
     )
-    p.add_argument("--device", help="default: cuda when available, else cpu")
-    p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--max-seqs", type=int, default=128, help="most requests running at once")
-    p.add_argument("--max-batch-tokens", type=int, default=256, help="most tokens in one step (the largest bucket)")
+    p.add_argument("--device", type=_device, help="default: cuda when available, else cpu")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu"
+    )
+    p.add_argument("--max-seqs", type=_number(int, 1), default=128, help="most requests running at once")
+    p.add_argument(
+        "--max-batch-tokens", type=_number(int, 1), default=256, help="most tokens in one step (the largest bucket)"
+    )
     p.add_argument(
         "--moe-backend",
         default="local",
         choices=["local", "allgather", "all2all"],
         help="MoE models: fgraph.ops.moe backend (expert-parallel ones use the default process group)",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one process each (dense models)")
+    p.add_argument(
+        "--tp", type=_number(int, 1), default=1, help="tensor-parallel ranks, one process each (dense models)"
+    )
     p.add_argument("--explain", action="store_true", help="print fgraph.explain of the decode and mixed steps")
     p.add_argument("--json", action="store_true", help='print one JSON object: {"tokens": [[...], ...], ...}')
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--allow-unused-weights", action="store_true", help="load a checkpoint even if some of its tensors go unused"
+    )
+    p.add_argument("--debug", action="store_true", help="on an error, show the traceback")
+    args = p.parse_args(argv)
+    try:
+        args.prompt_ids = [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids]
+    except ValueError:
+        p.error(f"--prompt-ids {args.prompt_ids}: not comma-separated integers (--prompt-ids 1,2,3)")
+    if args.greedy:
+        args.temperature = 0.0
+    return args
 
 
 def load_model(args, device: str, dtype: torch.dtype, tp=None):
@@ -92,11 +157,11 @@ def load_model(args, device: str, dtype: torch.dtype, tp=None):
     the embedded tiny default. Under tensor parallelism: the global config and this rank's shard."""
     if args.model:
         if checkpoint.architecture(args.model) in qwen2_moe.ARCHITECTURES:
-            cfg, params = qwen2_moe.load(args.model, dtype, device, args.moe_backend)
+            cfg, params = qwen2_moe.load(args.model, dtype, device, args.moe_backend, args.allow_unused_weights)
         elif tp is not None:
-            cfg, params = tensor_parallel.load(args.model, tp, dtype, device)
+            cfg, params = tensor_parallel.load(args.model, tp, dtype, device, args.allow_unused_weights)
         else:
-            cfg, params = checkpoint.load(args.model, dtype, device)
+            cfg, params = checkpoint.load(args.model, dtype, device, allow_unused=args.allow_unused_weights)
         return cfg, params, checkpoint.eos_token_ids(args.model), checkpoint.load_tokenizer(args.model)
     name = args.preset or "tiny"
     if name in qwen2_moe.presets:
@@ -116,12 +181,7 @@ def build_engine(cfg, params, tp=None, **kw) -> engine.Engine:
 
 
 def prompts_of(args, cfg, tokenizer) -> list[list[int]]:
-    try:
-        ids = [[int(t) for t in p.split(",") if t.strip()] for p in args.prompt_ids]
-    except ValueError:
-        raise fgraph.FgraphError(
-            f"--prompt-ids {args.prompt_ids}: not comma-separated integers", "--prompt-ids 1,2,3"
-        ) from None
+    ids = list(args.prompt_ids)
     if args.prompt:
         if tokenizer is None:
             raise fgraph.FgraphError(
@@ -142,7 +202,23 @@ def _rank_main(tp, argv):  # one tensor-parallel rank of a spawned run (module l
 
 
 def main(argv=None) -> dict:
+    """Run the command line; a user's error ends it (SystemExit) with one line on stderr, unless --debug."""
     args = parse_args(argv)
+    try:
+        return _main(args, argv)
+    except (Exception, KeyboardInterrupt) as e:
+        if args.debug:
+            raise
+        if isinstance(e, KeyboardInterrupt):
+            print("interrupted", file=sys.stderr)
+            raise SystemExit(130) from None
+        what = f"{e.what} (fix: {e.fix})" if isinstance(e, fgraph.FgraphError) and e.fix else getattr(e, "what", e)
+        kind = "" if isinstance(e, fgraph.FgraphError) else f"{type(e).__name__}: "
+        print(f"error: {kind}{what} [--debug shows the traceback]".replace("\n", " "), file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def _main(args, argv) -> dict:
     if args.tp > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:  # not under torchrun
         return tensor_parallel.launch(_rank_main, args.tp, sys.argv[1:] if argv is None else list(argv))
     tp = tensor_parallel.init() if args.tp > 1 else None
@@ -180,7 +256,7 @@ def main(argv=None) -> dict:
                 for routine in ("decode", "mixed"):
                     print(eng.explain(routine))
     for p in prompts:
-        eng.add(p, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature, top_p=args.top_p)
+        eng.add(p, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     report = eng.run(progress=not (args.no_progress or quiet))
     out = {
         "tokens": report.tokens,

@@ -222,6 +222,11 @@ def read_config(model_dir: str, moe_backend: str = "local") -> MoEConfig:
         path,
         qkv_bias=a["qkv_bias"] and c.get("qkv_bias", True),
     )
+    for key in (a["experts"], "num_experts_per_tok", "moe_intermediate_size" if qwen else "intermediate_size"):
+        if not isinstance(c.get(key), int) or isinstance(c[key], bool):
+            raise checkpoint.CheckpointError(
+                f"{path}: key {key!r} is missing or not an integer", "use the config.json saved with the checkpoint"
+            )
     step = c.get("decoder_sparse_step", 1) if qwen else 1
     dense = tuple(
         i for i in range(base.n_layers) if (qwen and i in (c.get("mlp_only_layers") or [])) or (i + 1) % step != 0
@@ -240,13 +245,22 @@ def read_config(model_dir: str, moe_backend: str = "local") -> MoEConfig:
     )
 
 
-def load(model_dir: str, dtype=None, device="cpu", moe_backend: str = "local") -> tuple[MoEConfig, llama.Params]:
+def load(
+    model_dir: str,
+    dtype=None,
+    device="cpu",
+    moe_backend: str = "local",
+    allow_unused: bool = False,
+    check_finite: bool = True,
+) -> tuple[MoEConfig, llama.Params]:
     """A HF Qwen2-MoE / Mixtral directory -> (config, params). EP backends read only this rank's experts.
-    Experts may be stored per expert (hub format) or fused (`experts.gate_up_proj` / `experts.down_proj`)."""
+    Experts may be stored per expert (hub format) or fused (`experts.gate_up_proj` / `experts.down_proj`).
+    allow_unused, check_finite: see checkpoint.Tensors (every tensor must be used, every weight finite)."""
     cfg = read_config(model_dir, moe_backend)
-    arch = checkpoint.read_json(f"{model_dir}/config.json")["architectures"][0]
+    arch = checkpoint.architecture(model_dir)
     a, dtype = ARCHITECTURES[arch], checkpoint.dtype_of(dtype, model_dir)
-    ts = checkpoint.Tensors(model_dir, device)
+    ts = checkpoint.Tensors(model_dir, device, check_finite)
+    checkpoint.check_layout(ts, cfg, arch, f"{model_dir}/config.json")
     dim, E, I, Is = cfg.dim, cfg.num_experts, cfg.moe_intermediate, cfg.shared_intermediate
     rank, world = _ep(cfg)
     if E % world:
@@ -280,6 +294,9 @@ def load(model_dir: str, dtype=None, device="cpu", moe_backend: str = "local") -
                 ]
             )
             w2 = torch.stack([get(f"{m}experts.{e}.{d}.weight", dim, I) for e in mine])
+            for e in set(range(E)) - set(mine):  # the other ranks' experts: theirs to read
+                for w in (g, u, d):
+                    ts.skip(f"{m}experts.{e}.{w}.weight")
         shared = (None, None, None)
         if Is:
             sw = checkpoint.gated_mlp_weights(ts, m + "shared_expert.", Is, dim, dtype)
@@ -295,7 +312,9 @@ def load(model_dir: str, dtype=None, device="cpu", moe_backend: str = "local") -
         )
         return MoELayer(**attn, moe=w)
 
-    return cfg, checkpoint.assemble(ts, cfg, dtype, device, layer)
+    params = checkpoint.assemble(ts, cfg, dtype, device, layer)
+    ts.finish(allow_unused)
+    return cfg, params
 
 
 if __name__ == "__main__":  # the former command, kept: examples.generate runs MoE models now (tiny-moe by default)

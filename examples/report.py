@@ -15,6 +15,22 @@ class Report:
     output_tokens: int
     steps: int
     waited: float = 0.0  # seconds of `elapsed` the host spent waiting for sampled tokens (the device's)
+    requests: list = attrs.field(factory=list, repr=False)  # the finished Requests handed back (finish_reason, ...)
+
+    @classmethod
+    def of(cls, requests: list, *, elapsed: float, steps: int, waited: float) -> Report:
+        """The report of these finished requests (in submission order)."""
+        return cls(
+            tokens=[r.output for r in requests],
+            ttft=[r.ttft for r in requests],
+            tpot=[r.tpot for r in requests],
+            elapsed=elapsed,
+            prompt_tokens=sum(len(r.prompt) for r in requests),
+            output_tokens=sum(len(r.output) for r in requests),
+            steps=steps,
+            waited=waited,
+            requests=requests,
+        )
 
     @property
     def throughput(self) -> float:

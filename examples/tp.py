@@ -188,10 +188,12 @@ def shard_params(params: llama.Params, cfg: llama.LlamaConfig, tp: TP) -> llama.
     )
 
 
-def load(model_dir: str, tp: TP, dtype=None, device="cpu") -> tuple[llama.LlamaConfig, llama.Params]:
+def load(
+    model_dir: str, tp: TP, dtype=None, device="cpu", allow_unused: bool = False
+) -> tuple[llama.LlamaConfig, llama.Params]:
     """A full HF checkpoint -> (the global config, this rank's shard), one layer at a time."""
     cfg = checkpoint.read_config(model_dir)
-    return checkpoint.load(model_dir, dtype, device, shard=sharder(cfg, tp))
+    return checkpoint.load(model_dir, dtype, device, shard=sharder(cfg, tp), allow_unused=allow_unused)
 
 
 def make_step(cfg: llama.LlamaConfig, tp: TP, backend: str = "torch", max_seq_len: int | None = None):
