@@ -3,6 +3,8 @@ fused; breaks untouched), and the jit(compile=...) options that configure it."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
 
@@ -48,8 +50,11 @@ class Compiled(torch.nn.Module):
             from torch._inductor import config
             from torch._inductor.compile_fx import compile_fx
 
+            # compile_fx rewrites the module it is given (its graph made to return a list, post-grad passes): give
+            # it a copy, since the piece belongs to a trace that other signatures compile after this one
+            module = fx.GraphModule(self.module, copy.deepcopy(self.module.graph))
             with config.patch({**self.options, "post_grad_custom_post_pass": _residual_adds_out_of_gemms()}):
-                self.fn = compile_fx(self.module, list(args))
+                self.fn = compile_fx(module, list(args))
         out = self.fn(*args)
         return out[0] if self.single and isinstance(out, (tuple, list)) else out
 

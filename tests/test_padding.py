@@ -273,12 +273,16 @@ def test_compiled_single_tensor_output_is_cut_like_uncompiled(mode):
     def dense(x, w):
         return torch.tanh(x @ w)
 
-    f = fgraph.jit(dense, batch={"x": Batched()}, buckets=[4], mode=mode, compile=True)
-    x, w = torch.randn(3, 4), torch.randn(4, 4)
-    for _ in range(2):
+    # two buckets of one trace: the second signature compiles the same piece after the first did (compile_fx
+    # rewrites the module it is given, so each compiles a copy)
+    f = fgraph.jit(dense, batch={"x": Batched()}, buckets=[4, 8], mode=mode, compile=True)
+    w = torch.randn(4, 4)
+    for n in (3, 7, 3):
+        x = torch.randn(n, 4)
         got = f(x, w)
-        assert isinstance(got, torch.Tensor) and got.shape == (3, 4)
+        assert isinstance(got, torch.Tensor) and got.shape == (n, 4)
         torch.testing.assert_close(got, eager(dense, x, w))
+    assert len(f._traces) == 1 and len(f.entries) == 2
 
 
 # -- host buffers name their device ----------------------------------------------------------------------------
