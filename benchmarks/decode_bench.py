@@ -44,7 +44,7 @@ from examples import llama
 from fgraph.ops import attention as A
 
 from . import summarize
-from .common import Budget, copy_bandwidth, decode_batch, device_name, emit, sync, time_ms
+from .common import Budget, copy_bandwidth, decode_batch, device_name, emit, jit_step, sync, time_ms
 
 SLEEP_CYCLES = 6_000_000  # ~3 ms of GPU spin at H200 clocks: longer than any host call we measure
 
@@ -72,21 +72,8 @@ def cache_pages(cells, ps) -> int:
 
 # ------------------------------------------------------------------------------------------------ fgraph
 def make_jitted(cfg, backend, mode, max_ctx, buckets, inductor=None):
-    """mode "FULL+C": the same mode with Inductor-compiled pieces (jit(compile=...): `inductor`, Inductor's
-    options, or its defaults)."""
-    step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
-    spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-    return fgraph.jit(
-        step,
-        static=["routine"],
-        donate=["cache"],
-        scratch=["cache"],  # padded rows write only the scratch page (fgraph/ops/attention.py)
-        batch={"batch": spec},
-        mode=mode.split("+")[0],
-        compile=dict(inductor or {}) if mode.endswith("+C") else False,
-        buckets=buckets,
-        copy_outputs=False,  # zero-copy: outputs are read before the next call
-    )
+    """fgraph.jit of llama's step for this backend (common.jit_step)."""
+    return jit_step(llama.make_step(cfg, backend=backend, max_seq_len=max_ctx), mode, buckets, inductor)
 
 
 def decode_entry(f, B):

@@ -26,26 +26,10 @@ import statistics
 import attrs
 import torch
 
-import fgraph
 from examples import llama, tp
 from fgraph.ops import attention as A
 
-from .common import decode_batch, gpu_ms
-
-
-def _jitted(step, mode: str, B: int):
-    spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
-    return fgraph.jit(
-        step,
-        static=["routine"],
-        donate=["cache"],
-        scratch=["cache"],  # padded rows write only the scratch page (fgraph/ops/attention.py)
-        batch={"batch": spec},
-        mode=mode.split("+")[0],
-        compile=mode.endswith("+C"),  # "FULL+C": Inductor-compiled pieces
-        buckets=[B],
-        copy_outputs=False,  # zero-copy: outputs are read before the next call
-    )
+from .common import decode_batch, gpu_ms, jit_step
 
 
 def measure(cfg, params, steps: dict, local_cfg, a) -> dict:
@@ -65,7 +49,7 @@ def measure(cfg, params, steps: dict, local_cfg, a) -> dict:
                     if mode == "eager":
                         calls[impl] = lambda s=step: s(params, cache, on_dev, "decode")
                     else:
-                        f = _jitted(step, mode, B)
+                        f = jit_step(step, mode, [B])
                         f(params, cache, batch, routine="decode")  # trace + capture
                         calls[impl] = lambda f=f: f(params, cache, batch, routine="decode")
                 times = {impl: [] for impl in calls}
