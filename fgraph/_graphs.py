@@ -40,13 +40,27 @@ class CudaGraph:
         return any(a[0] > b[0] or a[1] > b[1] for a, b in zip(self._uses(), self.uses))
 
     def capture(self, fn: Callable, *args) -> Any:
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # No automatic collection during the stream capture: it may destroy CUDA objects that unrelated garbage
+        # holds (another function's graphs, their memory), which is illegal while capturing and aborts the
+        # process. torch.cuda.graph collects once on entry, before the capture begins.
+        with _no_gc(), torch.cuda.graph(self.graph, pool=self.pool):
             self.out = fn(*args)
         return self.out
 
     def replay(self) -> Any:
         self.graph.replay()
         return self.out
+
+
+@contextlib.contextmanager
+def _no_gc():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _weak(t):

@@ -230,3 +230,24 @@ def test_example_models_padded_rows_write_only_the_scratch_page(kind, mode, devi
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     for t, r in zip(cache.k + cache.v, ref.k + ref.v):
         torch.testing.assert_close(t[1:], r[1:], rtol=1e-5, atol=1e-5)
+
+
+def test_no_garbage_collection_during_a_cuda_stream_capture(monkeypatch):
+    """A collection inside a CUDA stream capture can destroy another function's graphs, which aborts the process
+    (seen on the H200 when a test's garbage was collected during the next test's capture): CudaGraph.capture runs
+    with automatic collection off and turns it back on after."""
+    import contextlib
+    import gc
+
+    seen = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        seen.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    g = G.CudaGraph(None)
+    assert gc.isenabled() and g.capture(lambda x: x + 1, torch.ones(2)).tolist() == [2.0, 2.0]
+    assert seen == [False] and gc.isenabled()

@@ -21,7 +21,7 @@ from tests import toys
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
 # "cuda-default": on the GPU with torch.set_default_device("cuda") in force (fgraph's own buffers must not follow it)
-DEVICES = ["cpu"] + (["cuda", "cuda-default"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu), pytest.param("cuda-default", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=DEVICES)
