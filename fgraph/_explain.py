@@ -58,7 +58,17 @@ def _inputs_text(e) -> str:
     else:
         each = [f"{e.paths[i]}: read in place" for i in e.address_ix]
     each = [f"{e.paths[i]}: padded into input buffers" for i in e.batched_ix] + each
-    return "; ".join(each[:16]) + (f"; and {len(each) - 16} more" if len(each) > 16 else "") or "-"
+    groups: dict[str, list[str]] = {}  # how an input is read -> the inputs read so, in order
+    for item in each:
+        path, how = item.rsplit(": ", 1)
+        groups.setdefault(how, []).append(path)
+    return "; ".join(_listed(how, paths) for how, paths in groups.items()) or "-"
+
+
+def _listed(how: str, paths: list[str], most: int = 6) -> str:
+    if len(paths) <= most:
+        return f"{how}: {', '.join(paths)}"
+    return f"{how} ({len(paths)}): {', '.join(paths[:most])}, ..."
 
 
 def explain(fn, *args, **kwargs) -> Explanation:

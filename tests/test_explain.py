@@ -25,7 +25,7 @@ step(breaks=1, routine='mixed', bucket=8)
   outputs: 2
     out[0]: float32[8, 8]
     out[1]: int64[]
-  read: batch['x']: padded into input buffers; params['w']: read in place; state['count']: read in place
+  read: padded into input buffers: batch['x']; read in place: params['w'], state['count']
   pieces: 3 (2 graph, 1 break)
   [0] graph 2 ops: mm, empty_like; ends at break toy_scale
       in: batch['x'], params['w']
@@ -57,7 +57,7 @@ fn(routine='decode', bucket=4)
     x: float32[4, 2]@cpu (Batched)
   outputs: 1
     out: float32[4, 2]
-  read: x: padded into input buffers
+  read: padded into input buffers: x
   pieces: 3 (2 graph, 1 break)
   [0] graph 1 ops: empty_like; ends at break toy_decode_only
       in: x
@@ -74,7 +74,7 @@ supports UNIFORM_DECODE))
     x: float32[4, 2]@cpu (Batched)
   outputs: 1
     out: float32[4, 2]
-  read: x: padded into input buffers
+  read: padded into input buffers: x
   pieces: 3 (2 graph, 1 break)
   [0] graph 1 ops: empty_like; ends at break toy_decode_only
       in: x

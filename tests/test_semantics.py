@@ -375,7 +375,7 @@ def test_explain_says_what_is_read_in_place_and_what_is_copied():
     j({"w": p["w"], "b": p["b"].clone()}, x)  # a new b: read in place (captured again)
     j({"w": p["w"], "b": p["b"].clone()}, x)  # and another: copied into fgraph's buffer from now on
     text = str(fgraph.explain(j))
-    assert "read: x: padded into input buffers; p['w']: read in place; p['b']: copied" in text
+    assert "read: padded into input buffers: x; read in place: p['w']; copied: p['b']" in text
 
 
 # -- random call sequences against eager -----------------------------------------------------------------------
