@@ -310,18 +310,12 @@ def recapture(jitted, entry, call, moved: list[int]) -> None:
     entry.graphs, entry.full, entry.buffers = [], None, None
     entry.module = _own_top_level(entry.traced.program.module)
     entry.verified = None
-    # warm-up and capture run the function: the caller's donated tensors get their values back afterwards (a
-    # recapture happens only when a call moved a tensor; the engine's calls never do)
-    donated = [call.leaves[i] for k, i in enumerate(entry.slots.ix) if entry.slots.donated[k]]
-    saved = [t.clone() for t in donated]
+    # warm-up and capture run the function: Entry.capture puts back the donated tensors they write (fgraph/_state.py)
     try:
         jitted._capture(entry, jitted._dummy(c, c.sig.bucket) if c.n is not None else c)
     except BaseException:
         drop(jitted, call.sig, entry)
         raise
-    finally:
-        for t, v in zip(donated, saved):
-            t.copy_(v)
     jitted._retired.extend([_Held(g) for g in old if g.in_use()])
 
 
