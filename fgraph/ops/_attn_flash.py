@@ -17,7 +17,7 @@ The KV write happens here, inside the break:
           table take the split kernel; block_info.h: seqlen_k_cache = cache_seqlens[b], actual_seqlen_k =
           seqlen_k_cache + seqlen_knew; flash_fwd_kernel.h: the Append_KV loop walks the block table from
           n_block_copy_min = seqlen_k_cache / kBlockN; with split-KV only the split holding that block writes).
-  mixed   write_kv (index_copy_ into both caches), then flash_attn_varlen_func.
+  mixed   write_kv (one kernel for both caches: _kv_write), then flash_attn_varlen_func.
 Both kernels write into the break's `out` (the extension's own entry points, which take an output tensor; the
 public functions pass none, and a copy into `out` was one more kernel per layer). With GQA and one query per
 sequence, mha_fwd_kvcache folds the group into the query length (q viewed [B, G, Hkv, D], "seqlenq_ngroups_swapped")
@@ -36,7 +36,7 @@ import math
 import torch
 
 from fgraph.ops import once_per_execution
-from fgraph.ops._attn_torch import write_kv
+from fgraph.ops._kv_write import write_kv
 
 MAX_SPLITS = 128  # flash-attn's limit
 

@@ -44,8 +44,8 @@ import attrs
 import torch
 
 from fgraph.ops import FgraphError, executing
-from fgraph.ops._attn_torch import write_kv
 from fgraph.ops._flashinfer_buffers import HostPlan, _DecodeBuffers, host_plan
+from fgraph.ops._kv_write import write_kv
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace (split-KV partial results)
 _gen = itertools.count(1)
@@ -405,8 +405,8 @@ def forward(
     """out, q: [B, Hq, D]; k/v: [B, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D]; metadata padded to B sequences.
     Writes k/v into their slots, then out."""
     del max_seq_len  # flashinfer sizes its grid in plan(), from the actual lengths
-    # index_copy_, not flashinfer's append_paged_kv_cache: that needs batch indices and positions per token
-    # (more device metadata); this is one kernel per cache from the slot_mapping we already have.
+    # not flashinfer's append_paged_kv_cache: that needs batch indices and positions per token (more device
+    # metadata); _kv_write is one kernel for both caches from the slot_mapping we already have.
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     B, page = q.shape[0], k_cache.shape[1]
     w = _wrapper(routine, q, k_cache, block_table, scale)

@@ -6,7 +6,8 @@ sequence on the device (`searchsorted` over the query offsets), gathers that seq
 block table and attends to the keys at positions <= its own (causal, aligned to the sequence's tail).
 Memory: the gathered keys of `chunk` tokens at a time ([chunk, pages * page_size, Hkv, D]), not of the batch.
 
-`write_kv` (the KV write every backend but flash_attn decode uses) lives here: one index_copy_ per cache.
+`write_kv` here is one index_copy_ per cache: the reference of the one-launch write the other backends use
+(_kv_write).
 """
 
 from __future__ import annotations
