@@ -274,7 +274,10 @@ def test_flash_attn_split_count_depends_on_shapes_only():
     small = _attn_flash.decode_num_splits(1, 2, 7, 64, 8192, 132)
     assert 1 < small <= 32  # one sequence, 2 kv heads: split the 32 key blocks to fill the SMs
     for b in (1, 8, 64, 256):
-        assert 1 <= _attn_flash.decode_num_splits(b, 2, 7, 64, 1 << 17, 132) <= _attn_flash.MAX_SPLITS
+        assert 1 <= _attn_flash.decode_num_splits(b, 2, 7, 64, 1 << 17, 132) <= _attn_flash.GRAPH_MAX_SPLITS
+    # one sequence of 4096 keys on the 8B's heads: flash-attn's heuristic alone picks 32, the cap 16 (measured faster)
+    assert _attn_flash.split_heuristic(8, 264, 32) == 32
+    assert _attn_flash.decode_num_splits(1, 8, 4, 128, 4096, 132) == 16
 
 
 class FakeFlashAttnExtension:

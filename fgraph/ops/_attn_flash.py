@@ -39,6 +39,10 @@ from fgraph.ops import once_per_execution
 from fgraph.ops._kv_write import write_kv
 
 MAX_SPLITS = 128  # flash-attn's limit
+# The cap in a graph (vLLM's for FA under CUDA graphs too): past 16 splits the combine kernel costs more than the
+# wider split kernel saves (docs/performance.md, "FA2 split count": 8B, one sequence of 4096 keys, 17.1 us a call
+# at 16 splits against 19.4 at the 32 flash-attn's heuristic picks).
+GRAPH_MAX_SPLITS = 16
 
 
 @functools.cache
@@ -85,7 +89,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, group: int, head_dim: int, 
     block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
     m_blocks = -(-group // 64)
     n_blocks = -(-max_seqlen_k // block_n)
-    return split_heuristic(batch * num_kv_heads * m_blocks, 2 * num_sms, n_blocks)
+    return split_heuristic(batch * num_kv_heads * m_blocks, 2 * num_sms, n_blocks, GRAPH_MAX_SPLITS)
 
 
 def forward(
