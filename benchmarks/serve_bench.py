@@ -12,8 +12,15 @@ both modes back to back), and how many requests' greedy tokens differ from the f
 run (printed, never raised). A time budget skips a backend that would not fit. Rows go to <out>/serve.jsonl as
 measured; the end writes serve.json and the table.
 
-usage (device): source .gpu/activate.sh; python3 -m benchmarks.serve_bench
-       (CPU):   python3 -m benchmarks.serve_bench --smoke
+A mode with the suffix "+C" (FULL_AND_PIECEWISE+C) is its base mode serving Inductor-compiled pieces
+(Engine(compile=True)). Compiling costs seconds per signature at capture, so those engines capture only
+--compiled-buckets (their row lists the buckets used) and the budget counts --compile-est-s per signature; the row
+adds gain_over_uncompiled, paired over the base mode when it ran too. Inductor's kernels are not bit-identical to
+eager's in bf16: their token mismatches are reported like any others.
+
+usage (device): source .gpu/activate.sh; python3 -m benchmarks.serve_bench [--modes PIECEWISE FULL_AND_PIECEWISE
+                FULL_AND_PIECEWISE+C] [--compiled-buckets 1 8 32 128 512]
+       (CPU):   python3 -m benchmarks.serve_bench --smoke [--modes PIECEWISE FULL_AND_PIECEWISE+C]
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ def describe(reqs) -> dict:
     }
 
 
+def compiled(mode: str) -> bool:
+    return mode.endswith("+C")
+
+
 def build(cfg, params, backend, mode, warm, a):
     """One engine, built (captures every bucket of both routines) and warmed up; (engine, setup seconds)."""
     t0 = time.perf_counter()
@@ -60,7 +71,9 @@ def build(cfg, params, backend, mode, warm, a):
         cfg,
         params,
         backend=backend,
-        mode=mode,
+        mode=mode.removesuffix("+C"),
+        compile=compiled(mode),
+        buckets=a.compiled_buckets if compiled(mode) else None,
         max_seqs=a.max_seqs,
         max_seq_len=a.max_seq_len,
         max_batch_tokens=a.max_batch_tokens,
@@ -102,16 +115,42 @@ def summary(eng, setup: float, reports) -> dict:
     }
 
 
+def paired_gain(runs, base_runs) -> float:
+    """The median over rounds of one mode's throughput over another's (each round ran both back to back)."""
+    return statistics.median(x.throughput / b.throughput - 1 for x, b in zip(runs, base_runs))
+
+
+def unmeasured(a, backend, mode, n, outcome: str, why: str) -> dict:
+    """The row of a mode that did not run: outcome "skipped" or "error", and why."""
+    return {"kind": "serve", "model": a.preset, "backend": backend, "mode": mode, "requests": n, outcome: why}
+
+
+def failure(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"  # one line: it goes in a table cell
+
+
 def backend_rows(cfg, params, backend, reqs, warm, a) -> list[dict]:
-    """Every mode of one backend: engines side by side, --repeats rounds of the modes in turn."""
-    engines = {m: build(cfg, params, backend, m, warm, a) for m in a.modes}
-    reports = {m: [] for m in a.modes}
+    """Every mode of one backend: engines side by side, --repeats rounds of the modes in turn. A mode whose engine
+    fails to build (a +C engine's compile, say) gets an error row; the others still run."""
+    engines, failed = {}, {}
+    for m in a.modes:
+        try:
+            engines[m] = build(cfg, params, backend, m, warm, a)
+        except Exception as e:
+            failed[m] = unmeasured(a, backend, m, len(reqs), "error", failure(e))
+    modes = list(engines)
+    if not modes:
+        return list(failed.values())
+    reports = {m: [] for m in modes}
     for _ in range(a.repeats):
-        for m in a.modes:
+        for m in modes:
             reports[m].append(serve(engines[m][0], reqs, a))
-    base = reports[a.modes[0]][0].tokens
+    base = reports[modes[0]][0].tokens
     rows = []
     for m in a.modes:
+        if m in failed:
+            rows.append(failed[m])
+            continue
         row = {
             "kind": "serve",
             "model": a.preset,
@@ -123,11 +162,13 @@ def backend_rows(cfg, params, backend, reqs, warm, a) -> list[dict]:
         diff = [mismatches(base, r.tokens) for r in reports[m]]
         row["mismatched_requests"] = max(n for n, _ in diff)
         row["first_mismatch"] = next((i for _, i in diff if i is not None), None)
-        row["compared_with"] = f"{a.modes[0]} (first run)"
-        if "PIECEWISE" in reports and m != "PIECEWISE":  # paired: each round ran both modes back to back
-            row["gain_paired"] = statistics.median(
-                x.throughput / p.throughput - 1 for x, p in zip(reports[m], reports["PIECEWISE"])
-            )
+        row["compared_with"] = f"{modes[0]} (first run)"
+        if "PIECEWISE" in reports and m != "PIECEWISE":
+            row["gain_paired"] = paired_gain(reports[m], reports["PIECEWISE"])
+        if compiled(m):
+            row["buckets"] = list(engines[m][0].buckets)
+            if m.removesuffix("+C") in reports:
+                row["gain_over_uncompiled"] = paired_gain(reports[m], reports[m.removesuffix("+C")])
         rows.append(row)
     del engines, reports
     gc.collect()
@@ -161,6 +202,16 @@ def parse_args(argv=None):
     )
     ap.add_argument("--budget-s", type=float, default=520.0, help="wall budget; runs that do not fit are skipped")
     ap.add_argument("--run-est-s", type=float, default=90.0, help="first guess of one backend (builds + runs)")
+    ap.add_argument(
+        "--compiled-buckets",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the buckets of +C engines (default 1 8 32 128 512 up to --max-batch-tokens, which is always one)",
+    )
+    ap.add_argument(
+        "--compile-est-s", type=float, default=15.0, help="first guess of compiling one signature of a +C engine"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny preset, torch backend, 6 short requests")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -169,7 +220,16 @@ def parse_args(argv=None):
         a.preset, a.backends, a.device, a.requests, a.warmup_requests = "tiny", ["torch"], "cpu", 6, 2
         a.max_prompt, a.max_output, a.max_seqs, a.max_batch_tokens, a.max_seq_len = 48, 8, 4, 64, 128
     a.repeats = a.repeats or (2 if a.smoke else 5)
+    # few signatures: each compiles its pieces at capture (the engine adds max_batch_tokens, so it is counted here)
+    cb = a.compiled_buckets or (1, 8, 32, 128, 512)
+    a.compiled_buckets = sorted({b for b in cb if b < a.max_batch_tokens} | {a.max_batch_tokens})
     return a
+
+
+def estimate(a) -> float:
+    """First guess of one backend's seconds: builds and runs, plus compiling each +C engine's signatures (every
+    bucket of both routines)."""
+    return a.run_est_s + sum(compiled(m) for m in a.modes) * 2 * len(a.compiled_buckets) * a.compile_est_s
 
 
 def main(argv=None):
@@ -198,19 +258,16 @@ def main(argv=None):
         "command": "python3 -m benchmarks.serve_bench " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     emit(path, info)
-    rows, est = [info], a.run_est_s
+    rows, est = [info], estimate(a)
     for backend in a.backends:
         outcome, why = "skipped", budget.why_not(est)
         t0 = time.perf_counter()
         try:
             got = [] if why else backend_rows(cfg, params, backend, reqs, warm, a)
         except Exception as e:  # one failing backend is a result; the others still run
-            outcome, why = "error", f"{type(e).__name__}: {str(e)[:300]}"
+            outcome, why = "error", failure(e)
         if why:
-            got = [
-                {"kind": "serve", "model": a.preset, "backend": backend, "mode": m, "requests": len(reqs), outcome: why}
-                for m in a.modes
-            ]
+            got = [unmeasured(a, backend, m, len(reqs), outcome, why) for m in a.modes]
         else:
             est = max(est, 1.2 * (time.perf_counter() - t0))
         for row in got:

@@ -364,6 +364,15 @@ def serve_lines(rows) -> list[str]:
             f"greedy tokens ({b}): {verdict(gain >= SERVE_GAIN and same)}: {gain:+.1%}, "
             f"{fp.get('mismatched_requests', '?')} of {fp.get('requests', '?')} requests differ"
         )
+    for r in rows:  # a "+C" mode: its base mode serving Inductor-compiled pieces, on fewer buckets
+        if r.get("mode", "").endswith("+C") and "throughput_tok_s" in r:
+            over = r.get("gain_over_uncompiled")
+            out.append(
+                f"- {r['mode']} ({r['backend']}; Inductor-compiled pieces, buckets {r.get('buckets', '?')}): "
+                + (f"{over:+.1%} over {r['mode'].removesuffix('+C')}" if over is not None else "base mode not run")
+                + f", {r.get('mismatched_requests', '?')} of {r.get('requests', '?')} requests' tokens differ from "
+                f"{r.get('compared_with', 'the first mode')}"
+            )
     return out + [""]
 
 
