@@ -12,8 +12,9 @@ largest logit; a contender that fails is reported, not timed), then all are time
 of CUDA-event timings after warm-up: the tables show the median ± half the range. Peers run on one backend
 (--peer-backend, flash_attn: its eager step needs no host plan); FlashInfer's FULL is compared with them at its
 own page size, so that comparison also differs in the KV page size (16 against 256). Also: host
-time per FULL call (entry -> graph launch, with and without the plan hook), and with --capture the capture cost
-of 2 routines x the default buckets (FULL_AND_PIECEWISE) per backend.
+time per FULL call (entry -> graph launch, with and without the plan hook); with --capture the capture cost
+of 2 routines x the default buckets (FULL_AND_PIECEWISE) per backend; with --kernels, after each cell's timings, the
+kernels of each timed fgraph mode and of torch.compile (benchmarks/kernels.py: per step, per layer, the costliest).
 
 Time: every part has a budget (--budget-s); work that does not fit is skipped and says why. Order per model:
 capture cost, then one pass per backend (peer backend last: its pass ends with the torch.compile sweep, one
@@ -43,7 +44,7 @@ import fgraph
 from examples import llama
 from fgraph.ops import attention as A
 
-from . import summarize
+from . import kernels, summarize
 from .common import Budget, copy_bandwidth, decode_batch, device_name, emit, jit_step, sync, time_ms
 
 SLEEP_CYCLES = 6_000_000  # ~3 ms of GPU spin at H200 clocks: longer than any host call we measure
@@ -183,10 +184,11 @@ def on_device(batch, dev):
     return llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
 
 
-def cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a) -> dict:
+def cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a, n_layers) -> dict:
     """One (ctx, B) cell: set up every contender (fgraph modes of this backend; with `peers`, eager, one CUDA
     graph of the eager step and torch.compile's `compiled[B]`), check each one's logits against eager's, then
-    time them in alternating rounds. Row keys: <name>_ms (median), <name>_spread (max - min over rounds, ms)."""
+    time them in alternating rounds. Row keys: <name>_ms (median), <name>_spread (max - min over rounds, ms);
+    with --kernels, the kernels of the timed fgraph modes and torch.compile (kernels.contender_kernels)."""
     row, calls, b = {}, {}, on_device(batch, dev)
     ref = step(params, cache, b, "decode")[0].float()  # the oracle (repeating a step rewrites the same KV slots)
     for mode, f in jitted.items():
@@ -237,6 +239,9 @@ def cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a) -
         full = {m: f for m, f in jitted.items() if m.startswith("FULL") and f"{backend}/{m}_ms" in row}
         for mode, got in host_times(full, params, cache, batch, dev).items():
             row.update({f"{backend}/{mode}/{k}": v for k, v in got.items()})
+    if a.kernels:  # last: the profiler can leave CUPTI attached, slowing the launches measured after it
+        profiled = {k: c for k, c in calls.items() if "/" in k or k == "compile"}
+        row.update(kernels.contender_kernels(profiled, n_layers, dev))
     return row
 
 
@@ -314,7 +319,7 @@ def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base
             batch, _ = decode_batch(cfg.vocab_size, B, ctx, ps, max_ctx)
             row = {}
             compiled = comp.for_batch(B, on_device(batch, dev), row) if comp is not None else None
-            row.update(cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a))
+            row.update(cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a, cfg.n_layers))
             rec({**base, "ctx": ctx, "batch": B, **row})
         del jitted, comp
         gc.collect()
@@ -503,6 +508,7 @@ def parse_args(argv=None):
     ap.add_argument("--peer-backend", default=None, help="attention backend of the peers (default: flash_attn)")
     ap.add_argument("--no-host", dest="host", action="store_false", help="skip host time per FULL call")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="alternating timing rounds per cell")
+    ap.add_argument("--kernels", action="store_true", help="kernels per step and layer (profiled after timing)")
     ap.add_argument(
         "--inputs-by-call",
         dest="inputs_in_graph",
@@ -564,6 +570,7 @@ def main(argv=None):
         "copy_TBps": bw / 1e12,
         "budget_s": a.budget_s,
         "inputs_in_graph": a.inputs_in_graph,
+        "kernels": a.kernels,  # profiled after each cell's timings, which can slow the host side of later cells
         "command": "python3 -m benchmarks.decode_bench " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     rec(info)

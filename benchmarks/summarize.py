@@ -1,7 +1,8 @@
 """One summary of every benchmark part: reads the .jsonl (or, where a part has none, the .json) results under the
 given directories, prints one markdown table per model (rows: cells (ctx, batch); columns: the floor, each peer
 and fgraph mode in ms with its ratio to the floor, the best peer) followed by one line per target (met / NOT met,
-with the number), then the capture cost and the serving run, and writes PNG plots (when matplotlib imports).
+with the number) and, where measured, kernels per layer; then the top kernels of one cell per model, the capture
+cost and the serving run, and writes PNG plots (when matplotlib imports).
 
 usage: python3 -m benchmarks.summarize DIR [DIR ...] [--out DIR]
 """
@@ -13,6 +14,8 @@ import glob
 import json
 import os
 import statistics
+
+from . import kernels
 
 PEERS = ("eager", "graph", "compile")
 MODES = ("NONE", "PIECEWISE", "FULL", "FULL+C")
@@ -125,7 +128,7 @@ def decode_table(model, cells) -> list[str]:
             for k, v in sorted(c.items())
             if (k.endswith("_skipped") or k.endswith("_error")) and k != "skipped"
         ]
-    out += [""] + decode_targets(model, cells) + host_lines(cells)
+    out += [""] + decode_targets(model, cells) + host_lines(cells) + kernels.summary_lines(cells)
     if notes:
         out += ["", "Notes (not measured, skipped, caveats):"] + [f"- {n}" for n in _dedupe(notes)]
     return out
@@ -388,8 +391,11 @@ def report(rows) -> str:
             + f": `{info.get('command', '')}`"
         )
     out.append("")
-    for model in _dedupe([c["model"] for c in cells]):
+    models = _dedupe([c["model"] for c in cells])
+    for model in models:
         out += decode_table(model, [c for c in cells if c["model"] == model]) + [""]
+    for model in models:
+        out += kernels.top_lines(model, [c for c in cells if c["model"] == model])
     out += capture_lines(
         [r for r in rows if r.get("kind") == "capture"], [r for r in rows if r.get("kind") == "process"]
     )

@@ -255,29 +255,15 @@ def capture(cfg, params):
 def kernels(cfg, params):
     """The kernels of one decode step (DIAG_MODEL, ctx 1k, B = 1 and 64) under fgraph FULL+C per backend and under
     torch.compile(reduce-overhead) of the same step (FA2 attention): per kernel name, launches and GPU us per
-    step (torch.profiler over 20 replays), to see where a step's time goes and what each side fuses.
+    step (benchmarks.kernels.kernel_table: torch.profiler over 20 replays), to see where a step's time goes and
+    what each side fuses.
     KERNELS_B="1 64" and KERNELS_SIDES="flashinfer flash_attn compile" pick the cells; KERNELS_CDT=1 compiles
     fgraph's pieces with coordinate-descent tuning (see gemv)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprofile
+    from benchmarks.kernels import kernel_table, table_lines
 
-    def table(label, fn, steps=20):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-        rows = [
-            (e.key, e.count / steps, e.device_time_total / steps)
-            for e in prof.key_averages()
-            if e.device_time_total > 0
-        ]
-        rows.sort(key=lambda r: -r[2])
-        say(f"--- {label}: {sum(r[1] for r in rows):.0f} kernels, {sum(r[2] for r in rows):.1f} us GPU per step")
-        for name, n, us in rows[:25]:
-            say(f"  {us:8.1f} us {n:6.1f}x  {name[:110]}")
+    def table(label, fn):
+        for line in table_lines(label, kernel_table(fn), cfg.n_layers):
+            say(line)
 
     sides = os.environ.get("KERNELS_SIDES", "flashinfer flash_attn compile").split()  # compile: its FA2 peer
     for B in map(int, os.environ.get("KERNELS_B", "1 64").split()):
