@@ -9,9 +9,11 @@
 Random weights (presets; bf16 on the GPU), every sequence at position C/2. Per cell, every contender's logits are
 first checked against eager's (uncompiled fgraph: bit for bit; Inductor-compiled ones within TOL_COMPILED of the
 largest logit; a contender that fails is reported, not timed), then all are timed in --rounds alternating rounds
-of CUDA-event timings after warm-up: the tables show the median ± half the range. Peers run on one backend
-(--peer-backend, flash_attn: its eager step needs no host plan); FlashInfer's FULL is compared with them at its
-own page size, so that comparison also differs in the KV page size (16 against 256). Also: host
+of CUDA-event timings after warm-up: the tables show the median ± half the range. Eager and graph peers run on one
+backend (--peer-backend, flash_attn: its eager step needs no host plan); torch.compile runs on every backend, at
+its page size (column "compile" on the peer backend, "<backend>/compile" on the others; FlashInfer's plans by hand
+before each call, as fgraph's hook plans before each replay), and each FULL is compared with the peers of its page
+size. Also: host
 time per FULL call (entry -> graph launch, with and without the plan hook); with --capture the capture cost
 of 2 routines x the default buckets (FULL_AND_PIECEWISE) per backend; with --kernels, after each cell's timings, the
 kernels of each timed fgraph mode and of torch.compile (benchmarks/kernels.py: per step, per layer, the costliest).
@@ -186,7 +188,8 @@ def on_device(batch, dev):
 
 def cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a, n_layers) -> dict:
     """One (ctx, B) cell: set up every contender (fgraph modes of this backend; with `peers`, eager, one CUDA
-    graph of the eager step and torch.compile's `compiled[B]`), check each one's logits against eager's, then
+    graph of the eager step; `compiled`: (column, call) of torch.compile's step for B), check each one's logits
+    against eager's, then
     time them in alternating rounds. Row keys: <name>_ms (median), <name>_spread (max - min over rounds, ms);
     with --kernels, the kernels of the timed fgraph modes and torch.compile (kernels.contender_kernels)."""
     row, calls, b = {}, {}, on_device(batch, dev)
@@ -226,12 +229,13 @@ def cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a, n
     elif "graph" in peers:
         row["graph_skipped"] = "needs CUDA"
     if compiled is not None:
-        out = compiled(b)
-        row["compile_err"], why = check_against_eager("compile", out, ref, True)
+        name, comp = compiled
+        out = comp(b, batch.meta)
+        row[f"{name}_err"], why = check_against_eager(name, out, ref, True)
         if why:
-            row["compile_error"] = why
+            row[f"{name}_error"] = why
         else:
-            calls["compile"] = lambda: compiled(b)
+            calls[name] = lambda: comp(b, batch.meta)
     for name, (ms, spread) in timed_rounds(calls, dev, a.rounds).items():
         row[f"{name}_ms"], row[f"{name}_spread"] = ms, spread
     row["rounds"] = a.rounds
@@ -240,17 +244,19 @@ def cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a, n
         for mode, got in host_times(full, params, cache, batch, dev).items():
             row.update({f"{backend}/{mode}/{k}": v for k, v in got.items()})
     if a.kernels:  # last: the profiler can leave CUPTI attached, slowing the launches measured after it
-        profiled = {k: c for k, c in calls.items() if "/" in k or k == "compile"}
+        profiled = {k: c for k, c in calls.items() if "/" in k or k == "compile"}  # fgraph's and torch.compile
         row.update(kernels.contender_kernels(profiled, n_layers, dev))
     return row
 
 
 # ------------------------------------------------------------------------------------------------ peers
 def compile_peer(cfg, params, cache, backend, max_ctx, inductor=None):
-    """`call(batch on the device) -> logits`: one decode step of torch.compile(step, mode="reduce-overhead",
-    fullgraph=True, dynamic=False); with `inductor` (options), the same with these options added (reduce-overhead
-    is {"triton.cudagraphs": True}). Params and cache are marked static addresses, so cudagraph trees accept the
-    in-place cache write. Caller: torch._dynamo.reset() when done."""
+    """`call(batch on the device, its host metadata) -> logits`: one decode step of torch.compile(step,
+    mode="reduce-overhead", fullgraph=True, dynamic=False); with `inductor` (options), the same with these options
+    added (reduce-overhead is {"triton.cudagraphs": True}). Params and cache are marked static addresses, so
+    cudagraph trees accept the in-place cache write. FlashInfer plans outside any graph: the call plans by hand
+    from the host metadata first (A.plan_attention, as fgraph's hook does before each replay; its host time is
+    part of the peer's step, as the hook's is of fgraph's). Caller: torch._dynamo.reset() when done."""
     import torch._dynamo
 
     for t in pytree.tree_leaves(params) + pytree.tree_leaves(cache):
@@ -261,7 +267,12 @@ def compile_peer(cfg, params, cache, backend, max_ctx, inductor=None):
         llama.make_step(cfg, backend=backend, max_seq_len=max_ctx), fullgraph=True, dynamic=False, **how
     )
 
-    def call(b):
+    plans = backend == "flashinfer"
+    page, scale = A.page_size_for(backend), cfg.head_dim**-0.5
+
+    def call(b, meta=None):
+        if plans:
+            A.plan_attention(meta, backend=backend, routine="decode", page_size=page, scale=scale)
         torch.compiler.cudagraph_mark_step_begin()
         return comp(params, cache, b, "decode")[0]
 
@@ -270,35 +281,37 @@ def compile_peer(cfg, params, cache, backend, max_ctx, inductor=None):
 
 class CompilePeer:
     """torch.compile's step for each batch size, compiled on first use (dynamic=False: one compile per B, shared
-    by every context, since block tables are sized for the largest), within the budget. `for_batch(B, b, row)`
-    returns the call, or None with the reason in `row`."""
+    by every context, since block tables are sized for the largest), within the budget. `for_batch(B, b, meta,
+    row)` returns (column, call), or None with the reason in `row`. The column is "compile" on the peer backend,
+    "<backend>/compile" on another (the same step at that backend's page size)."""
 
-    def __init__(self, cfg, params, cache, backend, max_ctx, budget, est_s):
+    def __init__(self, cfg, params, cache, backend, max_ctx, budget, est_s, name="compile"):
         self.call, self.budget, self.est_s = compile_peer(cfg, params, cache, backend, max_ctx), budget, est_s
-        self.ready, self.error = set(), None
+        self.ready, self.error, self.name = set(), None, name
 
-    def for_batch(self, B: int, b, row: dict):
+    def for_batch(self, B: int, b, meta, row: dict):
         from torch._dynamo.utils import counters
 
+        n = self.name
         if B in self.ready:
-            return self.call
+            return n, self.call
         why = self.error or self.budget.why_not(self.est_s)
         if why:
-            row["compile_skipped"] = why
+            row[f"{n}_skipped"] = why
             return None
         try:
             skips0 = counters["inductor"]["cudagraph_skips"]
             t0 = time.perf_counter()
             for _ in range(3):  # compile, then cudagraph trees' warm-up run and recording
-                self.call(b)
+                self.call(b, meta)
             sync(b.tokens.device)
-            row["compile_s"] = secs = time.perf_counter() - t0
-            row["compile_cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
+            row[f"{n}_s"] = secs = time.perf_counter() - t0
+            row[f"{n}_cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips0
             self.est_s = max(self.est_s, 1.2 * secs)
             self.ready.add(B)
-            return self.call
+            return n, self.call
         except Exception as e:
-            self.error = row["compile_error"] = f"compile failed at B={B}: {type(e).__name__}: {str(e)[:300]}"
+            self.error = row[f"{n}_error"] = f"compile failed at B={B}: {type(e).__name__}: {str(e)[:300]}"
             return None
 
 
@@ -309,7 +322,10 @@ def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base
     cache = llama.init_cache(cfg, cache_pages(cells, ps), ps, a.dtype, dev)
     jitted = {m: make_jitted(cfg, backend, m, max_ctx, a.buckets) for m in modes}
     step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
-    comp = CompilePeer(cfg, params, cache, backend, max_ctx, budget, a.compile_est_s) if "compile" in peers else None
+    name = "compile" if backend == a.peer_backend else f"{backend}/compile"
+    comp = (
+        CompilePeer(cfg, params, cache, backend, max_ctx, budget, a.compile_est_s, name) if "compile" in peers else None
+    )
     with torch.no_grad():
         for ctx, B in cells:
             why = budget.why_not(a.cell_est_s)
@@ -318,7 +334,7 @@ def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base
                 continue
             batch, _ = decode_batch(cfg.vocab_size, B, ctx, ps, max_ctx)
             row = {}
-            compiled = comp.for_batch(B, on_device(batch, dev), row) if comp is not None else None
+            compiled = comp.for_batch(B, on_device(batch, dev), batch.meta, row) if comp is not None else None
             row.update(cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a, cfg.n_layers))
             rec({**base, "ctx": ctx, "batch": B, **row})
         del jitted, comp
@@ -485,9 +501,9 @@ def run_model(name, a, rec, budget, bw):
     order = [b for b in a.backends if b != a.peer_backend] + [a.peer_backend] if peers else list(a.backends)
     for backend in order:
         modes = a.modes if backend in a.backends else []
-        backend_pass(
-            cfg, params, backend, modes, fits, a, rec, budget, peers if backend == a.peer_backend else [], base
-        )
+        # torch.compile runs on every backend (its step at that backend's page size); eager and graph on the peer's
+        mine = peers if backend == a.peer_backend else [p for p in peers if p == "compile"]
+        backend_pass(cfg, params, backend, modes, fits, a, rec, budget, mine, base)
     del params
     gc.collect()
     if str(dev).startswith("cuda"):

@@ -84,8 +84,11 @@ def label(col: str) -> str:
     return f"{SHORT.get(b, b)} {m}"
 
 
-def best_peer(c) -> tuple[str | None, float | None]:
-    got = [(c[f"{p}_ms"], p) for p in PEERS if isinstance(c.get(f"{p}_ms"), (int, float))]
+def best_peer(c, backend=None) -> tuple[str | None, float | None]:
+    """The fastest peer of cell c; with a backend, its own torch.compile peer ("<backend>/compile", the step at
+    that backend's page size) is a candidate too."""
+    names = [*PEERS, f"{backend}/compile"] if backend else PEERS
+    got = [(c[f"{p}_ms"], p) for p in names if isinstance(c.get(f"{p}_ms"), (int, float))]
     return (min(got)[1], min(got)[0]) if got else (None, None)
 
 
@@ -103,7 +106,9 @@ def cell_text(c, col) -> str:
 # ------------------------------------------------------------------------------------------------ tables
 def decode_table(model, cells) -> list[str]:
     cols = columns(cells)
-    head = ["ctx", "B", "floor"] + [label(c) for c in cols] + ["best peer", "best FULL / best peer (speedup)"]
+    head = (
+        ["ctx", "B", "floor"] + [label(c) for c in cols] + ["best peer", "FULL / best peer at its page size (speedup)"]
+    )
     out = [f"### {model}: decode step, ms (x floor)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
     for c in cells:
@@ -112,7 +117,11 @@ def decode_table(model, cells) -> list[str]:
             notes.append(f"ctx {c['ctx']} B {c['batch']}: {c['skipped']}")
             continue
         name, ms = best_peer(c)
-        fulls = [f"{SHORT.get(b, b)} {ms / full_ms(c, b):.2f}x" for b in sorted(_backends(c)) if ms and full_ms(c, b)]
+        fulls = [
+            f"{SHORT.get(b, b)} {best_peer(c, b)[1] / full_ms(c, b):.2f}x"
+            for b in sorted(_backends(c))
+            if best_peer(c, b)[1] and full_ms(c, b)
+        ]
         floor = c.get("floor_ms")
         line = [str(c["ctx"]), str(c["batch"]), f"{floor:.2f}" if floor else "-"]
         line += [cell_text(c, col) for col in cols]
@@ -177,14 +186,14 @@ def decode_targets(model, cells) -> list[str]:
                     else ""
                 )
             )
-        sp = [(best_peer(c)[1] / full_ms(c, b), c) for c in got if best_peer(c)[1]]
+        sp = [(best_peer(c, b)[1] / full_ms(c, b), c) for c in got if best_peer(c, b)[1]]
         worst = min(sp, key=lambda x: x[0]) if sp else None
         ok = None if not sp else all(s >= PEER_SPEEDUP for s, _ in sp)
         out.append(
             f"- target FULL >= {PEER_SPEEDUP}x faster than the best peer ({b}): {verdict(ok)}"
             + (
                 f": {sum(s >= PEER_SPEEDUP for s, _ in sp)}/{len(sp)} cells, worst {worst[0]:.2f}x at ctx {worst[1]['ctx']} "
-                f"B {worst[1]['batch']} (best peer {best_peer(worst[1])[0]})"
+                f"B {worst[1]['batch']} (best peer {best_peer(worst[1], b)[0]})"
                 if worst
                 else ""
             )

@@ -63,3 +63,15 @@ def test_smoke_with_kernels_records_that_they_need_cuda(tmp_path):
     assert c["kernels_skipped"] == "needs CUDA" and "torch/FULL_ms" in c
     assert not [k for k in c if "_kernels_per" in k]
     assert "ctx 64 B 1: kernels: needs CUDA" in summarize.report(d["rows"])
+
+
+def test_each_backend_is_compared_with_torch_compile_at_its_own_page_size():
+    """FA2's FULL against "compile" (the peer backend's step, page 256), FlashInfer's against "flashinfer/compile"
+    (the same step at page 16): never one backend's FULL against the other's page size."""
+    cell = {"model": "m", "ctx": 1024, "batch": 1, "floor_ms": 1.0, "compile_ms": 3.0, "flashinfer/compile_ms": 2.0}
+    cell.update({"flash_attn/FULL+C_ms": 2.0, "flashinfer/FULL+C_ms": 1.6})
+    text = summarize.report([cell])
+    assert "| fi compile |" in text
+    assert "fa2 1.50x, fi 1.25x" in text  # 3.0 / 2.0 and 2.0 / 1.6 (not 3.0 / 1.6 = 1.88x)
+    assert summarize.best_peer(cell, "flashinfer") == ("flashinfer/compile", 2.0)
+    assert summarize.best_peer(cell) == ("compile", 3.0)
