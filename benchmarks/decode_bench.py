@@ -263,15 +263,20 @@ def compile_peer(cfg, params, cache, backend, max_ctx, inductor=None):
         if isinstance(t, torch.Tensor):
             torch._dynamo.mark_static_address(t)
     how = {"options": {"triton.cudagraphs": True, **inductor}} if inductor else {"mode": "reduce-overhead"}
-    comp = torch.compile(
-        llama.make_step(cfg, backend=backend, max_seq_len=max_ctx), fullgraph=True, dynamic=False, **how
-    )
-
-    plans = backend == "flashinfer"
+    step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
+    comp = torch.compile(step, fullgraph=True, dynamic=False, **how)
+    plans, ready = backend == "flashinfer", set()
     page, scale = A.page_size_for(backend), cfg.head_dim**-0.5
 
     def call(b, meta=None):
         if plans:
+            if b.tokens.shape[0] not in ready:
+                # FlashInfer's wrapper for this batch size and its first plans (plan(), then the recorded fast
+                # path) allocate what the wrapper keeps: made by eager steps, outside cudagraph trees' pool,
+                # which refuses live allocations it does not own ("tensors in the cudagraph pool not tracked")
+                for _ in range(3):
+                    step(params, cache, b, "decode")
+                ready.add(b.tokens.shape[0])
             A.plan_attention(meta, backend=backend, routine="decode", page_size=page, scale=scale)
         torch.compiler.cudagraph_mark_step_begin()
         return comp(params, cache, b, "decode")[0]
