@@ -38,6 +38,7 @@ class InputBuffers:
         self.dev_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
         self.dev = self._views(self.dev_bytes, offsets, shapes)
         self.real_dev = [-1] * len(shapes)  # rows last written per leaf: the pad rows after them are still in place
+        self.written: set[int] = set()  # leaves the program writes in place: their padding is never still in place
         self.heads = {}  # (leaf, rows) -> view of the first rows of its device buffer (see _pad_all)
         self.mirrors = [_Mirror(total, offsets, shapes) for _ in range(2)] if self.cuda else []
         self.turn = 0
@@ -100,6 +101,8 @@ class InputBuffers:
             m.copied.record()
             self.last_host = m.host
             return m.host
+        for k in self.written:
+            self.real_dev[k] = -1
         _pad_all(self.dev, self.dev_np or [None] * len(self.dev), self.real_dev, leaves, specs, self.heads)
         for m in self.mirrors:
             m.real[:] = [-1] * len(m.real)  # the device side changed behind the mirrors' backs

@@ -43,12 +43,24 @@ class Call(NamedTuple):
 
 
 class Stats:
-    # copies: calls that copied non-batched inputs into fgraph's buffers (Slots), copied_bytes: how much in all
-    __slots__ = ("traces", "captures", "warmups", "replays", "eager", "calls", "padded", "copies", "copied_bytes")
+    # copies: calls that copied non-batched inputs into fgraph's buffers (Slots), copied_bytes: how much in all;
+    # written_back: donated batched leaves the program wrote, copied back from fgraph's buffer into the caller's
+    __slots__ = (
+        "traces",
+        "captures",
+        "warmups",
+        "replays",
+        "eager",
+        "calls",
+        "padded",
+        "copies",
+        "copied_bytes",
+        "written_back",
+    )
 
     def __init__(self):
         self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.padded = 0
-        self.copies = self.copied_bytes = 0
+        self.copies = self.copied_bytes = self.written_back = 0
 
     def as_dict(self):
         return {k: getattr(self, k) for k in self.__slots__}
@@ -116,6 +128,11 @@ class Traced:
         # the donated leaves the program writes (put back after warm-up and capture), and those declared scratch
         writes = {base_of(t) for node in gm.graph.nodes for t in _write_targets(node)}
         self.written = [i for ph, i in zip(placeholders, tensor_ix) if ph in writes and call.specs[i] is None]
+        # donated batched leaves it writes: the program writes fgraph's padded buffer, so the caller's rows are
+        # copied back after each call (as eager writes the caller's tensor), and their padding is written again
+        self.written_batched = {
+            i for ph, i in zip(placeholders, tensor_ix) if ph in writes and call.specs[i] is not None
+        }
         self.scratch = {i for i in self.written if root_of(self.paths[i]) in jitted.scratch}
         self._padding(jitted, call, gm, ph_paths)
         self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
@@ -203,6 +220,7 @@ class Entry:
         self.passthrough = [(j, i) for j, i in self.out_passthrough.items() if j in used]
         self.out_batched = traced.batched_outputs(call.sig.bucket)
         self.specs = [call.specs[i] for i in self.batched_ix]
+        self.write_back = [(k, i) for k, i in enumerate(self.batched_ix) if i in traced.written_batched]
         self.graphs: list = []
         self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
         self.slots = None  # the inputs its graphs read by address: in place or copied (_dispatch.Slots)
@@ -267,6 +285,10 @@ class Entry:
             outs = self.full.replay() if self.full is not None else self.module(*self._args(args))
         if args is not leaves:
             slots.copy_back(leaves)
+        for k, i in self.write_back:  # the caller's rows of a donated batched leaf the program wrote (padding cut)
+            x = leaves[i]
+            x.copy_(self.buffers.dev[k][tuple(slice(0, d) for d in x.shape)])
+            st.written_back += 1
         return self._outputs(leaves, n, bound, outs, copy_outputs)
 
     def _outputs(self, leaves, n, bound, outs, copy_outputs: bool):
@@ -301,6 +323,7 @@ class Entry:
         self.buffers = InputBuffers(
             [(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix], self.device
         )
+        self.buffers.written = {k for k, _ in self.write_back}
         host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
         args = self._args(call.leaves)
         # donated leaves the program writes go back to their values after warm-up and capture (fgraph/_state.py);
