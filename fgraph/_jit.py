@@ -27,7 +27,7 @@ from ._errors import CaptureError, SignatureError
 from ._inductor import inductor_options
 from ._lower import lower
 from ._modes import Mode
-from ._padding import check_lengths, check_options
+from ._padding import check_aliases, check_lengths, check_options
 from ._pytree import check_static_fields, flatten_with_paths, flattener
 from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count
 
@@ -295,6 +295,7 @@ class Jitted:
         elif entry.slots is not None and (moved := entry.slots.diverged(call.leaves)):
             D.recapture(self, entry, call, moved)
         check_lengths(self.name, entry.traced.tied, call.leaves)
+        check_aliases(self.name, entry.traced, call.leaves, call.specs)
         out = entry.run(call.leaves, call.n, call.bound, self.copy_outputs, check=True)
         self._remember(call, entry)
         entry.verified = None

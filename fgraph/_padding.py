@@ -282,6 +282,42 @@ def check_lengths(fname: str, groups: list, leaves: list) -> None:
             )
 
 
+def check_aliases(fname: str, traced, leaves: list, specs: list) -> None:
+    """A batched leaf is read from a padded copy made before the call, so it must not share memory with a leaf the
+    program writes in place: eager would read that write through it, the jitted call would not. Checked where a
+    call's layout is first seen (the slow path); the replay path does not re-check (tests/test_footguns.py)."""
+    written = [*traced.written, *sorted(traced.written_batched)]
+    if not written:
+        return
+    for b, spec in enumerate(specs):
+        if spec is None or not isinstance(leaves[b], torch.Tensor):
+            continue
+        for w in written:
+            if w != b and _overlap(leaves[b], leaves[w]):
+                pb, pw = traced.paths[b], traced.paths[w]
+                raise SignatureError(
+                    f"fgraph.jit({fname}): {pb} shares memory with {pw}, which the function writes in place; "
+                    f"{pb} is batched, so the jitted call reads it from a padded copy made before the call and "
+                    "would not see that write (eager would)",
+                    f"pass a copy ({pb}.clone()), or read {pw} inside the function instead of passing it twice",
+                )
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory ranges overlap (same device and storage, overlapping bytes)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def check_options(fname: str, signature, jitted) -> None:
     """The jit options padding and capture rely on, checked when jit is called rather than at a first call."""
     if not jitted.buckets:

@@ -161,6 +161,24 @@ def test_a_donated_batched_input_written_in_place_ends_as_eager_leaves_it(mode, 
     assert j.stats()["total"]["written_back"] == len(sizes)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batched_input_sharing_memory_with_written_state_is_refused(mode):
+    """A batched input is read from a padded copy made before the call, so it cannot see what the function writes
+    into state it shares memory with (eager would): an error names both, where a call's layout is first seen."""
+
+    def step(x, state):
+        state["h"].add_(1)
+        return x * 2
+
+    j = fgraph.jit(step, donate=["state"], batch={"x": Batched()}, mode=mode, buckets=[4])
+    h = torch.ones(2, 3)
+    with pytest.raises(fgraph.SignatureError, match=r"x shares memory with state\['h'\], which the function writes"):
+        j(h[0], {"h": h})  # a view of the state
+    assert h.tolist() == [[1.0] * 3] * 2  # nothing written: warm-up and capture put the state back
+    x, state = torch.ones(3), {"h": torch.ones(3)}
+    assert j(x, state).tolist() == [2.0] * 3 and state["h"].tolist() == [2.0] * 3  # apart: as eager
+
+
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
 def test_strict_refuses_to_copy(mode):
     j = fgraph.jit(layer, mode=mode, strict=True)
