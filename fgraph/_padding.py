@@ -2,7 +2,8 @@
 
 A signature pads every Batched leaf to its bucket. That is invisible only to per-row work; this module finds, on
 the trace (batch axes are sympy symbols there), the ops whose result the padded rows can change (reductions,
-softmax/cumsum/sort along the axis, matmuls contracting it, negative indexing, concatenation along it, scatters
+softmax/cumsum/sort along the axis, matmuls contracting it, negative indexing and indices computed from its
+size, concatenation along it, scatters
 of its rows into state, Python branches on its size), and derives the exact size of each output along every
 batch-sized dim, so outputs are cut back to what the unpadded call returns and nothing else is sliced.
 
@@ -113,6 +114,11 @@ class BatchAxes:
         """Every symbol involved stands for a leaf declared Batched(mixes=True)."""
         return bool(syms) and all(any(leaf[3].mixes for leaf in self.leaves if leaf[4] == s) for s in syms)
 
+    def intended_raw(self, syms) -> bool:
+        """The same for symbols as traced (before a guard replaced one with a number)."""
+        raw = [self.raw[s][0] for s in syms if s in self.raw]
+        return bool(raw) and all(leaf[3].mixes for leaf in self.leaves if leaf[1] in raw)
+
 
 def _name(node: fx.Node) -> str:
     return node.target._schema.name.split("::")[-1]  # aten.mean.dim -> "mean"
@@ -184,6 +190,17 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
             neg = [e for e in ends if isinstance(e, int) and 0 > e]
             if d in dims and neg:
                 add(node, syms, f"index {neg[0]} counts from the end of the padded batch axis (a padded row)")
+            # an index computed from the batch size (`x[x.shape[0] - 1]`, `x[n - 2:]`): the padded size, not the
+            # call's; an end equal to the whole axis (`x[k:]`) is the one that reads no padded row by itself
+            whole = axes.canon(first.shape[d])
+            sized = [e for e in map(_val, ends) if axes.syms_of(e) and axes.canon(e) != whole]
+            if d in dims and sized:
+                add(node, syms, f"index {sized[0]} is computed from the padded batch size (a padded row)")
+            continue
+        if name == "arange":  # values counted from the batch size (`arange(n - 1, -1, -1)`): from the padded one
+            start = _val(_arg(node, "start"))
+            if axes.syms_of(start):
+                add(node, axes.syms_of(start), f"counts from {start}, the padded batch size")
             continue
         if name == "cat":
             tensors = [_val(t) for t in node.args[0]]
@@ -211,12 +228,34 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
         if isinstance(expr, sympy.Eq) and all(side.free_symbols for side in expr.args):
             continue  # two batch sizes found equal (tokens and positions): a tie, checked per call (check_lengths)
         line = _guard_line(g) if expr.free_symbols & set(axes.raw) else None
+        if line is None and _fixes_a_size(expr, axes):
+            # a size computed from the batch size turned into a number inside an op (`x[x.shape[0] - 1]`): the
+            # trace is specialised to this bucket, and the number is the padded size's, not the call's
+            line = _line_using(gm, expr) or "<inside an op>"
         if line is None:  # a check inside torch or fgraph (topk's k <= size): a consequence of an op reported above
             continue
         f = Finding("branch", line, f"Python code depends on the batch size ({expr}), which is the bucket here")
-        if not axes.intended(set().union(*(axes.syms_of_expr(s) for s in expr.free_symbols))):
+        syms = set().union(*(axes.syms_of_expr(s) for s in expr.free_symbols))
+        if not (axes.intended(syms) or axes.intended_raw(expr.free_symbols)):
             found.setdefault((f.op, f.line), f)
     return list(found.values())
+
+
+def _fixes_a_size(expr, axes: BatchAxes) -> bool:
+    """Whether a guard pins an expression of a batch size to a number (Eq(s - 1, 7))."""
+    if not isinstance(expr, sympy.Eq):
+        return False
+    fixed = [side for side in expr.args if side.free_symbols & set(axes.raw)]
+    return len(fixed) == 1 and any(side.is_Number for side in expr.args)
+
+
+def _line_using(gm: fx.GraphModule, expr) -> str | None:
+    """The source line of the first op taking the number a guard pinned a size to, as a plain int argument."""
+    value = next((int(side) for side in expr.args if side.is_Number), None)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and any(type(a) is int and a == value for a in node.args):
+            return node.meta.get("line")
+    return None
 
 
 def _guard_line(guard) -> str | None:

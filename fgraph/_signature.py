@@ -41,6 +41,12 @@ class Batched:
     fixed_tail: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
+        if type(self.axis) is not int or self.axis < 0 or type(self.extra) is not int or self.extra < 0:
+            raise SignatureError(
+                f"Batched(axis={self.axis!r}, extra={self.extra!r}): both must be non-negative ints",
+                "count the batch axis from the front (one Batched may cover leaves of different ranks), e.g. "
+                "Batched(axis=1) for [H, N, D] leaves",
+            )
         object.__setattr__(
             self, "fixed_tail", not callable(self.pad) and not (isinstance(self.pad, str) and self.pad == "ramp")
         )

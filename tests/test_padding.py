@@ -63,6 +63,14 @@ def branch_on_size(x):
     return x * 2 if x.shape[0] > 4 else x
 
 
+def row_at_size(x):  # an index computed from the batch size: torch makes it a number, fixing the size
+    return x[x.shape[0] - 1] * 1
+
+
+def reversed_rows(x):
+    return x.index_select(0, torch.arange(x.shape[0] - 1, -1, -1)) * 1
+
+
 MIXING = {
     centered: "aten.mean",
     softmax_over_rows: "aten._softmax",
@@ -72,6 +80,8 @@ MIXING = {
     last_row: "aten.select",
     joined: "aten.cat",
     branch_on_size: "branch",
+    row_at_size: "branch",
+    reversed_rows: "aten.arange",
 }
 
 
@@ -137,7 +147,8 @@ def test_a_function_first_called_at_bucket_1_is_checked_at_its_first_symbolic_tr
 def test_per_row_work_is_not_reported(caplog):
     def per_row(x, w, idx):
         h = torch.nn.functional.rms_norm(x @ w, (3,))  # reductions along the feature dim
-        return torch.softmax(h, -1) + w[idx, 0][:, None] + x[0] + x[:, 1:].sum(-1, keepdim=True)
+        rows = x[0 : x.shape[0]] + torch.arange(x.shape[0])[:, None]  # the whole axis; positions from 0
+        return torch.softmax(h, -1) + w[idx, 0][:, None] + x[0] + x[:, 1:].sum(-1, keepdim=True) + rows
 
     f = fgraph.jit(per_row, batch={"x": Batched(), "idx": Batched()}, buckets=[8], mode="PIECEWISE")
     with caplog.at_level(logging.WARNING, logger="fgraph"):
@@ -327,3 +338,11 @@ def test_default_device_cuda_runs_every_mode(mode):
         assert state["count"].item() == 3
     finally:
         torch.set_default_device(None)
+
+
+def test_a_batch_axis_counted_from_the_end_is_an_error_where_it_is_declared():
+    """One Batched may cover leaves of different ranks, so a negative axis would name different dims."""
+    with pytest.raises(fgraph.SignatureError, match=r"Batched\(axis=-1, extra=0\): both must be non-negative ints"):
+        Batched(axis=-1)
+    with pytest.raises(fgraph.SignatureError, match="non-negative"):
+        Batched(extra=-1)
