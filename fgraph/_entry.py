@@ -19,7 +19,7 @@ from ._buffers import InputBuffers
 from ._errors import SignatureError
 from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
-from ._padding import BatchAxes, find_mixing, output_rows, tied_lengths
+from ._padding import BatchAxes, find_mixing, output_rows, output_sizes, tied_lengths
 from ._pytree import unflattener
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
@@ -45,18 +45,7 @@ class Call(NamedTuple):
 class Stats:
     # copies: calls that copied non-batched inputs into fgraph's buffers (Slots), copied_bytes: how much in all;
     # written_back: donated batched leaves the program wrote, copied back from fgraph's buffer into the caller's
-    __slots__ = (
-        "traces",
-        "captures",
-        "warmups",
-        "replays",
-        "eager",
-        "calls",
-        "padded",
-        "copies",
-        "copied_bytes",
-        "written_back",
-    )
+    __slots__ = tuple("traces captures warmups replays eager calls padded copies copied_bytes written_back".split())
 
     def __init__(self):
         self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.padded = 0
@@ -170,6 +159,10 @@ class Traced:
     def fits(self, bucket: int | None) -> bool:
         return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
 
+    def size_outputs(self) -> list[tuple]:
+        """(output, size(leaves)) per output that is a size computed from the batch (fgraph/_padding.py)."""
+        return [] if self.axes is None else output_sizes(self.axes, self.outs)
+
     def batched_outputs(self, bucket: int | None) -> list[tuple]:
         """(output, dim, size) per output dim cut back per call to size(leaves) (None: to N), the unpadded call's
         size. Symbolic traces: every dim sized by a batch symbol; static ones (bucket 1): a first dim equal to the
@@ -219,6 +212,7 @@ class Entry:
         )
         self.passthrough = [(j, i) for j, i in self.out_passthrough.items() if j in used]
         self.out_batched = traced.batched_outputs(call.sig.bucket)
+        self.out_sizes = traced.size_outputs()
         self.specs = [call.specs[i] for i in self.batched_ix]
         self.write_back = [(k, i) for k, i in enumerate(self.batched_ix) if i in traced.written_batched]
         self.graphs: list = []
@@ -300,6 +294,8 @@ class Entry:
                 size = n if rows is None else rows(leaves)
                 if outs[j].shape[d] != size:
                     outs[j] = outs[j].narrow(d, 0, size)
+            for j, size in self.out_sizes:  # `x.shape[0]` returned: the call's, not the bucket's
+                outs[j] = size(leaves)
         if copy_outputs:
             outs = [
                 o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o

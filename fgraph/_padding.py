@@ -297,6 +297,12 @@ def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
     return rows
 
 
+def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
+    """Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`): (output, size), size(leaves) their
+    value in the unpadded call (the graph returns the bucket's)."""
+    return [(j, size) for j, v in enumerate(outs) if isinstance(v, torch.SymInt) and (size := _sizer(axes, v))]
+
+
 def tied_lengths(axes: BatchAxes) -> list[tuple]:
     """Groups of batched leaves the trace ties to one batch size: [(path, leaf, axis, offset), ...] per symbol."""
     groups: dict = {}

@@ -188,6 +188,16 @@ def trace(
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(val):
+            sized = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.SymInt)]
+            if sized and not any(free_unbacked_symbols(a.meta["val"]) for a in sized):
+                # bounds computed from a (backed) size, e.g. x[x.shape[0] - 2:]: torch cannot derive the result's
+                # size, so it makes it a fresh unknown, as it would for data
+                raise TraceError(
+                    f"fgraph.jit({fname}): {node.format_node()} at {node.meta.get('line')} takes bounds computed "
+                    "from a size, and torch cannot derive the size of its result from them",
+                    "slice with constant bounds, or pick the rows with an index tensor passed in (e.g. the "
+                    "positions of the last tokens)",
+                )
             raise TraceError(
                 f"fgraph.jit({fname}): {node.format_node()} at {node.meta.get('line')} has a shape that "
                 "depends on tensor values, which a captured graph cannot replay",

@@ -97,6 +97,15 @@ def test_data_dependent_shape():
         traced(lambda x: x.nonzero(), torch.ones(3, 2))
 
 
+def test_bounds_computed_from_a_size_are_not_called_data_dependent():
+    with pytest.raises(
+        TraceError,
+        match=r"slice.* at tests/test_errors.py:\d+ takes bounds computed from a size, and torch cannot derive the "
+        r"size of its result from them\nFix: slice with constant bounds",
+    ):
+        traced(lambda x: x[x.shape[0] - 2 :] * 1, torch.ones(3, 2))
+
+
 def test_write_into_a_non_donated_input():
     def f(x, params):
         params["w"].mul_(2)

@@ -246,6 +246,19 @@ def test_outputs_are_cut_along_every_batch_dim(mode):
     assert all(map(torch.equal, got, want))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_sizes_returned_are_the_calls_not_the_buckets(mode):
+    def sizes(x, lens):
+        return {"n": x.shape[0], "tokens": x.shape[0] * 2 + 1, "seqs": lens.shape[0] - 1, "y": x * 2}
+
+    f = fgraph.jit(sizes, batch={"x": Batched(), "lens": Batched(pad="ramp", extra=1)}, buckets=[4, 8], mode=mode)
+    for n, s in [(3, 1), (6, 2), (3, 2), (8, 3)]:
+        x, lens = torch.randn(n, 2), torch.tensor([0] * s + [n])
+        got, want = f(x, lens), eager(sizes, x, lens)
+        assert {k: got[k] for k in ("n", "tokens", "seqs")} == {k: want[k] for k in ("n", "tokens", "seqs")}
+        assert torch.equal(got["y"], want["y"])
+
+
 def per_row(x, w):
     return torch.tanh(x @ w) * x.norm(dim=1, keepdim=True) + 1
 
