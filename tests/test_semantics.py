@@ -159,6 +159,7 @@ def test_a_donated_batched_input_written_in_place_ends_as_eager_leaves_it(mode, 
         torch.testing.assert_close(out, step(ref), rtol=0, atol=0)
         torch.testing.assert_close(x, ref, rtol=0, atol=0)  # the caller's tensor, written as eager writes it
     assert j.stats()["total"]["written_back"] == len(sizes)
+    assert "read: padded into input buffers, written back: x" in str(fgraph.explain(j))
 
 
 @pytest.mark.parametrize("mode", MODES)
