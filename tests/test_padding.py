@@ -276,6 +276,28 @@ def test_padded_calls_are_bitwise_eager(n, mode, width):
     assert got.shape == (n, 4) and torch.equal(got, eager(per_row, x, w))
 
 
+def running(x, acc):
+    """A donated batched accumulator written in place, and a size returned (both against the bucket's padding)."""
+    acc.mul_(0.5).add_(torch.tanh(x))
+    return acc * 2, x.shape[0] + 1
+
+
+RUNNING: dict = {}
+
+
+@settings(max_examples=25, deadline=None)
+@given(mode=st.sampled_from(MODES), sizes=st.lists(st.integers(1, 12), min_size=1, max_size=6))
+def test_random_sizes_with_written_batched_state_equal_eager(mode, sizes):
+    spec = {"x": Batched(), "acc": Batched(pad=1.0)}
+    f = RUNNING.setdefault(mode, fgraph.jit(running, donate=["acc"], batch=spec, buckets=[2, 4, 8, 16], mode=mode))
+    for k, n in enumerate(sizes):
+        g = torch.Generator().manual_seed(k * 31 + n)
+        x, acc = torch.randn(n, 3, generator=g), torch.randn(n, 3, generator=g)
+        ref = acc.clone()
+        (out, m), (want, wm) = f(x, acc), running(x, ref)
+        assert m == wm and torch.equal(out, want) and torch.equal(acc, ref)
+
+
 # -- options checked at jit time -------------------------------------------------------------------------------
 def test_empty_buckets_are_an_error_at_jit_time():
     with pytest.raises(fgraph.SignatureError, match=r"buckets=\[\] leaves no size"):
