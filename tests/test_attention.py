@@ -452,10 +452,13 @@ def toy_step(cache, batch, routine="mixed", backend="torch"):
     return torch.stack(outs, 1), cache
 
 
+# the toy step's batch: q, k, v and the attention metadata, each padded to the bucket
+TOY_BATCH = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
+
+
 def jit_toy(buckets=(4, 8, 16, 32)):
-    spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
     return fgraph.jit(
-        toy_step, static=["routine", "backend"], donate=["cache"], batch={"batch": spec}, buckets=list(buckets)
+        toy_step, static=["routine", "backend"], donate=["cache"], batch={"batch": TOY_BATCH}, buckets=list(buckets)
     )
 
 
@@ -538,12 +541,11 @@ def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager
         return out, cache, state
 
     births = decode_wrapper_births(fake_flashinfer, monkeypatch)
-    spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
     f = fgraph.jit(
         counted,
         static=["routine", "backend"],
         donate=["cache", "state"],
-        batch={"batch": spec},
+        batch={"batch": TOY_BATCH},
         buckets=[8, 16, 32],
         mode="FULL",
     )
@@ -570,13 +572,12 @@ def test_flashinfer_decode_wrappers_are_never_made_inside_a_graph_capture(fake_f
     never inside it, where flashinfer could not plan it (the eager oracle makes its own, outside any graph). The
     H200 found the hook calling a bucket ready when its only wrapper was the other model's."""
     births = decode_wrapper_births(fake_flashinfer, monkeypatch)
-    spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
     for dtype in (torch.float32, torch.float64):
         f = fgraph.jit(
             toy_step,
             static=["routine", "backend"],
             donate=["cache"],
-            batch={"batch": spec},
+            batch={"batch": TOY_BATCH},
             buckets=[8, 16],
             mode="FULL",
         )
@@ -601,14 +602,13 @@ def test_flashinfer_captures_make_only_their_own_decode_wrappers(fake_flashinfer
     each capture makes exactly its own configuration's wrapper per bucket it captures, never one in another model's
     configuration (on the GPU each wrapper holds flashinfer's pinned buffers): no float64 wrapper for the buckets
     the float32 models captured, no float32 wrapper for the float64 model's. Each model's replays equal eager."""
-    spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
     models, want = [], set()
     for dtype, buckets in [(torch.float32, [8, 16]), (torch.float64, [4, 16]), (torch.float32, [4, 32])]:
         f = fgraph.jit(
             toy_step,
             static=["routine", "backend"],
             donate=["cache"],
-            batch={"batch": spec},
+            batch={"batch": TOY_BATCH},
             buckets=buckets,
             mode="FULL",
         )
@@ -681,14 +681,7 @@ def test_jit_pieces_never_write_the_cache(compile):
         toy_step,
         static=["routine", "backend"],
         donate=["cache"],
-        batch={
-            "batch": {
-                "q": fgraph.Batched(),
-                "k": fgraph.Batched(),
-                "v": fgraph.Batched(),
-                "meta": A.metadata_batching(),
-            }
-        },
+        batch={"batch": TOY_BATCH},
         buckets=[32],
         mode="PIECEWISE",
         compile=compile,
@@ -715,14 +708,7 @@ def test_jit_rejects_a_cache_that_is_not_donated():
     step = fgraph.jit(
         toy_step,
         static=["routine", "backend"],
-        batch={
-            "batch": {
-                "q": fgraph.Batched(),
-                "k": fgraph.Batched(),
-                "v": fgraph.Batched(),
-                "meta": A.metadata_batching(),
-            }
-        },
+        batch={"batch": TOY_BATCH},
         buckets=[32],
         mode="PIECEWISE",
     )
