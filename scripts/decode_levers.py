@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import io
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.getcwd())
+from benchmarks.common import gpu_ms  # noqa: E402
+from benchmarks.kernels import kernel_table  # noqa: E402
 from fgraph.ops import _attn_torch as T  # noqa: E402
+from fgraph.ops import attention as A  # noqa: E402
 
 DEV, DT, REPEAT = "cuda", torch.bfloat16, 32
 LOG = io.StringIO()
@@ -56,30 +58,11 @@ def per_call_us(fn, repeat: int = REPEAT) -> float:
     with torch.cuda.graph(g):
         for _ in range(repeat):
             fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(20):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 20 / repeat)
-    return statistics.median(times)
+    return gpu_ms(g.replay, iters=20, reps=7) * 1e3 / repeat
 
 
 def kernels_per_call(fn) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if e.device_time_total > 0) / 10
+    return kernel_table(fn, steps=10)["kernels_per_step"]
 
 
 def paged(m, B, keys, page):
@@ -88,10 +71,9 @@ def paged(m, B, keys, page):
     per = -(-keys // page)
     kc = torch.randn(1 + B * per, page, m["hkv"], m["d"], device=DEV, dtype=DT)
     vc = torch.randn_like(kc)
-    bt = (1 + torch.arange(B * per, device=DEV, dtype=torch.int32)).view(B, per)
-    lens = torch.full((B,), keys, device=DEV, dtype=torch.int32)
-    pos = keys - 1
-    slots = (bt[:, pos // page].long() * page + pos % page).contiguous()
+    tables = [list(range(1 + b * per, 1 + (b + 1) * per)) for b in range(B)]
+    meta = A.build_metadata([1] * B, [keys] * B, tables, page, per).to(DEV)
+    bt, lens, slots = meta.block_table, meta.seq_lens, meta.slot_mapping
     q = torch.randn(B, m["hq"], m["d"], device=DEV, dtype=DT)
     k = torch.randn(B, m["hkv"], m["d"], device=DEV, dtype=DT)
     v = torch.randn_like(k)
