@@ -27,7 +27,7 @@ class InputBuffers:
 
     ALIGN = 64
 
-    def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], device: str):
+    def __init__(self, shapes: list[tuple[tuple[int, ...], torch.dtype]], device: str, written=()):
         offsets, total = [], 0
         for shape, dtype in shapes:
             total = -(-total // self.ALIGN) * self.ALIGN
@@ -38,7 +38,7 @@ class InputBuffers:
         self.dev_bytes = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
         self.dev = self._views(self.dev_bytes, offsets, shapes)
         self.real_dev = [-1] * len(shapes)  # rows last written per leaf: the pad rows after them are still in place
-        self.written: set[int] = set()  # leaves the program writes in place: their padding is never still in place
+        self.written = set(written)  # leaves the program writes in place: their padding is never still in place
         self.heads = {}  # (leaf, rows) -> view of the first rows of its device buffer (see _pad_all)
         self.mirrors = [_Mirror(total, offsets, shapes) for _ in range(2)] if self.cuda else []
         self.turn = 0

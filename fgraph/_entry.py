@@ -317,9 +317,10 @@ class Entry:
                 if not piece.is_break:
                     setattr(self.module, piece.name, Compiled(piece.module, compile))
         self.buffers = InputBuffers(
-            [(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix], self.device
+            [(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
+            self.device,
+            written=[k for k, _ in self.write_back],
         )
-        self.buffers.written = {k for k, _ in self.write_back}
         host = self.buffers.write([call.leaves[i] for i in self.batched_ix], self.specs)
         args = self._args(call.leaves)
         # donated leaves the program writes go back to their values after warm-up and capture (fgraph/_state.py);

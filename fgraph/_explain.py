@@ -57,7 +57,7 @@ def _inputs_text(e) -> str:
         each = e.slots.describe()
     else:
         each = [f"{e.paths[i]}: read in place" for i in e.address_ix]
-    back = {i for _, i in getattr(e, "write_back", ())}  # donated, written in place: copied back after each call
+    back = {i for _, i in e.write_back}  # donated, written in place: copied back after each call
     each = [
         f"{e.paths[i]}: padded into input buffers{', written back' if i in back else ''}" for i in e.batched_ix
     ] + each

@@ -3,9 +3,9 @@
 A signature pads every Batched leaf to its bucket. That is invisible only to per-row work; this module finds, on
 the trace (batch axes are sympy symbols there), the ops whose result the padded rows can change (reductions,
 softmax/cumsum/sort along the axis, matmuls contracting it, negative indexing and indices computed from its
-size, concatenation along it, scatters
-of its rows into state, Python branches on its size), and derives the exact size of each output along every
-batch-sized dim, so outputs are cut back to what the unpadded call returns and nothing else is sliced.
+size, concatenation along it, scatters of its rows into state, Python branches on its size), and derives the exact
+size of each output along every batch-sized dim (and every size it returns), so outputs are cut back to what the
+unpadded call returns and nothing else is sliced.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
@@ -187,14 +187,16 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
         if name in ("select", "slice") and dims:
             d = _arg(node, "dim", 0) % first.dim()
             ends = [_arg(node, "index")] if name == "select" else [_arg(node, "start"), _arg(node, "end")]
+            if d not in dims:
+                continue
             neg = [e for e in ends if isinstance(e, int) and 0 > e]
-            if d in dims and neg:
+            if neg:
                 add(node, syms, f"index {neg[0]} counts from the end of the padded batch axis (a padded row)")
             # an index computed from the batch size (`x[x.shape[0] - 1]`, `x[n - 2:]`): the padded size, not the
             # call's; an end equal to the whole axis (`x[k:]`) is the one that reads no padded row by itself
             whole = axes.canon(first.shape[d])
             sized = [e for e in map(_val, ends) if axes.syms_of(e) and axes.canon(e) != whole]
-            if d in dims and sized:
+            if sized:
                 add(node, syms, f"index {sized[0]} is computed from the padded batch size (a padded row)")
             continue
         if name == "arange":  # values counted from the batch size (`arange(n - 1, -1, -1)`): from the padded one
