@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental import proxy_tensor as pt
 
 from ._errors import TraceError
+from ._trace_errors import op_label
 
 stats = {"traced": 0, "copied": 0}  # calls of repeated functions under tracing: traced as usual / copied
 _SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
@@ -57,8 +58,10 @@ class _Template:
             for used in node.all_input_nodes:
                 if used not in own and not isinstance(used.meta.get("val"), _SIZES):
                     raise TraceError(
-                        f"fgraph.repeated({getattr(fn, '__qualname__', fn)}): {node.format_node()} at "
-                        f"{node.meta.get('line')} reads {used.name}, a tensor from outside the function's arguments"
+                        f"fgraph.repeated({getattr(fn, '__qualname__', fn)}): {op_label(node)} at "
+                        f"{node.meta.get('line')} reads a tensor from outside the function's arguments ("
+                        + ("an input of the jitted function" if used.op == "placeholder" else op_label(used))
+                        + ")"
                         "; copies would read the same tensor",
                         "pass every tensor the function reads as an argument",
                     )

@@ -193,13 +193,13 @@ def trace(
                 # bounds computed from a (backed) size, e.g. x[x.shape[0] - 2:]: torch cannot derive the result's
                 # size, so it makes it a fresh unknown, as it would for data
                 raise TraceError(
-                    f"fgraph.jit({fname}): {node.format_node()} at {node.meta.get('line')} takes bounds computed "
+                    f"fgraph.jit({fname}): {E.op_label(node)} at {node.meta.get('line')} takes bounds computed "
                     "from a size, and torch cannot derive the size of its result from them",
                     "slice with constant bounds, or pick the rows with an index tensor passed in (e.g. the "
                     "positions of the last tokens)",
                 )
             raise TraceError(
-                f"fgraph.jit({fname}): {node.format_node()} at {node.meta.get('line')} has a shape that "
+                f"fgraph.jit({fname}): {E.op_label(node)} at {node.meta.get('line')} has a shape that "
                 "depends on tensor values, which a captured graph cannot replay",
                 "use torch.where / masking instead of data-dependent shapes (nonzero, boolean indexing)",
             )
@@ -283,7 +283,7 @@ def check(
         val = node.meta.get("val")
         if device != "cpu" and isinstance(val, torch.Tensor) and val.device.type == "cpu" and node.op != "placeholder":
             raise TraceError(
-                f"fgraph.jit({fname}): a CPU tensor ({node.format_node()}) at {node.meta.get('line')} in a "
+                f"fgraph.jit({fname}): a CPU tensor ({E.op_label(node)}) at {node.meta.get('line')} in a "
                 f"{device} signature",
                 "create it on the device (device=...), or pass it as an argument",
             )

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import re
 import types
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from ._errors import TraceError
@@ -18,6 +20,16 @@ from ._errors import TraceError
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FGRAPH_DIR = os.path.dirname(__file__)
 _NOISY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.recording")
+
+
+def op_label(node: fx.Node) -> str:
+    """The op a user would recognise for a traced node: `aten.nonzero.default`; an output of a multi-output op by
+    that op (`aten._unique2.default (output 0)`), not fx's node dump (`%getitem : [num_users=1] = ...`)."""
+    if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
+        return f"{op_label(node.args[0])} (output {node.args[1]})"
+    if node.op == "get_attr":  # a tensor made from data while tracing: torch.tensor(2.0), torch.as_tensor(list)
+        return "a constant, as torch.tensor(...) makes"
+    return str(node.target) if node.op == "call_function" else node.format_node()
 
 
 @contextlib.contextmanager

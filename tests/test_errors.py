@@ -91,17 +91,30 @@ def test_cpu_and_tolist():
 def test_data_dependent_shape():
     with pytest.raises(
         TraceError,
-        match=r"nonzero.* at tests/test_errors.py:\d+ has a shape that depends on tensor "
+        match=r"\(<lambda>\): aten.nonzero.default at tests/test_errors.py:\d+ has a shape that depends on tensor "
         r"values.*\nFix: use torch.where / masking",
     ):
         traced(lambda x: x.nonzero(), torch.ones(3, 2))
 
 
+@pytest.mark.parametrize(
+    "fn, op",
+    [
+        (lambda x: x[x > 0], "aten.index.Tensor"),  # boolean-mask indexing
+        (lambda x: torch.unique(x), r"aten._unique2.default \(output 0\)"),  # one output of a multi-output op
+    ],
+)
+def test_data_dependent_shape_names_the_op_not_the_graph_node(fn, op):
+    with pytest.raises(TraceError, match=rf"\(<lambda>\): {op} at tests/test_errors.py:\d+ has a shape that") as e:
+        traced(fn, torch.ones(3, 2))
+    assert "call_function" not in str(e.value) and "%" not in str(e.value)
+
+
 def test_bounds_computed_from_a_size_are_not_called_data_dependent():
     with pytest.raises(
         TraceError,
-        match=r"slice.* at tests/test_errors.py:\d+ takes bounds computed from a size, and torch cannot derive the "
-        r"size of its result from them\nFix: slice with constant bounds",
+        match=r"\(<lambda>\): aten.slice.Tensor at tests/test_errors.py:\d+ takes bounds computed from a size, and "
+        r"torch cannot derive the size of its result from them\nFix: slice with constant bounds",
     ):
         traced(lambda x: x[x.shape[0] - 2 :] * 1, torch.ones(3, 2))
 
@@ -239,7 +252,8 @@ def test_host_tensor_inside_a_device_signature():
     g = fgraph.jit(f, batch={"x": Batched()}, buckets=[4])
     with pytest.raises(
         TraceError,
-        match=r"a CPU tensor \(.*\) at tests/test_errors.py:\d+ in a meta signature\n"
+        match=r"a CPU tensor \(a constant, as torch.tensor\(...\) makes\) at tests/test_errors.py:\d+ in a meta "
+        r"signature\n"
         r"Fix: create it on the device",
     ):
         g(torch.ones(3, 2), {"w": torch.ones(2, 2, device="meta")})
