@@ -19,7 +19,7 @@ from ._buffers import InputBuffers
 from ._errors import SignatureError
 from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
-from ._padding import BatchAxes, find_mixing, output_rows, output_sizes, tied_lengths
+from ._padding import BatchAxes, find_mixing, output_rows, output_sizes, refuse_shrinking_outputs, tied_lengths
 from ._pytree import unflattener
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
@@ -146,6 +146,7 @@ class Traced:
         self.axes = BatchAxes(self.shapes, batched)
         self.mixing = find_mixing(gm, self.axes, set(jitted.scratch), ph_paths)
         self.tied = tied_lengths(self.axes)
+        refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
         for f in self.mixing:
             if ("padding", f.op, f.line) not in jitted._logged:
                 jitted._logged.add(("padding", f.op, f.line))

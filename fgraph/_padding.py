@@ -3,9 +3,9 @@
 A signature pads every Batched leaf to its bucket. That is invisible only to per-row work; this module finds, on
 the trace (batch axes are sympy symbols there), the ops whose result the padded rows can change (reductions,
 softmax/cumsum/sort along the axis, matmuls contracting it, negative indexing and indices computed from its
-size, concatenation along it, scatters of its rows into state, Python branches on its size), and derives the exact
-size of each output along every batch-sized dim (and every size it returns), so outputs are cut back to what the
-unpadded call returns and nothing else is sliced.
+size, concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
+without it, Python branches on its size), and derives the exact size of each output along every batch-sized dim
+(and every size it returns), so outputs are cut back to what the unpadded call returns and nothing else is sliced.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from . import _primitives as P
-from ._errors import SignatureError
+from ._errors import SignatureError, TraceError
 from ._trace import _LIB_DIRS, Shapes, base_of
 
 # ops that combine rows along their `dim` / `dims` argument (the axis keeps its size)
@@ -110,6 +110,25 @@ class BatchAxes:
             got = self._syms[key] = (e.free_symbols & self.symbols) if isinstance(e, sympy.Basic) else set()
         return got
 
+    def name(self, expr) -> str:
+        """A traced size in the user's terms: `8 - Min(8, s0)` -> `8 - Min(8, state.shape[0])`."""
+        e = expr.node.expr if isinstance(expr, torch.SymInt) else expr
+        if not isinstance(e, sympy.Basic):
+            return str(expr)
+        names = {sym: sympy.Symbol(f"{leaf[0]}.shape[{leaf[2]}]") for sym, leaf in zip(self.raw, self.leaves)}
+        names.update({leaf[4]: names[sym] for sym, leaf in zip(self.raw, self.leaves) if leaf[4] is not None})
+        return str(e.xreplace(names))
+
+    def falls(self, expr) -> bool:
+        """Whether a traced size falls as the batch sizes grow (`8 - Min(8, s0)`), checked at a few sizes."""
+        e = expr.node.expr if isinstance(expr, torch.SymInt) else expr
+        free = e.free_symbols & (set(self.raw) | self.symbols) if isinstance(e, sympy.Basic) else set()
+        for n in (1, 7, 63) if free else ():
+            lo, hi = (sympy.sympify(e.xreplace(dict.fromkeys(free, sympy.Integer(k)))) for k in (n, n + 1))
+            if lo.is_number and hi.is_number and bool(hi < lo):
+                return True
+        return False
+
     def intended(self, syms: set) -> bool:
         """Every symbol involved stands for a leaf declared Batched(mixes=True)."""
         return bool(syms) and all(any(leaf[3].mixes for leaf in self.leaves if leaf[4] == s) for s in syms)
@@ -150,9 +169,12 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
     found: dict[tuple, Finding] = {}
 
     def add(node, syms, what):
-        if axes.intended(syms):
+        # one finding per source line, its first op's: the rest follow from it (`w[n:].sum()`: the slice, not the
+        # sum over its rows; `s[:n] += x`: the add_, not the copy_ back)
+        line = node.meta.get("line", "<unknown>")
+        if axes.intended(syms) or any(f.line == line for f in found.values()):
             return
-        f = Finding(f"aten.{_name(node)}", node.meta.get("line", "<unknown>"), what)
+        f = Finding(f"aten.{_name(node)}", line, what)
         found.setdefault((f.op, f.line), f)
 
     for node in gm.graph.nodes:
@@ -184,6 +206,13 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
             if v is not None and d in axes.dims(v):
                 add(node, axes.syms_of(v.shape[d]), "contracts the batch axis (a sum over rows): padded rows add in")
             continue
+        if name in ("select", "slice") and not dims:
+            # rows of a tensor without the batch axis from a start computed from the batch size (`w[x.shape[0]:]`):
+            # the padded size's rows, not the call's (an end alone, `w[: x.shape[0]]`, keeps rows aligned)
+            start = _val(_arg(node, "index" if name == "select" else "start"))
+            if axes.syms_of(start):
+                add(node, axes.syms_of(start), f"starts at {axes.name(start)}, computed from the padded batch size")
+            continue
         if name in ("select", "slice") and dims:
             d = _arg(node, "dim", 0) % first.dim()
             ends = [_arg(node, "index")] if name == "select" else [_arg(node, "start"), _arg(node, "end")]
@@ -197,12 +226,12 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
             whole = axes.canon(first.shape[d])
             sized = [e for e in map(_val, ends) if axes.syms_of(e) and axes.canon(e) != whole]
             if sized:
-                add(node, syms, f"index {sized[0]} is computed from the padded batch size (a padded row)")
+                add(node, syms, f"index {axes.name(sized[0])} is computed from the padded batch size (a padded row)")
             continue
         if name == "arange":  # values counted from the batch size (`arange(n - 1, -1, -1)`): from the padded one
             start = _val(_arg(node, "start"))
             if axes.syms_of(start):
-                add(node, axes.syms_of(start), f"counts from {start}, the padded batch size")
+                add(node, axes.syms_of(start), f"counts from {axes.name(start)}, the padded batch size")
             continue
         if name == "cat":
             tensors = [_val(t) for t in node.args[0]]
@@ -219,6 +248,15 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
                     s = set().union(*(axes.syms_of(v.shape[d]) for v in src for d in axes.dims(v)))
                     add(node, s, f"writes rows of the batch axis into {target}: padded rows write too")
             continue
+        if dims and _writes_into_first(node):
+            # an in-place write into a batch-sized view of a tensor without the batch axis (`state[: x.shape[0]] =
+            # x`, `buf[:n].add_(x)`): the view spans the bucket's rows, so padded rows land in rows eager leaves
+            base = base_of(node.args[0])
+            if not axes.dims(_val(base)):
+                target = paths.get(base, "a tensor without the batch axis")
+                if target.split("[")[0].split(".")[0] not in scratch:
+                    add(node, syms, f"writes a slice as long as the batch into {target}: padded rows write too")
+                continue
         if name in _READS or name.startswith("new_") or name.startswith("sym_"):
             continue
         out, most = _val(node), max((len(axes.dims(_val(a))) for a in ins), default=0)
@@ -241,6 +279,12 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
         if not (axes.intended(syms) or axes.intended_raw(expr.free_symbols)):
             found.setdefault((f.op, f.line), f)
     return list(found.values())
+
+
+def _writes_into_first(node: fx.Node) -> bool:
+    """Whether an op writes into its first operand (copy_, add_, ...: `Tensor(a!) self`)."""
+    args = node.target._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
 def _fixes_a_size(expr, axes: BatchAxes) -> bool:
@@ -297,6 +341,23 @@ def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
             if size is not None:
                 rows.append((j, d, size))
     return rows
+
+
+def refuse_shrinking_outputs(fname: str, gm: fx.GraphModule, axes: BatchAxes, skip: set[int]) -> None:
+    """An output dim whose traced size falls as a batch size grows (`w[x.shape[0]:]`) is shorter, padded to a
+    bucket, than in the unpadded call, and holds other rows: no cut can give the call's answer. A TraceError."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for j, o in enumerate(out_node.args[0]):
+        v = o.meta.get("val") if isinstance(o, fx.Node) and j not in skip else None
+        for d in axes.dims(v):
+            if axes.falls(v.shape[d]):
+                raise TraceError(
+                    f"fgraph.jit({fname}): output {j} at {o.meta.get('line')} has {axes.name(v.shape[d])} rows along "
+                    f"dim {d}, fewer "
+                    "as the batch grows: padded to a bucket it is shorter than in the call, and holds other rows",
+                    "take its rows from a start that does not depend on the batch size, or do not mark that input "
+                    "Batched",
+                )
 
 
 def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:

@@ -71,6 +71,10 @@ def reversed_rows(x):
     return x.index_select(0, torch.arange(x.shape[0] - 1, -1, -1)) * 1
 
 
+def tail_of_a_table(x):  # rows of a tensor without the batch axis from a start computed from the batch size
+    return torch.arange(10.0)[x.shape[0] :].sum() * x
+
+
 MIXING = {
     centered: "aten.mean",
     softmax_over_rows: "aten._softmax",
@@ -82,6 +86,7 @@ MIXING = {
     branch_on_size: "branch",
     row_at_size: "branch",
     reversed_rows: "aten.arange",
+    tail_of_a_table: "aten.slice",
 }
 
 
@@ -148,11 +153,79 @@ def test_per_row_work_is_not_reported(caplog):
     def per_row(x, w, idx):
         h = torch.nn.functional.rms_norm(x @ w, (3,))  # reductions along the feature dim
         rows = x[0 : x.shape[0]] + torch.arange(x.shape[0])[:, None]  # the whole axis; positions from 0
+        rows = rows + torch.arange(10.0)[: x.shape[0], None]  # a table's first N rows: row i for token i
         return torch.softmax(h, -1) + w[idx, 0][:, None] + x[0] + x[:, 1:].sum(-1, keepdim=True) + rows
 
     f = fgraph.jit(per_row, batch={"x": Batched(), "idx": Batched()}, buckets=[8], mode="PIECEWISE")
     with caplog.at_level(logging.WARNING, logger="fgraph"):
         f(torch.randn(5, 3), torch.randn(3, 3), torch.tensor([0, 2, 1, 1, 0]))
+    assert "padding is visible" not in caplog.text
+
+
+# writes through a view as long as the batch into a tensor without the batch axis: each on the line after its def
+def assigned(state, x):
+    state[: x.shape[0]] = x
+
+
+def added(state, x):
+    state[: x.shape[0]] += x
+
+
+def narrowed(state, x):
+    state.narrow(0, 0, x.shape[0]).mul_(x)
+
+
+WRITES = {assigned: "aten.copy_", added: "aten.add_", narrowed: "aten.mul_"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("write", list(WRITES), ids=lambda f: f.__name__)
+def test_a_write_through_a_slice_as_long_as_the_batch_is_logged_and_real(write, mode, caplog):
+    """`state[: x.shape[0]] = x` spans the bucket's rows: the padded rows write rows of the state eager leaves alone.
+    Logged with the op and line, and it is what happens (the state differs from eager's past the call's rows)."""
+
+    def step(state, x):
+        write(state, x)
+        return state * 1
+
+    f = fgraph.jit(step, donate=["state"], batch={"x": Batched(pad=0.5)}, buckets=[8], mode=mode)
+    ours, theirs, x = torch.arange(8.0) + 2, torch.arange(8.0) + 2, torch.full((5,), 3.0)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(ours, x)
+    eager(step, theirs, x)
+    assert torch.equal(ours[:5], theirs[:5]) and not torch.equal(ours[5:], theirs[5:])
+    logged = [r.getMessage() for r in caplog.records if "padding is visible" in r.getMessage()]
+    assert len(logged) == 1 and f"{WRITES[write]} at " in logged[0] and where(write) in logged[0], logged
+    assert "writes a slice as long as the batch into state: padded rows write too" in logged[0]
+
+
+@pytest.mark.parametrize("mode", ["NONE", "FULL"])
+def test_an_output_that_shrinks_as_the_batch_grows_is_a_trace_error(mode):
+    """`table[x.shape[0]:]` has 8 - N rows: padded to a bucket it is shorter than the call's and holds other rows,
+    so no cut gives eager's answer."""
+
+    def rest_of_table(table, x):
+        return table[x.shape[0] :] * 1
+
+    f = fgraph.jit(rest_of_table, batch={"x": Batched()}, buckets=[8], mode=mode)
+    with pytest.raises(
+        fgraph.TraceError,
+        match=r"output 0 at tests/test_padding.py:\d+ has 8 - Min\(8, x.shape\[0\]\) rows along dim 0, fewer as "
+        r"the batch grows.*\nFix: take its rows from a start that does not depend on the batch size",
+    ):
+        f(torch.arange(8.0), torch.ones(3))
+
+
+def test_writes_into_declared_scratch_or_into_batched_tensors_are_not_reported(caplog):
+    def step(state, x):
+        state[: x.shape[0]] = x  # state is scratch: declared to take what padded rows write
+        out = torch.zeros_like(x)
+        out[: x.shape[0]] = x * 2  # a tensor with the batch axis: its padded rows are cut from the output
+        return out
+
+    f = fgraph.jit(step, donate=["state"], scratch=["state"], batch={"x": Batched()}, buckets=[8], mode="NONE")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(torch.zeros(8), torch.ones(5))
     assert "padding is visible" not in caplog.text
 
 
