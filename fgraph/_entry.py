@@ -13,13 +13,14 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import _graphs as G
+from . import _padding as pad
 from . import _primitives as P
 from ._bind import invoke
 from ._buffers import InputBuffers
 from ._errors import SignatureError
 from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
-from ._padding import BatchAxes, find_mixing, output_rows, output_sizes, refuse_shrinking_outputs, tied_lengths
+from ._padding import BatchAxes, find_mixing, output_rows, output_sizes, tied_lengths
 from ._pytree import unflattener
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
@@ -146,7 +147,7 @@ class Traced:
         self.axes = BatchAxes(self.shapes, batched)
         self.mixing = find_mixing(gm, self.axes, set(jitted.scratch), ph_paths)
         self.tied = tied_lengths(self.axes)
-        refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
+        pad.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
         for f in self.mixing:
             if ("padding", f.op, f.line) not in jitted._logged:
                 jitted._logged.add(("padding", f.op, f.line))
@@ -294,7 +295,7 @@ class Entry:
             for j, d, rows in self.out_batched:  # cut back to the unpadded call's size (Traced.batched_outputs)
                 size = n if rows is None else rows(leaves)
                 if outs[j].shape[d] != size:
-                    outs[j] = outs[j].narrow(d, 0, size)
+                    outs[j] = outs[j].narrow(d, 0, size) if 0 <= size <= outs[j].shape[d] else pad.cut_error(self, j, d)
             for j, size in self.out_sizes:  # `x.shape[0]` returned: the call's, not the bucket's
                 outs[j] = size(leaves)
         if copy_outputs:

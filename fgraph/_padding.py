@@ -4,8 +4,9 @@ A signature pads every Batched leaf to its bucket. That is invisible only to per
 the trace (batch axes are sympy symbols there), the ops whose result the padded rows can change (reductions,
 softmax/cumsum/sort along the axis, matmuls contracting it, negative indexing and indices computed from its
 size, concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
-without it, Python branches on its size), and derives the exact size of each output along every batch-sized dim
-(and every size it returns), so outputs are cut back to what the unpadded call returns and nothing else is sliced.
+without it, layouts that put padded rows before real ones, windows sliding along it, Python branches on its size),
+and derives the exact size of each output along every batch-sized dim (and every size it returns), so outputs are
+cut back to what the unpadded call returns and nothing else is sliced; an output no cut can fix is a TraceError.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
@@ -54,6 +55,11 @@ _CONTRACT.update({"dot": (0, 0), "vdot": (0, 0), "addmv": (1, 1)})
 # ops that read rows by index or only read metadata: they do not combine rows
 _READS = {"index", "index_select", "gather", "take", "take_along_dim", "embedding", "select", "slice", "narrow"}
 _READS |= {"unbind", "split", "split_with_sizes", "unsafe_split", "chunk", "as_strided", "expand", "copy_", "copy"}
+# layout ops that can put padded rows before real ones along a batch-sized dim (real rows no longer a prefix)
+_VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias"}
+# ops sliding a window along their spatial dims (2 on, after batch and channels)
+_WINDOWS = {"convolution", "_convolution", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "avg_pool3d"}
+_WINDOWS |= {"max_pool2d_with_indices", "max_pool3d_with_indices", "_adaptive_avg_pool2d", "adaptive_max_pool2d"}
 _SCATTERS = {"index_put", "index_put_", "index_copy", "index_copy_", "index_add", "index_add_", "scatter", "scatter_"}
 _SCATTERS |= {"scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "_unsafe_index_put"}
 
@@ -248,6 +254,26 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
                     s = set().union(*(axes.syms_of(v.shape[d]) for v in src for d in axes.dims(v)))
                     add(node, s, f"writes rows of the batch axis into {target}: padded rows write too")
             continue
+        if dims and name in _VIEWS:  # (2, N) -> (2N): the second copy's real rows come after the first's padded
+            out = _val(node)
+            p, q = min(dims), min(axes.dims(out), default=None)
+            before_in, before_out = _static_numel(first.shape[:p]), _static_numel(_shape(out)[:q] if q else ())
+            if q is not None and None not in (before_in, before_out) and before_in != before_out:
+                add(node, syms, f"merges the batch axis under {before_in} outer rows: padded rows land among real ones")
+            continue
+        if dims and name == "repeat":
+            reps = list(_arg(node, "repeats", []))[-first.dim() :]
+            if any(d < len(reps) and reps[d] != 1 for d in dims):
+                add(node, syms, "repeats along the batch axis: padded rows land among real ones")
+            continue
+        if dims and name == "constant_pad_nd":
+            pads = list(_arg(node, "pad", []))  # (last dim's left, right, the one before's left, right, ...)
+            if any(2 * (first.dim() - 1 - d) + 1 < len(pads) and pads[2 * (first.dim() - 1 - d) + 1] for d in dims):
+                add(node, syms, "appends after the batch axis's rows: they land after the padded rows")
+            continue
+        if name in _WINDOWS and any(d >= 2 for d in dims):
+            add(node, syms, f"{name} slides along the batch axis: padded rows reach real ones")
+            continue
         if dims and _writes_into_first(node):
             # an in-place write into a batch-sized view of a tensor without the batch axis (`state[: x.shape[0]] =
             # x`, `buf[:n].add_(x)`): the view spans the bucket's rows, so padded rows land in rows eager leaves
@@ -279,6 +305,16 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
         if not (axes.intended(syms) or axes.intended_raw(expr.free_symbols)):
             found.setdefault((f.op, f.line), f)
     return list(found.values())
+
+
+def _static_numel(sizes) -> int | None:
+    """The product of sizes, or None if one is symbolic."""
+    n = 1
+    for x in sizes:
+        if not isinstance(x, int):
+            return None
+        n *= x
+    return n
 
 
 def _writes_into_first(node: fx.Node) -> bool:
@@ -358,6 +394,18 @@ def refuse_shrinking_outputs(fname: str, gm: fx.GraphModule, axes: BatchAxes, sk
                     "take its rows from a start that does not depend on the batch size, or do not mark that input "
                     "Batched",
                 )
+
+
+def cut_error(entry, j: int, d: int):
+    """Raised when a call's size of output j along d lies outside what the padded graph returned (`x.split(2)[-1]`:
+    chunk sizes computed from the bucket's N): no cut gives the call's answer."""
+    raise TraceError(
+        f"fgraph.jit({entry.traced.fname}): output {j}'s size along dim {d} in this call is not within the rows the "
+        f"graph padded to bucket {entry.sig.bucket} returned: the output's shape depends on the batch size in a way "
+        "padding changes (the log's 'padding is visible' lines name where)",
+        "make the output's shape follow the batch size row for row (no split/chunk sizes computed from it), or "
+        "call with a batch size equal to a bucket",
+    )
 
 
 def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
