@@ -152,6 +152,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def config_of(args):
+    """The model's config alone (no weights): from --model's config.json, or the preset."""
+    if args.model:
+        if checkpoint.architecture(args.model) in qwen2_moe.ARCHITECTURES:
+            return qwen2_moe.read_config(args.model, args.moe_backend)
+        return checkpoint.read_config(args.model)
+    name = args.preset or "tiny"
+    return qwen2_moe.preset(name, moe_backend=args.moe_backend) if name in qwen2_moe.presets else llama.preset(name)
+
+
 def load_model(args, device: str, dtype: torch.dtype, tp=None):
     """(config, params, eos ids, tokenizer or None) from --model (loader picked by its architecture), --preset or
     the embedded tiny default. Under tensor parallelism: the global config and this rank's shard."""
@@ -220,6 +230,7 @@ def main(argv=None) -> dict:
 
 def _main(args, argv) -> dict:
     if args.tp > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:  # not under torchrun
+        tensor_parallel.local_config(config_of(args), args.tp)  # a split that cannot work: one error, before spawning
         return tensor_parallel.launch(_rank_main, args.tp, sys.argv[1:] if argv is None else list(argv))
     tp = tensor_parallel.init() if args.tp > 1 else None
     if tp is not None and tp.world != args.tp:

@@ -47,6 +47,8 @@ RUNTIME = {  # flags -> what the one line names (errors found once the model is 
     "--model /nonexistent": "/nonexistent/config.json does not exist",
     "--prompt hello": "--prompt needs a tokenizer.json",
     "--backend bogus": "bogus",
+    "--tp 3": "tensor parallelism over 3 ranks: 4 q heads, 2 KV heads and 512 MLP columns must split evenly",
+    "--preset tiny-moe --tp 2": "tensor parallelism: MoEConfig is not supported",
 }
 
 
