@@ -28,6 +28,18 @@ def test_unhashable_static():
         f(params, state, batch, routine=["decode"])
 
 
+def test_an_unhashable_python_value_among_the_arguments():
+    """A non-tensor leaf is keyed by its value (a new value is a new signature): an unhashable one (a set, or a
+    slice before Python 3.12) is an error naming it, not Python's TypeError from a dict lookup."""
+    f = fgraph.jit(lambda x, rows: x[sorted(rows)] * 1)
+    with pytest.raises(
+        SignatureError,
+        match=r"fgraph.jit\(<lambda>\): rows=\{0, 2\} is unhashable \(set\), and a Python value that is not a tensor "
+        r"is part of the signature\nFix: pass a hashable value",
+    ):
+        f(torch.ones(4, 3), {0, 2})
+
+
 def test_static_name_that_is_not_a_parameter():
     with pytest.raises(SignatureError, match=r"static= names 'rotuine', which is not a parameter of step"):
         fgraph.jit(toys.step, static=["rotuine"])
