@@ -264,7 +264,9 @@ def check(
     donated: Callable[[fx.Node], bool],
     device: str,
 ) -> None:
-    """Reject in-place writes to / aliasing outputs of non-donated inputs, and host tensors in a device graph."""
+    """Reject in-place writes to non-donated inputs and host tensors in a device graph. An output that is a
+    non-donated input or a view of one (`return x`, `x.reshape(...)`, `x[:, :1]`) gets a copy inside the program:
+    outputs are values, and a replay must not hand back a view of the caller's tensor or of fgraph's buffers."""
     for node in gm.graph.nodes:
         for tgt in _write_targets(node):
             b = base_of(tgt)
@@ -288,11 +290,13 @@ def check(
                 "create it on the device (device=...), or pass it as an argument",
             )
         if node.op == "output":
-            for i, o in enumerate(node.args[0]):
+            outs = list(node.args[0])
+            for i, o in enumerate(outs):
                 b = base_of(o)
-                if b in placeholder_paths and not donated(b):
-                    raise TraceError(
-                        f"fgraph.jit({fname}): output {i} aliases the input {placeholder_paths[b]}, which is not "
-                        "donated; a replay would hand back the caller's own buffer",
-                        "donate that argument, or return a copy (x.clone())",
-                    )
+                if isinstance(o, fx.Node) and b in placeholder_paths and not donated(b):
+                    with gm.graph.inserting_before(node):
+                        outs[i] = gm.graph.call_function(torch.ops.aten.clone.default, (o,))
+                    outs[i].meta.update(o.meta)
+            if outs != list(node.args[0]):
+                node.args = (type(node.args[0])(outs),)
+                gm.recompile()

@@ -386,6 +386,32 @@ def test_kept_outputs_are_not_overwritten(mode, device):
     torch.testing.assert_close(a, layer(p, x1), rtol=0, atol=0)
 
 
+def returns_its_inputs(p, x, w):
+    """Outputs that are inputs or views of them, next to a computed one: eager returns the caller's tensors."""
+    return {"x": x, "rows": x[:, :2], "flat": w.reshape(-1), "T": w.T, "y": layer(p, x)}
+
+
+@pytest.mark.parametrize("copy_outputs", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_that_are_inputs_or_views_of_them_are_values(mode, copy_outputs, device):
+    """`return x`, `x[:, :2]`, `w.reshape(-1)`: equal to eager on every call, new tensors or not, and never the
+    caller's own memory (nor fgraph's input buffers, which the next call overwrites), as jax.jit returns values."""
+    j = fgraph.jit(returns_its_inputs, batch={"x": Batched()}, mode=mode, buckets=[4], copy_outputs=copy_outputs)
+    p = params(device)
+    for k, n in enumerate([3, 4, 3]):
+        x, w = rand(device, n, 4, seed=k), rand(device, 4, 4, seed=10 + k)
+        got, want = j(p, x, w), returns_its_inputs(p, x, w)
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+        shared = {t.untyped_storage().data_ptr() for t in (x, w)}
+        assert all(got[key].untyped_storage().data_ptr() not in shared for key in ("x", "rows", "flat", "T"))
+        if copy_outputs:
+            kept = {key: t.clone() for key, t in got.items()}
+            j(p, rand(device, 4, 4, seed=99), rand(device, 4, 4, seed=98))
+            for key in kept:
+                torch.testing.assert_close(got[key], kept[key], rtol=0, atol=0)
+
+
 # -- retraces are bounded and loud -----------------------------------------------------------------------------
 def test_python_scalars_retrace_per_value_with_a_warning_and_a_cap(caplog, monkeypatch):
     monkeypatch.setattr(fgraph.config, "max_signatures", 12)
