@@ -29,7 +29,7 @@ from ._lower import lower
 from ._modes import Mode
 from ._padding import check_aliases, check_lengths, check_options
 from ._pytree import check_static_fields, flatten_with_paths, flattener
-from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count, path_str
+from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count, path_str, torch_state
 
 log = logging.getLogger("fgraph")
 
@@ -162,8 +162,9 @@ class Jitted:
         specs = batch_specs(self.name, self.batch, dynamic, treespec, len(leaves))
         n = pad_count(self.name, paths, leaves, specs)
         bucket = bucket_for(self.buckets, max(n, 1)) if n is not None else None
+        state = torch_state()  # autocast, default dtype, matmul precision: a trace made under others would differ
         sig = Signature(
-            tuple(sorted(statics.items(), key=lambda kv: kv[0])),
+            tuple(sorted(statics.items(), key=lambda kv: kv[0])) + ((("<torch>", state),) if state else ()),
             bucket,
             treespec,
             tuple(leaf_of(x, s, bucket) for x, s in zip(leaves, specs)),
@@ -219,7 +220,7 @@ class Jitted:
         bucket = bucket_for(self.buckets, n if n > 1 else 1) if n is not None else None
         if n is not None and bucket is None:
             return _MISS
-        entry = self._fast.get((statics, bucket, tuple(parts)))
+        entry = self._fast.get((statics, torch_state(), bucket, tuple(parts)))
         if entry is None:
             return _MISS
         if (
@@ -256,7 +257,7 @@ class Jitted:
                     self._flat[name] = c = (v, lv, key, D.guard_for(v, spec))
                 parts.append(c[2])
         statics = tuple(call.bound[k] for k in self._static_sorted)
-        self._fast[(statics, call.sig.bucket, tuple(parts))] = entry
+        self._fast[(statics, torch_state(), call.sig.bucket, tuple(parts))] = entry
 
     def __call__(self, *args, **kwargs):
         if _disabled or _trace.active:  # called while another function traces: inlined

@@ -7,6 +7,7 @@ static field are seen. Threads get their own results. A failed or interrupted ca
 Outputs are copies by default. Retraces are bounded and loud. stats() counts every signature.
 """
 
+import contextlib
 import logging
 import threading
 
@@ -410,6 +411,53 @@ def test_outputs_that_are_inputs_or_views_of_them_are_values(mode, copy_outputs,
             j(p, rand(device, 4, 4, seed=99), rand(device, 4, 4, seed=98))
             for key in kept:
                 torch.testing.assert_close(got[key], kept[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_global_settings_are_part_of_the_signature(mode, device):
+    """Autocast, the default dtype and float32 matmul precision change what a trace records (the dtype of a matmul,
+    of `torch.zeros(4)`) or which kernels a graph captures: a call under other settings gets its own signature, so
+    each result is eager's under the settings of that call, in either order."""
+    kind = torch.device(device).type
+    w = rand(device, 4, 4, seed=3)
+
+    def f(x):
+        return torch.mm(x, w) + torch.zeros(4, device=x.device)
+
+    settings = {
+        "defaults": contextlib.nullcontext,
+        "autocast": lambda: torch.autocast(kind, dtype=torch.bfloat16),
+        "float64 default": lambda: _default_dtype(torch.float64),
+        "TF32 allowed": lambda: _matmul_precision("high"),
+    }
+    j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
+    x = rand(device, 3, 4)
+    for name in ["defaults", "autocast", "defaults", "float64 default", "autocast", "TF32 allowed", "defaults"]:
+        with settings[name]():
+            got, want = j(x), f(x)
+        assert got.dtype == want.dtype, name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    assert len(j.entries) == 4
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+@contextlib.contextmanager
+def _matmul_precision(precision):
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
 
 
 # -- retraces are bounded and loud -----------------------------------------------------------------------------
