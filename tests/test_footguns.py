@@ -9,6 +9,9 @@ SILENT MISMATCHES (wrong results, no error):
                                                more than a small model's step). Pass `u` instead.
   frozen_record_changed_by_force         HARD  object.__setattr__ on a frozen attrs/dataclass instance: frozen
                                                trees are proven unchanged by identity. attrs.evolve it instead.
+  cublas_reduction_flags                 MED   allow_bf16/fp16_reduced_precision_reduction toggled between calls:
+                                               graphs keep the GEMM kernels chosen at capture (rounding only; the
+                                               settings that change dtypes or TF32 are part of the signature)
 ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   padded_rows_mixed_into_real_ones       MED   logged once at trace time with the line, listed by explain
@@ -169,3 +172,19 @@ def test_a_batched_input_aliasing_written_state_after_the_first_call():
     f(torch.ones(3), state)  # the layout, learned without aliasing
     out = f(state["h"], state)  # x is state["h"]: eager returns (h + 1) * 2
     assert out.tolist() == [4.0] * 3  # should be [6.0] * 3! read before the write
+
+
+def test_cublas_reduction_flags():
+    """cuBLAS's reduced-precision reduction flags pick among GEMM kernels that round differently, not the dtype of
+    any result: they are not read per call (autocast, the default dtype and TF32 precision are, tests/test_semantics
+    .py), so a signature captured under one setting replays its kernels under the other."""
+    mm = torch.backends.cuda.matmul
+    f = fgraph.jit(lambda x: x @ x.T, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    f(torch.ones(3, 2))
+    before = mm.allow_bf16_reduced_precision_reduction
+    mm.allow_bf16_reduced_precision_reduction = not before
+    try:
+        f(torch.ones(3, 2))
+    finally:
+        mm.allow_bf16_reduced_precision_reduction = before
+    assert len(f.entries) == 1  # should be 2 for kernels chosen anew; the same graph replayed
