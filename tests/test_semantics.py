@@ -427,8 +427,10 @@ def test_torch_global_settings_are_part_of_the_signature(mode, device):
     settings = {
         "defaults": contextlib.nullcontext,
         "autocast": lambda: torch.autocast(kind, dtype=torch.bfloat16),
-        "float64 default": lambda: _default_dtype(torch.float64),
-        "TF32 allowed": lambda: _matmul_precision("high"),
+        "float64 default": lambda: _setting(torch.get_default_dtype, torch.set_default_dtype, torch.float64),
+        "TF32 allowed": lambda: _setting(
+            torch.get_float32_matmul_precision, torch.set_float32_matmul_precision, "high"
+        ),
     }
     j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
     x = rand(device, 3, 4)
@@ -441,23 +443,14 @@ def test_torch_global_settings_are_part_of_the_signature(mode, device):
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype):
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def _setting(get, set_, value):
+    """A torch global setting changed for the block (torch.set_default_dtype, set_float32_matmul_precision)."""
+    prev = get()
+    set_(value)
     try:
         yield
     finally:
-        torch.set_default_dtype(prev)
-
-
-@contextlib.contextmanager
-def _matmul_precision(precision):
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(prev)
+        set_(prev)
 
 
 # -- retraces are bounded and loud -----------------------------------------------------------------------------
