@@ -156,6 +156,14 @@ class TorchState(NamedTuple):
     autocast: tuple  # (device type, dtype) of each autocast context in force
     matmul_precision: str
 
+    def __repr__(self) -> str:  # what differs from torch's defaults, as explain shows a signature
+        parts = [f"autocast({d}, {str(t).removeprefix('torch.')})" for d, t in self.autocast]
+        if self.default_dtype is not torch.float32:
+            parts.append(f"default dtype {str(self.default_dtype).removeprefix('torch.')}")
+        if self.matmul_precision != "highest":
+            parts.append(f"matmul precision {self.matmul_precision}")
+        return "[" + ", ".join(parts) + "]"
+
 
 def torch_state() -> TorchState | None:
     """The settings in force, or None at torch's defaults (the usual case: signatures then do not show them). On

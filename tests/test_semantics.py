@@ -440,6 +440,9 @@ def test_torch_global_settings_are_part_of_the_signature(mode, device):
         assert got.dtype == want.dtype, name
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
     assert len(j.entries) == 4
+    text = str(fgraph.explain(j))  # each signature names what differs from torch's defaults
+    assert f"<torch>=[autocast({kind}, bfloat16)]" in text and "<torch>=[default dtype float64]" in text
+    assert "<torch>=[matmul precision high]" in text
 
 
 @contextlib.contextmanager
