@@ -23,7 +23,7 @@ from torch._C import _functorch
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ._errors import FgraphError, SignatureError
-from ._signature import path_str
+from ._signature import path_str, torch_state
 
 _PATHS = sysconfig.get_paths()  # where the standard library and installed packages live (not sys.prefix itself)
 _LIB_DIRS = tuple(
@@ -125,6 +125,18 @@ class Lifted:
             name, k = f"{base}#{k}", k + 1
         self._taken.add(name)
         return name
+
+    def training(self) -> tuple[str, ...]:
+        """The lifted modules in training mode, by name (a whole module as its name): dropout and batch norm trace
+        differently in training, and `model.eval()` after a call must not replay the training trace."""
+        names = []
+        for name, m in self.modules:
+            flags = [sub.training for sub in m.modules()]
+            if all(flags):
+                names.append(name)
+            elif any(flags):
+                names.extend(f"{name}.{k}" for k, sub in m.named_modules() if sub.training)
+        return tuple(names)
 
     def _module(self, name: str, m: torch.nn.Module):
         if id(m) in self._seen:
@@ -325,6 +337,13 @@ def check_call(jitted, statics: dict, dynamic: dict) -> dict:
         lifted.scan()
         jitted._plain = jitted._plain and not lifted  # lifted tensors are read per call: no replay-path binding
     return {**dynamic, **lifted.values()} if lifted else dynamic
+
+
+def context(jitted) -> tuple:
+    """A call's signature entries for what its trace depends on beyond the arguments: torch's global settings when
+    not at torch's defaults (autocast, default dtype, matmul precision), and the lifted modules in training mode."""
+    state, training = torch_state(), jitted._lifted.training() if jitted._lifted else ()
+    return ((("<torch>", state),) if state else ()) + ((("<training>", training),) if training else ())
 
 
 def check_transforms(jitted) -> None:

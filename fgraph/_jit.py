@@ -162,9 +162,8 @@ class Jitted:
         specs = batch_specs(self.name, self.batch, dynamic, treespec, len(leaves))
         n = pad_count(self.name, paths, leaves, specs)
         bucket = bucket_for(self.buckets, max(n, 1)) if n is not None else None
-        state = torch_state()  # autocast, default dtype, matmul precision: a trace made under others would differ
         sig = Signature(
-            tuple(sorted(statics.items(), key=lambda kv: kv[0])) + ((("<torch>", state),) if state else ()),
+            tuple(sorted(statics.items(), key=lambda kv: kv[0])) + B.context(self),  # + autocast, model.eval(), ...
             bucket,
             treespec,
             tuple(leaf_of(x, s, bucket) for x, s in zip(leaves, specs)),

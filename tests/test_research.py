@@ -191,6 +191,25 @@ def test_batchnorm_in_eval_mode_through_jit():
         assert torch.equal(f(x), m(x))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_train_and_eval_after_a_call_are_seen(mode):
+    """Dropout traces differently in training: model.eval() after a call made in training (and back), or one
+    submodule switched, is a new signature, never the other mode's replay."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4)).train()
+    f = fgraph.jit(m, batch={"input": Batched()}, buckets=[4], mode=mode)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for training in (True, False, True, False):
+            m.train(training)
+            got = f(x)
+            if not training:
+                assert torch.equal(got, m(x))  # no dropout
+        m[1].train()  # only the dropout
+        f(x)
+    described = sorted(e.sig.describe() for e in f.entries.values())
+    assert described == ["(<training>=('self',), bucket=4)", "(<training>=('self.1',), bucket=4)", "(bucket=4)"]
+
+
 # -- closures ----------------------------------------------------------------------------------------------------
 W = torch.randn(4, 4)
 
