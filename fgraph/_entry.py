@@ -13,14 +13,14 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from . import _graphs as G
-from . import _padding as pad
+from . import _outputs as O
 from . import _primitives as P
 from ._bind import invoke
 from ._buffers import InputBuffers
 from ._errors import SignatureError
 from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
-from ._padding import BatchAxes, find_mixing, output_rows, output_sizes, tied_lengths
+from ._padding import BatchAxes, find_mixing, tied_lengths
 from ._pytree import unflattener
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
@@ -145,9 +145,9 @@ class Traced:
             return
         batched = [(self.paths[i], i, call.specs[i].axis, call.specs[i]) for i in self.batched_ix]
         self.axes = BatchAxes(self.shapes, batched)
-        self.mixing = find_mixing(gm, self.axes, set(jitted.scratch), ph_paths)
+        self.mixing = find_mixing(gm, self.axes, set(jitted.scratch), ph_paths, jitted.buckets)
         self.tied = tied_lengths(self.axes)
-        pad.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
+        O.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
         for f in self.mixing:
             if ("padding", f.op, f.line) not in jitted._logged:
                 jitted._logged.add(("padding", f.op, f.line))
@@ -163,7 +163,7 @@ class Traced:
 
     def size_outputs(self) -> list[tuple]:
         """(output, size(leaves)) per output that is a size computed from the batch (fgraph/_padding.py)."""
-        return [] if self.axes is None else output_sizes(self.axes, self.outs)
+        return [] if self.axes is None else O.output_sizes(self.axes, self.outs)
 
     def batched_outputs(self, bucket: int | None) -> list[tuple]:
         """(output, dim, size) per output dim cut back per call to size(leaves) (None: to N), the unpadded call's
@@ -171,7 +171,7 @@ class Traced:
         bucket. The caller's own tensors never are."""
         if bucket is None:
             return []
-        rows = [] if self.axes is None else output_rows(self.axes, self.outs, set(self.out_passthrough))
+        rows = [] if self.axes is None else O.output_rows(self.axes, self.outs, set(self.out_passthrough))
         if self.axes is not None and not self.axes.specialized:
             return rows
         cut = {j for j, _, _ in rows}  # a trace whose batch size a guard fixed (`if N == 8`) has static outputs
@@ -295,7 +295,7 @@ class Entry:
             for j, d, rows in self.out_batched:  # cut back to the unpadded call's size (Traced.batched_outputs)
                 size = n if rows is None else rows(leaves)
                 if outs[j].shape[d] != size:
-                    outs[j] = outs[j].narrow(d, 0, size) if 0 <= size <= outs[j].shape[d] else pad.cut_error(self, j, d)
+                    outs[j] = outs[j].narrow(d, 0, size) if 0 <= size <= outs[j].shape[d] else O.cut_error(self, j, d)
             for j, size in self.out_sizes:  # `x.shape[0]` returned: the call's, not the bucket's
                 outs[j] = size(leaves)
         if copy_outputs:

@@ -4,9 +4,9 @@ A signature pads every Batched leaf to its bucket. That is invisible only to per
 the trace (batch axes are sympy symbols there), the ops whose result the padded rows can change (reductions,
 softmax/cumsum/sort along the axis, matmuls contracting it, negative indexing and indices computed from its
 size, concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
-without it, layouts that put padded rows before real ones, windows sliding along it, Python branches on its size),
-and derives the exact size of each output along every batch-sized dim (and every size it returns), so outputs are
-cut back to what the unpadded call returns and nothing else is sliced; an output no cut can fix is a TraceError.
+without it, layouts that put padded rows before real ones, windows sliding along it, Python branches on its size
+that some call padded to a bucket would take differently), and the per-call checks of batched leaves (tied lengths,
+memory shared with written state). Outputs are cut back to the unpadded call's in fgraph/_outputs.py.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Callable
 from typing import NamedTuple
 
 import sympy
@@ -24,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from . import _primitives as P
-from ._errors import SignatureError, TraceError
+from ._errors import SignatureError
 from ._trace import _LIB_DIRS, Shapes, base_of
 
 # ops that combine rows along their `dim` / `dims` argument (the axis keeps its size)
@@ -168,7 +167,9 @@ def _shape(v) -> tuple:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
 
 
-def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: dict[fx.Node, str]) -> list[Finding]:
+def find_mixing(
+    gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: dict[fx.Node, str], buckets=()
+) -> list[Finding]:
     """The ops of a symbolic trace that combine rows along a batch axis (so padded rows change real results),
     and the guards the trace took on a batch size. Break primitives (attention, MoE) are excluded: they own their
     padding contract. scratch: the key paths whose scatters from padded rows are declared to land in scratch."""
@@ -300,11 +301,30 @@ def find_mixing(gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: d
             line = _line_using(gm, expr) or "<inside an op>"
         if line is None:  # a check inside torch or fgraph (topk's k <= size): a consequence of an op reported above
             continue
+        if _same_for_every_call(expr, axes, buckets):  # `if N != 1` with bucket 1 traced on its own
+            continue
         f = Finding("branch", line, f"Python code depends on the batch size ({expr}), which is the bucket here")
         syms = set().union(*(axes.syms_of_expr(s) for s in expr.free_symbols))
         if not (axes.intended(syms) or axes.intended_raw(expr.free_symbols)):
             found.setdefault((f.op, f.line), f)
     return list(found.values())
+
+
+def _same_for_every_call(expr, axes: BatchAxes, buckets) -> bool:
+    """Whether a guard on the batch size holds for every call this trace serves: for each bucket where it holds
+    (the trace serves only those), for every batch size padded up to that bucket. Then eager takes the same branch
+    (`N != 1` when bucket 1 has its own trace); `N > 4` with bucket 8 does not."""
+    extra = {sym: leaf[3].extra for sym, leaf in zip(axes.raw, axes.leaves)}
+
+    def holds(n: int) -> bool:
+        return expr.xreplace({s: sympy.Integer(n + extra.get(s, 0)) for s in expr.free_symbols}) is sympy.true
+
+    prev = 0
+    for b in sorted(buckets):
+        if holds(b) and not all(holds(n) for n in range(prev + 1, b)):
+            return False
+        prev = b
+    return bool(buckets)
 
 
 def _static_numel(sizes) -> int | None:
@@ -347,71 +367,6 @@ def _guard_line(guard) -> str | None:
     if isinstance(frame, traceback.FrameSummary) and not frame.filename.startswith(_LIB_DIRS):
         return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
     return getattr(loc, "maybe_user_loc", None)
-
-
-def _sizer(axes: BatchAxes, size) -> Callable[[list], int] | None:
-    """A traced size -> `leaves -> its value in a call`: the unpadded call's size, each leaf's symbol at that leaf's
-    length as passed (leaves tied to one size agree: check_lengths); None for a static size."""
-    e = size.node.expr if isinstance(size, torch.SymInt) else None
-    if e is None or not e.free_symbols or not e.free_symbols <= set(axes.raw):
-        return None
-    at = {s: axes.raw[s] for s in e.free_symbols}
-    if len(at) == 1:  # the usual a * N + b (N, [N * heads] flattened, S + 1 offsets): no sympy per call
-        ((s, (i, ax)),) = at.items()
-        a, b = e.coeff(s), e.subs(s, 0)
-        if a.is_Integer and b.is_Integer and sympy.expand(a * s + b - e) == 0:
-            a, b = int(a), int(b)
-            return lambda leaves: a * leaves[i].shape[ax] + b
-    return lambda leaves: int(e.xreplace({s: leaves[i].shape[ax] for s, (i, ax) in at.items()}))
-
-
-def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
-    """Per output dim sized by the batch: (output, dim, size), size(leaves) its length in the unpadded call
-    (x[:3] of N rows: min(3, N)). Static dims are never cut."""
-    rows = []
-    for j, v in enumerate(outs):
-        if j in skip or not isinstance(v, torch.Tensor):
-            continue
-        for d in axes.dims(v):
-            size = _sizer(axes, v.shape[d])
-            if size is not None:
-                rows.append((j, d, size))
-    return rows
-
-
-def refuse_shrinking_outputs(fname: str, gm: fx.GraphModule, axes: BatchAxes, skip: set[int]) -> None:
-    """An output dim whose traced size falls as a batch size grows (`w[x.shape[0]:]`) is shorter, padded to a
-    bucket, than in the unpadded call, and holds other rows: no cut can give the call's answer. A TraceError."""
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    for j, o in enumerate(out_node.args[0]):
-        v = o.meta.get("val") if isinstance(o, fx.Node) and j not in skip else None
-        for d in axes.dims(v):
-            if axes.falls(v.shape[d]):
-                raise TraceError(
-                    f"fgraph.jit({fname}): output {j} at {o.meta.get('line')} has {axes.name(v.shape[d])} rows along "
-                    f"dim {d}, fewer "
-                    "as the batch grows: padded to a bucket it is shorter than in the call, and holds other rows",
-                    "take its rows from a start that does not depend on the batch size, or do not mark that input "
-                    "Batched",
-                )
-
-
-def cut_error(entry, j: int, d: int):
-    """Raised when a call's size of output j along d lies outside what the padded graph returned (`x.split(2)[-1]`:
-    chunk sizes computed from the bucket's N): no cut gives the call's answer."""
-    raise TraceError(
-        f"fgraph.jit({entry.traced.fname}): output {j}'s size along dim {d} in this call is not within the rows the "
-        f"graph padded to bucket {entry.sig.bucket} returned: the output's shape depends on the batch size in a way "
-        "padding changes (the log's 'padding is visible' lines name where)",
-        "make the output's shape follow the batch size row for row (no split/chunk sizes computed from it), or "
-        "call with a batch size equal to a bucket",
-    )
-
-
-def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
-    """Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`): (output, size), size(leaves) their
-    value in the unpadded call (the graph returns the bucket's)."""
-    return [(j, size) for j, v in enumerate(outs) if isinstance(v, torch.SymInt) and (size := _sizer(axes, v))]
 
 
 def tied_lengths(axes: BatchAxes) -> list[tuple]:

@@ -161,6 +161,22 @@ def test_a_branch_fixing_the_batch_size_is_logged_and_outputs_still_cut(caplog):
     assert "padding is visible: branch at " in caplog.text and where(at_eight) + ":" in caplog.text
 
 
+@pytest.mark.parametrize("buckets, logged", [([1, 8], False), ([8], True)])
+def test_a_branch_every_call_takes_alike_is_not_reported(buckets, logged, caplog):
+    """`if N > 1` (Hugging Face's masks have one): with bucket 1 traced on its own, every call reaching the symbolic
+    trace has N > 1, as eager does; without bucket 1, a single row padded to 8 takes the other branch."""
+
+    def more_than_one(x):
+        return x * 2 if x.shape[0] > 1 else x
+
+    f = fgraph.jit(more_than_one, batch={"x": Batched()}, buckets=buckets, mode="NONE")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for n in (5, 1, 3):
+            got = f(torch.ones(n, 2))
+            assert torch.equal(got, eager(more_than_one, torch.ones(n, 2))) or logged
+    assert ("padding is visible: branch at " in caplog.text) == logged
+
+
 def test_a_function_first_called_at_bucket_1_is_checked_at_its_first_symbolic_trace(caplog):
     """Bucket 1 is traced with static shapes (nothing to find: one row pads nothing); the next bucket's trace is
     symbolic and is checked."""

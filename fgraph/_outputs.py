@@ -1,0 +1,79 @@
+"""The outputs of a padded call: each output dim whose traced size is a batch size cut back to what the unpadded
+call returns (`x[:3]` of N rows: min(3, N)), sizes it returns given as the call's, and the outputs no cut can bring
+back refused (a TraceError, at trace time where the size falls as the batch grows, else at the call)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ._errors import TraceError
+from ._padding import BatchAxes
+
+
+def _sizer(axes: BatchAxes, size) -> Callable[[list], int] | None:
+    """A traced size -> `leaves -> its value in a call`: the unpadded call's size, each leaf's symbol at that leaf's
+    length as passed (leaves tied to one size agree: check_lengths); None for a static size."""
+    e = size.node.expr if isinstance(size, torch.SymInt) else None
+    if e is None or not e.free_symbols or not e.free_symbols <= set(axes.raw):
+        return None
+    at = {s: axes.raw[s] for s in e.free_symbols}
+    if len(at) == 1:  # the usual a * N + b (N, [N * heads] flattened, S + 1 offsets): no sympy per call
+        ((s, (i, ax)),) = at.items()
+        a, b = e.coeff(s), e.subs(s, 0)
+        if a.is_Integer and b.is_Integer and sympy.expand(a * s + b - e) == 0:
+            a, b = int(a), int(b)
+            return lambda leaves: a * leaves[i].shape[ax] + b
+    return lambda leaves: int(e.xreplace({s: leaves[i].shape[ax] for s, (i, ax) in at.items()}))
+
+
+def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
+    """Per output dim sized by the batch: (output, dim, size), size(leaves) its length in the unpadded call
+    (x[:3] of N rows: min(3, N)). Static dims are never cut."""
+    rows = []
+    for j, v in enumerate(outs):
+        if j in skip or not isinstance(v, torch.Tensor):
+            continue
+        for d in axes.dims(v):
+            size = _sizer(axes, v.shape[d])
+            if size is not None:
+                rows.append((j, d, size))
+    return rows
+
+
+def refuse_shrinking_outputs(fname: str, gm: fx.GraphModule, axes: BatchAxes, skip: set[int]) -> None:
+    """An output dim whose traced size falls as a batch size grows (`w[x.shape[0]:]`) is shorter, padded to a
+    bucket, than in the unpadded call, and holds other rows: no cut can give the call's answer. A TraceError."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for j, o in enumerate(out_node.args[0]):
+        v = o.meta.get("val") if isinstance(o, fx.Node) and j not in skip else None
+        for d in axes.dims(v):
+            if axes.falls(v.shape[d]):
+                raise TraceError(
+                    f"fgraph.jit({fname}): output {j} at {o.meta.get('line')} has {axes.name(v.shape[d])} rows along "
+                    f"dim {d}, fewer "
+                    "as the batch grows: padded to a bucket it is shorter than in the call, and holds other rows",
+                    "take its rows from a start that does not depend on the batch size, or do not mark that input "
+                    "Batched",
+                )
+
+
+def cut_error(entry, j: int, d: int):
+    """Raised when a call's size of output j along d lies outside what the padded graph returned (`x.split(2)[-1]`:
+    chunk sizes computed from the bucket's N): no cut gives the call's answer."""
+    raise TraceError(
+        f"fgraph.jit({entry.traced.fname}): output {j}'s size along dim {d} in this call is not within the rows the "
+        f"graph padded to bucket {entry.sig.bucket} returned: the output's shape depends on the batch size in a way "
+        "padding changes (the log's 'padding is visible' lines name where)",
+        "make the output's shape follow the batch size row for row (no split/chunk sizes computed from it), or "
+        "call with a batch size equal to a bucket",
+    )
+
+
+def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
+    """Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`): (output, size), size(leaves) their
+    value in the unpadded call (the graph returns the bucket's)."""
+    return [(j, size) for j, v in enumerate(outs) if isinstance(v, torch.SymInt) and (size := _sizer(axes, v))]
