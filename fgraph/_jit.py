@@ -219,6 +219,8 @@ class Jitted:
         bucket = bucket_for(self.buckets, n if n > 1 else 1) if n is not None else None
         if n is not None and bucket is None:
             return _MISS
+        # torch's settings, not all of B.context: a function with lifted modules (their training modes) never
+        # takes this path (_plain)
         entry = self._fast.get((statics, torch_state(), bucket, tuple(parts)))
         if entry is None:
             return _MISS

@@ -54,8 +54,8 @@ def refuse_shrinking_outputs(fname: str, gm: fx.GraphModule, axes: BatchAxes, sk
             if axes.falls(v.shape[d]):
                 raise TraceError(
                     f"fgraph.jit({fname}): output {j} at {o.meta.get('line')} has {axes.name(v.shape[d])} rows along "
-                    f"dim {d}, fewer "
-                    "as the batch grows: padded to a bucket it is shorter than in the call, and holds other rows",
+                    f"dim {d}, fewer as the batch grows: padded to a bucket it is shorter than in the call, and holds "
+                    "other rows",
                     "take its rows from a start that does not depend on the batch size, or do not mark that input "
                     "Batched",
                 )

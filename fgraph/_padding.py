@@ -124,12 +124,17 @@ class BatchAxes:
         names.update({leaf[4]: names[sym] for sym, leaf in zip(self.raw, self.leaves) if leaf[4] is not None})
         return str(e.xreplace(names))
 
+    def at(self, expr, n: int):
+        """A traced size or guard (sympy) in a call of n rows: each leaf's symbol at its length, n + its extra."""
+        e = expr.node.expr if isinstance(expr, torch.SymInt) else expr
+        sizes = {sym: n + leaf[3].extra for sym, leaf in zip(self.raw, self.leaves)}
+        free = e.free_symbols & (set(self.raw) | self.symbols)
+        return e.xreplace({sym: sympy.Integer(sizes.get(sym, n)) for sym in free})
+
     def falls(self, expr) -> bool:
         """Whether a traced size falls as the batch sizes grow (`8 - Min(8, s0)`), checked at a few sizes."""
-        e = expr.node.expr if isinstance(expr, torch.SymInt) else expr
-        free = e.free_symbols & (set(self.raw) | self.symbols) if isinstance(e, sympy.Basic) else set()
-        for n in (1, 7, 63) if free else ():
-            lo, hi = (sympy.sympify(e.xreplace(dict.fromkeys(free, sympy.Integer(k)))) for k in (n, n + 1))
+        for n in (1, 7, 63):
+            lo, hi = self.at(expr, n), self.at(expr, n + 1)
             if lo.is_number and hi.is_number and bool(hi < lo):
                 return True
         return False
@@ -314,10 +319,9 @@ def _same_for_every_call(expr, axes: BatchAxes, buckets) -> bool:
     """Whether a guard on the batch size holds for every call this trace serves: for each bucket where it holds
     (the trace serves only those), for every batch size padded up to that bucket. Then eager takes the same branch
     (`N != 1` when bucket 1 has its own trace); `N > 4` with bucket 8 does not."""
-    extra = {sym: leaf[3].extra for sym, leaf in zip(axes.raw, axes.leaves)}
 
     def holds(n: int) -> bool:
-        return expr.xreplace({s: sympy.Integer(n + extra.get(s, 0)) for s in expr.free_symbols}) is sympy.true
+        return axes.at(expr, n) is sympy.true
 
     prev = 0
     for b in sorted(buckets):
