@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,7 @@ class CudaGraph:
         # No automatic collection during the stream capture: it may destroy CUDA objects that unrelated garbage
         # holds (another function's graphs, their memory), which is illegal while capturing and aborts the
         # process. torch.cuda.graph collects once on entry, before the capture begins.
-        with _no_gc(), torch.cuda.graph(self.graph, pool=self.pool):
+        with _no_gc(), _own_workspaces(), torch.cuda.graph(self.graph, pool=self.pool):
             self.out = fn(*args)
         return self.out
 
@@ -61,6 +62,30 @@ def _no_gc():
     finally:
         if enabled:
             gc.enable()
+
+
+_CAPTURING = threading.Lock()  # the workspace handover below is process-wide: one capture at a time
+
+
+@contextlib.contextmanager
+def _own_workspaces():
+    """The graph about to be captured owns the cuBLAS workspace its GEMMs write (split-K partial sums).
+
+    torch keeps one workspace per (cuBLAS handle, stream) and hands it to every later GEMM on that stream, captured
+    or not; a graph records its address. Left alone, the first capture in the process allocates it in its own pool
+    and every later graph (other jitted functions, torch.compile's) writes there too; when anyone clears torch's
+    workspaces (torch.compile's cudagraph trees do around every recording) and that first pool goes, the other
+    graphs' replays write into memory that is no longer theirs. Clearing on entry makes this capture allocate its
+    workspace in its own pool; clearing on exit keeps later GEMMs from inheriting it. Freed into the pool, the
+    block is reused only by this function's later captures, whose replays never overlap (one call at a time).
+    """
+    with _CAPTURING:
+        clear = torch._C._cuda_clearCublasWorkspaces
+        clear()
+        try:
+            yield
+        finally:
+            clear()
 
 
 def _weak(t):
