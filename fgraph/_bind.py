@@ -65,6 +65,13 @@ def setup(jitted, fn, options: dict) -> tuple[tuple, tuple]:
     jitted._plain = plain_signature(jitted.signature) and not jitted._lifted
     static = (*_names(options.pop("static")), *_names(options.pop("static_argnames")))
     donate = (*_names(options.pop("donate")), *_names(options.pop("donate_argnames")))
+    both = [a for a in static if a in donate]
+    if both:
+        raise SignatureError(
+            f"fgraph.jit({jitted.name}): {both[0]!r} is named in both static= and donate=",
+            "keep it in one: static= is for hashable Python values frozen into the signature, donate= for tensors "
+            "the function updates in place",
+        )
     options.update(static=static, donate=donate, static_argnames=(), donate_argnames=())
     return static, donate
 
@@ -350,6 +357,12 @@ def check_transforms(jitted) -> None:
     """vmap / grad / jacrev (torch.func) over a jitted call: its inputs are functorch wrappers that a captured
     graph cannot see through."""
     if _functorch.peek_interpreter_stack() is not None:
+        if torch.compiler.is_compiling():  # dynamo tracing into fgraph's own code (it sets up transforms too)
+            raise FgraphError(
+                f"fgraph.jit({jitted.name}): called inside torch.compile, which traces into fgraph's call itself",
+                "torch.compile the plain function, or keep the jitted call out of the compiled region (wrap it in "
+                "torch.compiler.disable)",
+            )
         raise FgraphError(
             f"fgraph.jit({jitted.name}): called under a torch.func transform (vmap, grad, jacrev, ...); a jitted "
             "call replays captured graphs, which a transform cannot batch or differentiate",

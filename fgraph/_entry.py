@@ -21,7 +21,7 @@ from ._errors import SignatureError
 from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
 from ._padding import BatchAxes, find_mixing, tied_lengths
-from ._pytree import unflattener
+from ._pytree import tree_flatten, unflattener
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
 from ._state import put_back, root_of
@@ -74,7 +74,8 @@ class Traced:
                 leaves[i] = t
             dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
             out = invoke(jitted, dyn, call.statics)
-            out_leaves, self.out_spec = pytree.tree_flatten(out)
+            out_leaves, self.out_spec = tree_flatten(out)
+            O.refuse_opaque_outputs(fname, out, out_leaves)
             if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back, which
                 # also spares unflattening it on every call
                 self.out_args = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}

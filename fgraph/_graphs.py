@@ -64,7 +64,7 @@ def _no_gc():
             gc.enable()
 
 
-_CAPTURING = threading.Lock()  # the workspace handover below is process-wide: one capture at a time
+_CAPTURING = threading.RLock()  # the workspace handover below is process-wide: one capture at a time
 
 
 @contextlib.contextmanager
@@ -79,8 +79,8 @@ def _own_workspaces():
     workspace in its own pool; clearing on exit keeps later GEMMs from inheriting it. Freed into the pool, the
     block is reused only by this function's later captures, whose replays never overlap (one call at a time).
     """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)  # absent from builds without CUDA
     with _CAPTURING:
-        clear = torch._C._cuda_clearCublasWorkspaces
         clear()
         try:
             yield

@@ -77,3 +77,33 @@ def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
     """Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`): (output, size), size(leaves) their
     value in the unpadded call (the graph returns the bucket's)."""
     return [(j, size) for j, v in enumerate(outs) if isinstance(v, torch.SymInt) and (size := _sizer(axes, v))]
+
+
+def _tensors_in(v) -> bool:
+    """Does an object fgraph cannot see into hold tensors (its attributes, one level of containers in them)?"""
+    attrs = getattr(v, "__dict__", None)
+    if not isinstance(attrs, dict):
+        attrs = {k: getattr(v, k, None) for k in getattr(type(v), "__slots__", ())}
+    for a in attrs.values():
+        for x in a.values() if isinstance(a, dict) else a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(x, torch.Tensor):
+                return True
+    return False
+
+
+def refuse_opaque_outputs(fname: str, out, leaves: list) -> None:
+    """An output leaf of a class pytrees do not know, holding tensors, would come back as traced (fake tensors
+    that no replay updates): a TraceError naming its key path instead."""
+    for i, v in enumerate(leaves):
+        if not isinstance(v, torch.Tensor) and _tensors_in(v):
+            from ._pytree import flatten_with_paths
+            from ._signature import path_str
+
+            p = flatten_with_paths(out)[0][i][0]
+            where = f"output {path_str(p)}" if p else "the output"
+            raise TraceError(
+                f"fgraph.jit({fname}): {where} is a {type(v).__qualname__} holding tensors, which fgraph "
+                "cannot see into (a captured graph would hand back the traced tensors)",
+                f"return its tensors in a dict, tuple or NamedTuple, make {type(v).__qualname__} a dataclass or attrs "
+                "class, or register it with fgraph.register / torch.utils._pytree.register_pytree_node",
+            )

@@ -78,6 +78,13 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple[KeyPath, Any]], pytree.Tre
             register(cls)
 
 
+def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """pytree.tree_flatten, registering attrs/dataclass types met on the way: outputs and a repeated function's
+    values are records as much as arguments are (unregistered, one would be an opaque leaf hiding its tensors)."""
+    leaves, spec = flatten_with_paths(tree)
+    return [v for _, v in leaves], spec
+
+
 def flattener(spec: pytree.TreeSpec):
     """`tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and
     contexts: dict keys, attrs static fields, sequence lengths). torch's tree_flatten minus building a TreeSpec:

@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental import proxy_tensor as pt
 
 from ._errors import TraceError
+from ._pytree import tree_flatten
 from ._trace_errors import op_label
 
 stats = {"traced": 0, "copied": 0}  # calls of repeated functions under tracing: traced as usual / copied
@@ -98,7 +99,7 @@ def repeated(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         tracer = mode.tracer
         templates = tracer.__dict__.setdefault("fgraph_templates", {})  # they live and die with this trace's graph
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs))
         try:
             key = (fn, spec, _signature(leaves))
             tpl = templates.get(key)
@@ -122,7 +123,7 @@ def repeated(fn: Callable) -> Callable:
         while node is not tracer.graph._root:
             nodes.append(node)
             node = node.next
-        flat, out_spec = pytree.tree_flatten(out)
+        flat, out_spec = tree_flatten(out)
         outputs = [node_of(x) if isinstance(x, torch.Tensor) else x for x in flat]
         if any(o is False for o in outputs):
             return out

@@ -8,6 +8,7 @@ where batched leaves are counted at their padded size, so every N in a bucket sh
 from __future__ import annotations
 
 import bisect
+import numbers
 from typing import Any, NamedTuple
 
 import attrs
@@ -47,9 +48,14 @@ class Batched:
                 "count the batch axis from the front (one Batched may cover leaves of different ranks), e.g. "
                 "Batched(axis=1) for [H, N, D] leaves",
             )
-        object.__setattr__(
-            self, "fixed_tail", not callable(self.pad) and not (isinstance(self.pad, str) and self.pad == "ramp")
-        )
+        ramp = isinstance(self.pad, str) and self.pad == "ramp"
+        if not (callable(self.pad) or ramp or isinstance(self.pad, numbers.Number)):
+            raise SignatureError(
+                f'Batched(pad={self.pad!r}): pad must be a number (the fill value), "ramp" or a callable '
+                "(tensor, size) -> tensor",
+                "Batched(pad=0) fills padded rows with zeros; see fgraph.Batched's docstring for the other two",
+            )
+        object.__setattr__(self, "fixed_tail", not callable(self.pad) and not ramp)
 
     def padded(self, x: torch.Tensor, size: int) -> torch.Tensor:
         if x.shape[self.axis] == size:

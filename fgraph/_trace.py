@@ -182,6 +182,13 @@ def trace(
                 f"({name}): Python control flow or shapes that come from data cannot be captured",
                 "use torch.where / masking instead of `if tensor`, keep shapes static",
             ) from e
+        if E.raised_by_user(e):
+            # as jax.jit does: the function's own exception, of its own type (callers may catch it), with a note
+            e.add_note(
+                f"(raised by {fname} while fgraph.jit traced it at this call's shapes and dtypes; "
+                f"`with fgraph.disable_jit(): {fname}(...)` runs it eagerly)"
+            )
+            raise
         raise E.translate(fname, e, names) from e
     finally:
         active -= 1

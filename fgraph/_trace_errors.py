@@ -114,6 +114,16 @@ def _name_of(t, e: BaseException) -> str | None:
     return None
 
 
+def raised_by_user(e: BaseException) -> bool:
+    """Did the function's own code raise `e` (a `raise` or a failing lookup in it), not a torch call it made?"""
+    if hasattr(e, "_fgraph_op"):
+        return False
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and next(_user_frames(tb), None) is not None
+
+
 def translate(fname: str, e: Exception, names: Names) -> TraceError:
     """An fgraph TraceError for an exception raised while tracing `fname` (raise it `from e`)."""
     op = getattr(e, "_fgraph_op", None)

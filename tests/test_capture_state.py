@@ -251,3 +251,24 @@ def test_no_garbage_collection_during_a_cuda_stream_capture(monkeypatch):
     g = G.CudaGraph(None)
     assert gc.isenabled() and g.capture(lambda x: x + 1, torch.ones(2)).tolist() == [2.0, 2.0]
     assert seen == [False] and gc.isenabled()
+
+
+def test_each_cuda_graph_capture_owns_its_cublas_workspace(monkeypatch):
+    """torch's cuBLAS workspaces are cleared right before a capture (so the capture allocates its own, in its pool)
+    and right after (so no later graph inherits it): what others then do to torch's workspaces cannot free memory a
+    jitted function's graphs write. On the GPU: tests/test_workspace_gpu.py."""
+    import contextlib
+
+    seen = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        seen.append("capture begins")
+        yield
+        seen.append("capture ends")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: seen.append("clear"), raising=False)
+    G.CudaGraph(None).capture(lambda x: x + 1, torch.ones(2))
+    assert seen == ["clear", "capture begins", "capture ends", "clear"]

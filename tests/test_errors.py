@@ -55,6 +55,38 @@ def test_unknown_break_name():
         fgraph.jit(toys.step, breaks=["atention"])
 
 
+def test_an_argument_cannot_be_both_static_and_donated():
+    with pytest.raises(SignatureError, match=r"fgraph.jit\(step\): 'state' is named in both static= and donate="):
+        fgraph.jit(toys.step, static=["routine", "state"], donate=["state"])
+
+
+@pytest.mark.parametrize("pad", ["zeros", None, [0]])
+def test_pad_is_a_fill_value_ramp_or_a_callable(pad):
+    with pytest.raises(SignatureError, match=r"pad must be a number \(the fill value\), \"ramp\" or a callable"):
+        Batched(pad=pad)
+
+
+def checked(x, table):
+    if x.shape[1] != 4:
+        raise ValueError(f"expected 4 features, got {x.shape[1]}")
+    return x * table["scale"]
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL"])
+def test_the_functions_own_exception_comes_through_as_itself(mode):
+    """As with jax.jit, an exception the function's own code raises while being traced reaches the caller with
+    its type and message (callers may catch it), a note saying fgraph was tracing; nothing is cached, so a
+    later good call works. Errors from torch calls stay fgraph TraceErrors (test_item_in_traced_function, ...)."""
+    f = fgraph.jit(checked, batch={"x": Batched()}, mode=mode, buckets=[4])
+    with pytest.raises(ValueError, match="expected 4 features, got 3") as got:
+        f(torch.ones(2, 3), {"scale": torch.ones(())})
+    assert any("while fgraph.jit traced it" in n for n in getattr(got.value, "__notes__", []))
+    with pytest.raises(KeyError, match="scale"):
+        f(torch.ones(2, 4), {"scal": torch.ones(())})
+    x = torch.randn(3, 4)
+    assert torch.equal(f(x, {"scale": torch.full((), 2.0)}), x * 2)
+
+
 def test_missing_argument():
     with pytest.raises(SignatureError, match=r"fgraph.jit\(step\): missing a required argument: 'batch'"):
         jitted()(*make()[:2])

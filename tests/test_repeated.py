@@ -178,6 +178,31 @@ def test_outputs_that_are_arguments_or_values_come_back_as_such():
     assert _repeated.stats["copied"] - before == 4
 
 
+@attrs.define
+class Hidden:  # a record no one registered: fgraph registers it where it meets it, in values as in arguments
+    x: torch.Tensor
+
+
+def test_records_between_layers_are_seen_into():
+    """A layer that returns an unregistered attrs record: each copy gets its own record of fresh tensors, never
+    the first layer's (which made every later layer's output the first one's)."""
+
+    def rec_layer(w, x):
+        return Hidden(torch.tanh(x @ w))
+
+    def chain(params, batch):
+        x = batch["x"]
+        for w in params["w"]:
+            x = fgraph.repeated(rec_layer)(w, x).x
+        return x
+
+    params, batch = make(n=5)
+    f = fgraph.jit(chain, batch={"batch": fgraph.Batched()}, buckets=[8])
+    before = _repeated.stats["copied"]
+    torch.testing.assert_close(f(params, batch), chain(params, batch))
+    assert _repeated.stats["copied"] - before == 4
+
+
 def test_inductor_compiles_the_pieces_of_copied_layers():
     """jit(compile=True): Inductor compiles each piece, copied layers' nodes included (they carry layer 0's fake
     values as metadata), and the result equals the eager step."""

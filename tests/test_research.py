@@ -384,21 +384,23 @@ def test_a_shape_error_names_the_line_the_inputs_and_the_batch_axis(capfd):
     assert "failed while attempting to run meta" not in capfd.readouterr().err  # no fake-tensor logging
 
 
-def test_a_python_error_inside_the_function_is_a_trace_error_with_the_cause():
-    def f(x, table):
-        return x * table["missing"]
-
-    with pytest.raises(TraceError, match=r"fgraph.jit\(f\): KeyError at .*test_research.py:\d+: 'missing'") as e:
-        fgraph.jit(f)(torch.ones(2), {"present": torch.ones(2)})
-    assert isinstance(e.value.__cause__, KeyError)
-
-
 def test_vmap_and_grad_over_a_jitted_call_are_fgraph_errors():
     f = fgraph.jit(lambda x: (x * 2).sum())
     with pytest.raises(FgraphError, match=r"called under a torch.func transform"):
         torch.vmap(f)(torch.randn(3, 2))
     with pytest.raises(FgraphError, match=r"called under a torch.func transform"):
         torch.func.grad(f)(torch.randn(3))
+
+
+def test_torch_compile_over_a_jitted_call_says_so_and_its_fix_works():
+    f = fgraph.jit(lambda x: x * 2 + 1)
+    x = torch.randn(3)
+    with pytest.raises(FgraphError, match=r"called inside torch.compile") as e:
+        torch.compile(lambda x: f(x).relu())(x)
+    assert "torch.compiler.disable" in e.value.fix
+    torch._dynamo.reset()
+    g = torch.compiler.disable(f)
+    torch.testing.assert_close(torch.compile(lambda x: g(x).relu())(x), (x * 2 + 1).relu())
 
 
 def test_autograd_through_a_jitted_call_is_an_fgraph_error():

@@ -8,6 +8,7 @@ Outputs are copies by default. Retraces are bounded and loud. stats() counts eve
 """
 
 import contextlib
+import dataclasses
 import logging
 import threading
 
@@ -390,6 +391,47 @@ def test_kept_outputs_are_not_overwritten(mode, device):
 def returns_its_inputs(p, x, w):
     """Outputs that are inputs or views of them, next to a computed one: eager returns the caller's tensors."""
     return {"x": x, "rows": x[:, :2], "flat": w.reshape(-1), "T": w.T, "y": layer(p, x)}
+
+
+@dataclasses.dataclass
+class Logits:  # registered by no one: fgraph registers records where it meets them, outputs included
+    scores: torch.Tensor
+    top: torch.Tensor
+
+
+@attrs.define
+class Step:
+    out: Logits
+    n: int
+
+
+def scored(p, x):
+    s = x @ p["w"]
+    return Step(Logits(s, s.argmax(-1)), x.shape[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_records_come_back_as_records_of_this_calls_values(mode, device):
+    """A dataclass or attrs instance returned (never seen in the arguments) is a pytree node like a dict: the
+    caller gets a record of this call's values at its size, equal to eager's, never the traced record."""
+    j = fgraph.jit(scored, batch={"x": Batched()}, mode=mode, buckets=[4, 8])
+    p = params(device)
+    for k, n in enumerate([3, 4, 7, 3]):
+        x = rand(device, n, 4, seed=k)
+        got, want = j(p, x), scored(p, x)
+        assert type(got) is Step and type(got.out) is Logits and got.n == n
+        torch.testing.assert_close(got.out.scores, want.out.scores, rtol=0, atol=0)
+        assert torch.equal(got.out.top, want.out.top)
+
+
+def test_an_output_fgraph_cannot_see_into_is_refused():
+    class Box:
+        def __init__(self, y):
+            self.y = y
+
+    j = fgraph.jit(lambda x: {"a": [x, Box(x + 1)]}, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    with pytest.raises(fgraph.TraceError, match=r"output a\[1\] is a .*Box holding tensors, which fgraph cannot see"):
+        j(torch.ones(3, 2))
 
 
 @pytest.mark.parametrize("copy_outputs", [True, False])
