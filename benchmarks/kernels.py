@@ -15,9 +15,8 @@ ROW_TOP = 12  # kernels kept in a benchmark row
 KERNELS_PER_LAYER = 6  # target: per-layer kernels of a FULL decode step
 
 
-def kernel_table(fn, steps: int = 20, top: int = TOP) -> dict:
-    """Profile `steps` calls of fn (after 3 unprofiled ones): kernels_per_step, gpu_us_per_step, `top` = [(name,
-    launches per step, GPU µs per step)] of the `top` costliest kernels, and `rows` = the same for every kernel."""
+def profile_calls(fn, steps: int = 20):
+    """torch.profiler's record of `steps` back-to-back calls of fn (CUDA activity), after 3 unprofiled ones."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -28,6 +27,13 @@ def kernel_table(fn, steps: int = 20, top: int = TOP) -> dict:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_table(fn, steps: int = 20, top: int = TOP) -> dict:
+    """Profile `steps` calls of fn (after 3 unprofiled ones): kernels_per_step, gpu_us_per_step, `top` = [(name,
+    launches per step, GPU µs per step)] of the `top` costliest kernels, and `rows` = the same for every kernel."""
+    prof = profile_calls(fn, steps)
     rows = sorted(
         (
             (e.key[:NAME], e.count / steps, e.device_time_total / steps)

@@ -20,15 +20,9 @@ import torch
 
 def profile_span(fn, steps: int = 20) -> dict:
     """Kernel GPU time and wall span per step over `steps` back-to-back calls, from the profiler's kernel events."""
-    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.kernels import profile_calls
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_calls(fn, steps)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if not kernels:
         return {"kernels_us": None, "span_us": None}

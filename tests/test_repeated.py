@@ -156,6 +156,15 @@ def test_the_example_decoder_traces_one_layer_and_explains_as_before(monkeypatch
     assert copied == explained()
 
 
+def like_eager_with_layers_copied(chain):
+    """chain(params, batch), jitted, equals eager, with its 4 later layers copied from the first."""
+    params, batch = make(n=5)
+    f = fgraph.jit(chain, batch={"batch": fgraph.Batched()}, buckets=[8])
+    before = _repeated.stats["copied"]
+    torch.testing.assert_close(f(params, batch), chain(params, batch))
+    assert _repeated.stats["copied"] - before == 4
+
+
 def test_outputs_that_are_arguments_or_values_come_back_as_such():
     """A copy hands back an argument it returns as that very tensor, and a Python value as itself."""
 
@@ -171,11 +180,7 @@ def test_outputs_that_are_arguments_or_values_come_back_as_such():
         assert all(seen), seen  # checked while tracing, in every layer (traced or copied)
         return x
 
-    params, batch = make(n=5)
-    f = fgraph.jit(chain, batch={"batch": fgraph.Batched()}, buckets=[8])
-    before = _repeated.stats["copied"]
-    torch.testing.assert_close(f(params, batch), chain(params, batch))
-    assert _repeated.stats["copied"] - before == 4
+    like_eager_with_layers_copied(chain)
 
 
 @attrs.define
@@ -196,11 +201,7 @@ def test_records_between_layers_are_seen_into():
             x = fgraph.repeated(rec_layer)(w, x).x
         return x
 
-    params, batch = make(n=5)
-    f = fgraph.jit(chain, batch={"batch": fgraph.Batched()}, buckets=[8])
-    before = _repeated.stats["copied"]
-    torch.testing.assert_close(f(params, batch), chain(params, batch))
-    assert _repeated.stats["copied"] - before == 4
+    like_eager_with_layers_copied(chain)
 
 
 def test_inductor_compiles_the_pieces_of_copied_layers():
