@@ -264,6 +264,16 @@ def base_of(node: Any) -> Any:
     return node
 
 
+def _same_memory(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (
+        a is not b
+        and isinstance(va, torch.Tensor)
+        and isinstance(vb, torch.Tensor)
+        and (va is vb or va.untyped_storage()._cdata == vb.untyped_storage()._cdata)
+    )
+
+
 def check(
     fname: str,
     gm: fx.GraphModule,
@@ -278,6 +288,14 @@ def check(
         for tgt in _write_targets(node):
             b = base_of(tgt)
             if b in placeholder_paths and not donated(b):
+                twin = next((p for p in placeholder_paths if donated(p) and _same_memory(p, b)), None)
+                if twin is not None:  # one tensor passed twice: the trace writes it through whichever came last
+                    raise TraceError(
+                        f"fgraph.jit({fname}): {placeholder_paths[twin]} (donated) and {placeholder_paths[b]} are the "
+                        f"same tensor, and {node.target} at {node.meta.get('line')} writes it in place",
+                        f"pass it once, or pass a copy ({_root(placeholder_paths[b])}.clone()) for the argument "
+                        "that is only read",
+                    )
                 raise TraceError(
                     f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
                     f"{placeholder_paths[b]}, which is not donated",

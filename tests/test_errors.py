@@ -176,6 +176,16 @@ def test_write_into_a_non_donated_input():
         traced(f, torch.ones(3, 2), {"w": torch.ones(2, 2)})
 
 
+def test_a_donated_tensor_passed_again_as_another_argument_is_named_as_such():
+    def upd(state, x, other):
+        state.add_(x.sum(0))
+        return x * other
+
+    s = torch.zeros(2)
+    with pytest.raises(TraceError, match=r"state \(donated\) and other are the same tensor, and aten.add_"):
+        fgraph.jit(upd, donate=["state"], batch={"x": Batched(mixes=True)}, buckets=[4])(s, torch.ones(3, 2), s)
+
+
 def test_donated_alias_is_fine():
     def f(x, state):
         state["k"][: x.shape[0]].copy_(x)  # x arrives padded to its bucket (8 rows, pad 0)
