@@ -121,24 +121,27 @@ class Slots:
     """A captured entry's non-batched tensor inputs: what its graphs read (`targets`, one per address_ix), which of
     them are fgraph's own buffers, copied into per call (`copied`), and the last call's plan."""
 
-    def __init__(self, entry, leaves: list, donate: tuple):
+    def __init__(self, entry, leaves: list, donate: tuple, batched: tuple = ()):
         self.entry = entry
         self.ix = list(entry.address_ix)
         self.targets = [leaves[i] for i in self.ix]  # held: the graphs read their memory
         self.copied: list[int] = []  # positions into ix whose targets are fgraph's buffers
         self.moved = [0] * len(self.ix)  # per position: how many times a call passed another tensor
-        roots = set(donate)
-        self.donated = [entry.paths[i].split("[")[0].split(".")[0] in roots for i in self.ix]
+        root = [entry.paths[i].split("[")[0].split(".")[0] for i in self.ix]
+        self.donated = [r in set(donate) for r in root]
+        # positions inside batched arguments (a tensor without a batch axis next to batched ones): those arguments
+        # are flattened afresh every call, so no container identity vouches for these tensors (_fast_call)
+        self.loose = [k for k, r in enumerate(root) if r in set(batched)]
         self.logged = False
 
-    def diverged(self, leaves: list) -> list[int]:
-        """Positions whose tensor is neither at its captured address nor copied already: the graphs would read
-        another tensor's memory."""
+    def diverged(self, leaves: list, positions: list[int] | None = None) -> list[int]:
+        """Positions (of `positions`, default all) whose tensor is neither at its captured address nor copied
+        already: the graphs would read another tensor's memory."""
         copied = set(self.copied)
         return [
             k
-            for k, (i, t) in enumerate(zip(self.ix, self.targets))
-            if k not in copied and not _same_memory(leaves[i], t)
+            for k in (range(len(self.ix)) if positions is None else positions)
+            if k not in copied and not _same_memory(leaves[self.ix[k]], self.targets[k])
         ]
 
     def move(self, positions: list[int], store: dict, leaves: list) -> None:

@@ -121,7 +121,7 @@ class Jitted:
         self._traces: dict[tuple, list] = {}  # (statics, structure, non-batch shapes) -> traces
         self.sealed = False  # capture() ran: unseen signatures run eagerly (or raise with strict) from now on
         self.pool = None
-        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0}
+        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0}
         self._logged: set = set()  # warnings already logged once
         self._retired: list[Entry] = []
         self._lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
@@ -216,20 +216,20 @@ class Jitted:
                 parts.append(c[2])
                 held.append(c[2])  # the identity-cached containers (not the batched args)
                 leaves.extend(c[1])
-        bucket = bucket_for(self.buckets, n if n > 1 else 1) if n is not None else None
-        if n is not None and bucket is None:
+        bucket = bucket_for(self.buckets, n) if n else None
+        if n is not None and bucket is None:  # past the largest bucket, or an empty batch
             return _MISS
         # torch's settings, not all of B.context: a function with lifted modules (their training modes) never
         # takes this path (_plain)
         entry = self._fast.get((statics, torch_state(), bucket, tuple(parts)))
         if entry is None:
             return _MISS
-        if (
-            entry.verified is None
-            or len(held) != len(entry.verified)
-            or not all(map(operator.is_, held, entry.verified))
-        ) and entry.slots is not None:
-            if entry.slots.diverged(leaves):  # a new tensor where the graphs read another: the slow path copies it
+        # a new tensor where the graphs read another: the slow path copies it. Containers passed again vouch for
+        # theirs by identity; tensors inside batched arguments (slots.loose) are flattened afresh and checked
+        slots, seen = entry.slots, entry.verified
+        if slots is not None:
+            same = seen is not None and len(held) == len(seen) and all(map(operator.is_, held, seen))
+            if (slots.loose or not same) and slots.diverged(leaves, slots.loose if same else None):
                 return _MISS
         out = entry.run(leaves, n, bound, self.copy_outputs)
         entry.verified = held
@@ -272,6 +272,8 @@ class Jitted:
 
     def _slow_call(self, args, kwargs):
         call = self._bind(args, kwargs)
+        if call.n == 0:  # no bucket traces 0 rows: eager's answer, counted, not logged (nothing to fix)
+            return self._fallback("empty", call, None, None)
         if call.n is not None and call.sig.bucket is None:
             return self._fallback(
                 "oversize",
@@ -311,9 +313,9 @@ class Jitted:
         return out
 
     def _fallback(self, kind, call, what, fix):
-        if self.strict:
+        if self.strict and what is not None:
             raise SignatureError(f"fgraph.jit({self.name}, strict=True): {what}", fix)
-        if (kind, call.sig.statics) not in self._logged:
+        if what is not None and (kind, call.sig.statics) not in self._logged:
             self._logged.add((kind, call.sig.statics))
             log.warning("fgraph.jit(%s): %s; running eagerly (logged once). Fix: %s", self.name, what, fix)
         self.fallbacks[kind] += 1
@@ -331,7 +333,7 @@ class Jitted:
             config.inputs_in_graph,
         )
         if entry.slots is None and (entry.graphs or entry.full is not None):
-            entry.slots = D.Slots(entry, call.leaves, self.donate)
+            entry.slots = D.Slots(entry, call.leaves, self.donate, tuple(self.batch))
         if config.log_captures and graphed:
             log.warning(
                 "fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB",

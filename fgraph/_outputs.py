@@ -13,14 +13,20 @@ import torch.fx as fx
 from ._errors import TraceError
 from ._padding import BatchAxes
 
+_CAST = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
-def _sizer(axes: BatchAxes, size) -> Callable[[list], int] | None:
-    """A traced size -> `leaves -> its value in a call`: the unpadded call's size, each leaf's symbol at that leaf's
-    length as passed (leaves tied to one size agree: check_lengths); None for a static size."""
-    e = size.node.expr if isinstance(size, torch.SymInt) else None
+
+def _sizer(axes: BatchAxes, size) -> Callable[[list], int | float | bool] | None:
+    """A traced size, or a float or bool computed from one (`x.shape[0] / 2`, `x.shape[0] > 2`) -> `leaves -> its
+    value in a call`: the unpadded call's, each leaf's symbol at that leaf's length as passed (leaves tied to one
+    size agree: check_lengths); None for a static one."""
+    cast = _CAST.get(type(size))
+    e = size.node.expr if cast is not None else None
     if e is None or not e.free_symbols or not e.free_symbols <= set(axes.raw):
         return None
     at = {s: axes.raw[s] for s in e.free_symbols}
+    if cast is not int:
+        return lambda leaves: cast(e.xreplace({s: leaves[i].shape[ax] for s, (i, ax) in at.items()}))
     if len(at) == 1:  # the usual a * N + b (N, [N * heads] flattened, S + 1 offsets): no sympy per call
         ((s, (i, ax)),) = at.items()
         a, b = e.coeff(s), e.subs(s, 0)
@@ -74,9 +80,9 @@ def cut_error(entry, j: int, d: int):
 
 
 def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
-    """Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`): (output, size), size(leaves) their
-    value in the unpadded call (the graph returns the bucket's)."""
-    return [(j, size) for j, v in enumerate(outs) if isinstance(v, torch.SymInt) and (size := _sizer(axes, v))]
+    """Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`, `n / 2`, `n > 2`): (output, size),
+    size(leaves) their value in the unpadded call (the graph returns the bucket's)."""
+    return [(j, size) for j, v in enumerate(outs) if type(v) in _CAST and (size := _sizer(axes, v))]
 
 
 def _tensors_in(v) -> bool:

@@ -398,22 +398,32 @@ def check_lengths(fname: str, groups: list, leaves: list) -> None:
 
 
 def check_aliases(fname: str, traced, leaves: list, specs: list) -> None:
-    """A batched leaf is read from a padded copy made before the call, so it must not share memory with a leaf the
-    program writes in place: eager would read that write through it, the jitted call would not. Checked where a
-    call's layout is first seen (the slow path); the replay path does not re-check (tests/test_footguns.py)."""
+    """No leaf may share memory with another leaf the program writes in place. Eager reads that write through it;
+    the jitted call does not: a batched leaf is read from a padded copy made before the call, and any tensor the
+    graphs were not captured with is copied into fgraph's buffers (a written one copied back after). Checked on the
+    slow path, where a call's layout is first seen and wherever a tensor the graphs read changes; the replay path
+    does not re-check (tests/test_footguns.py)."""
     written = [*traced.written, *sorted(traced.written_batched)]
     if not written:
         return
-    for b, spec in enumerate(specs):
-        if spec is None or not isinstance(leaves[b], torch.Tensor):
+    by_storage: dict[int, list[int]] = {}
+    for w in written:
+        by_storage.setdefault(leaves[w].untyped_storage().data_ptr(), []).append(w)
+    for b, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
             continue
-        for w in written:
-            if w != b and _overlap(leaves[b], leaves[w]):
+        for w in by_storage.get(x.untyped_storage().data_ptr(), ()):
+            if w != b and _overlap(x, leaves[w]):
                 pb, pw = traced.paths[b], traced.paths[w]
+                how = (
+                    f"{pb} is batched, so the jitted call reads it from a padded copy made before the call"
+                    if specs[b] is not None
+                    else "the jitted call reads a copy of its own of either one whenever a call passes tensors the "
+                    "graphs were not captured with"
+                )
                 raise SignatureError(
-                    f"fgraph.jit({fname}): {pb} shares memory with {pw}, which the function writes in place; "
-                    f"{pb} is batched, so the jitted call reads it from a padded copy made before the call and "
-                    "would not see that write (eager would)",
+                    f"fgraph.jit({fname}): {pb} shares memory with {pw}, which the function writes in place; {how}, "
+                    "and would then not see that write (eager would)",
                     f"pass a copy ({pb}.clone()), or read {pw} inside the function instead of passing it twice",
                 )
 

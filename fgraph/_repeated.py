@@ -11,6 +11,9 @@ disable_jit, torch.compile) the function is just called.
 The rule that makes copying sound: the function reads tensors only through its arguments. A template op that
 uses a tensor from outside (a closure over `params.layers[i]`) would be copied with layer 0's tensor, so it is
 refused when the template is made. Sizes from outside are fine (a symbolic batch size is one value everywhere).
+Python values from outside that differ per call (a per-layer scale read from a global or closure) cannot be told
+from constants in the code, so they are copied from the first call: pass them as arguments (they are then part
+of the template's key). Pinned in tests/test_footguns.py.
 """
 
 from __future__ import annotations

@@ -130,8 +130,8 @@ class Aval(NamedTuple):
     (leaf_of: what signatures are made of), or of a tensor in a trace (aval_of: what plan hooks see)."""
 
     shape: tuple[int | None, ...] | None  # None: a Python value; a None dim: symbolic in a trace
-    dtype: torch.dtype | None
-    device: str | None  # str(tensor.device): "cpu", "cuda:0"
+    dtype: torch.dtype | type | None  # a Python value's type
+    device: str | None  # str(tensor.device): "cpu", "cuda:0"; a Python float's hex
     value: Any = None
 
     def __str__(self):
@@ -145,7 +145,9 @@ def leaf_of(x: Any, spec: Batched | None = None, bucket: int | None = None) -> A
     if isinstance(x, torch.Tensor):
         padded = spec is not None and bucket is not None
         return Aval(spec.padded_shape(x, bucket) if padded else tuple(x.shape), x.dtype, str(x.device))
-    return Aval(None, None, None, x)
+    # by value and type: 2, 2.0 and True are equal in Python but trace to int64, float32 and bool results; a
+    # float's hex tells 0.0 from -0.0 (1 / (x * s) is +inf or -inf)
+    return Aval(None, type(x), x.hex() if type(x) is float else None, x)
 
 
 def aval_of(t: torch.Tensor) -> Aval:

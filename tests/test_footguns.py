@@ -9,6 +9,12 @@ SILENT MISMATCHES (wrong results, no error):
                                                more than a small model's step). Pass `u` instead.
   frozen_record_changed_by_force         HARD  object.__setattr__ on a frozen attrs/dataclass instance: frozen
                                                trees are proven unchanged by identity. attrs.evolve it instead.
+  repeated_reads_python_values_once     MED   fgraph.repeated: a Python value read from outside its arguments
+                                               (a per-layer scale in a closure) is copied from the first call to
+                                               every later one. Pass it as an argument.
+  statics_equal_in_python               MED   static arguments compare by ==, as in jax.jit: static 2 and 2.0 share
+                                               a trace (int64 results for both). Non-static Python scalars are
+                                               keyed by type and value (tests/test_semantics.py)
   cublas_reduction_flags                 MED   allow_bf16/fp16_reduced_precision_reduction toggled between calls:
                                                graphs keep the GEMM kernels chosen at capture (rounding only; the
                                                settings that change dtypes or TF32 are part of the signature)
@@ -63,6 +69,37 @@ def test_python_constants_frozen_at_trace():
     assert f(torch.ones(4)).tolist() == [2.0] * 4  # should be [10.0] * 4! the trace read it once
     with fgraph.disable_jit():
         assert f(torch.ones(4)).tolist() == [10.0] * 4
+
+
+def test_repeated_reads_python_values_once():
+    scale = {"now": 1.0}
+
+    @fgraph.repeated
+    def block(x, w):
+        return torch.tanh(x @ w) * scale["now"]  # read from outside the arguments
+
+    @fgraph.repeated
+    def block_arg(x, w, s):
+        return torch.tanh(x @ w) * s  # passed in: part of the template's key
+
+    def model(x, ws, as_arg):
+        for k, w in enumerate(ws):
+            scale["now"] = float(k + 1)
+            x = block_arg(x, w, scale["now"]) if as_arg else block(x, w)
+        return x
+
+    ws, x = [torch.eye(2) for _ in range(3)], torch.ones(3, 2)
+    for as_arg, close in [(False, False), (True, True)]:
+        f = fgraph.jit(model, static=["as_arg"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+        assert torch.allclose(f(x, ws, as_arg), model(x, ws, as_arg)) is close  # from outside: layer 1's scale x3
+
+
+def test_statics_equal_in_python():
+    f = fgraph.jit(lambda x, k: x * k, static=["k"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    x = torch.arange(3)
+    assert f(x, 2).dtype == torch.int64
+    assert f(x, 2.0).dtype == torch.int64  # eager gives float32: 2.0 == 2, so the static key is the same
+    assert len(f.entries) == 1
 
 
 def test_warmup_and_capture_leave_no_trace():

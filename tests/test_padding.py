@@ -374,14 +374,35 @@ def test_outputs_are_cut_along_every_batch_dim(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_sizes_returned_are_the_calls_not_the_buckets(mode):
     def sizes(x, lens):
-        return {"n": x.shape[0], "tokens": x.shape[0] * 2 + 1, "seqs": lens.shape[0] - 1, "y": x * 2}
+        n = x.shape[0]
+        return {"n": n, "tokens": n * 2 + 1, "seqs": lens.shape[0] - 1, "half": n / 2, "big": n > 4, "y": x * 2}
 
     f = fgraph.jit(sizes, batch={"x": Batched(), "lens": Batched(pad="ramp", extra=1)}, buckets=[4, 8], mode=mode)
     for n, s in [(3, 1), (6, 2), (3, 2), (8, 3)]:
         x, lens = torch.randn(n, 2), torch.tensor([0] * s + [n])
         got, want = f(x, lens), eager(sizes, x, lens)
-        assert {k: got[k] for k in ("n", "tokens", "seqs")} == {k: want[k] for k in ("n", "tokens", "seqs")}
+        keys = ("n", "tokens", "seqs", "half", "big")
+        assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+        assert [type(got[k]) for k in keys] == [type(want[k]) for k in keys]
         assert torch.equal(got["y"], want["y"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_an_empty_batch_is_eagers_answer_first_or_later(mode, axis):
+    """No bucket traces 0 rows: a call with none runs the function eagerly (counted as an "empty" fallback, not
+    logged), before any other call and after, and gives eager's shapes and sizes."""
+
+    def f(x):
+        return x * 2, x.shape[axis]
+
+    j = fgraph.jit(f, batch={"x": Batched(axis=axis)}, mode=mode, buckets=[1, 2, 4])
+    shape = lambda n: (n, 2) if axis == 0 else (2, n)  # noqa: E731
+    for n in (0, 1, 0, 3, 0):
+        x = torch.randn(*shape(n))
+        (y, m), (want_y, want_m) = j(x), f(x)
+        assert y.shape == want_y.shape and torch.equal(y, want_y) and m == want_m == n
+    assert j.stats()["fallbacks"]["empty"] == 3
 
 
 def per_row(x, w):

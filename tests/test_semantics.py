@@ -182,6 +182,25 @@ def test_a_batched_input_sharing_memory_with_written_state_is_refused(mode):
     assert j(x, state).tolist() == [2.0] * 3 and state["h"].tolist() == [2.0] * 3  # apart: as eager
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_any_input_sharing_memory_with_written_state_is_refused(mode):
+    """The same for an input without the batch axis (a view of the state passed again): read in place it would see
+    the write, but once calls pass new tensors fgraph reads copies, which would not. Refused on every call that
+    passes such a pair, whatever came before."""
+
+    def step(state, ro):
+        state["h"].add_(1)
+        return ro * 2
+
+    j = fgraph.jit(step, donate=["state"], mode=mode)
+    for _ in range(3):  # apart: as eager, on new tensors each call
+        h, ro = torch.zeros(3), torch.ones(3)
+        assert j({"h": h}, ro).tolist() == [2.0] * 3 and h.tolist() == [1.0] * 3
+    h = torch.zeros(3)
+    with pytest.raises(fgraph.SignatureError, match=r"ro shares memory with state\['h'\], which the function writes"):
+        j({"h": h}, h.view(3))
+
+
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
 def test_strict_refuses_to_copy(mode):
     j = fgraph.jit(layer, mode=mode, strict=True)
@@ -213,6 +232,22 @@ def test_a_leaf_replaced_inside_the_same_dict_is_seen(mode, device):
     torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
     p["b"].fill_(7.0)  # updated in place: read in place (or copied again)
     torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tensor_without_the_batch_axis_inside_a_batched_argument_is_seen(mode, device):
+    """batch={"batch": {"x": Batched(), "bias": None}}: `bias` is read in place like a parameter, but its container
+    is flattened afresh every call, so no container identity vouches for it: every tensor passed there is seen."""
+
+    def f(p, batch):
+        return batch["x"] @ p["w"] + batch["bias"]
+
+    j = fgraph.jit(f, batch={"batch": {"x": Batched(), "bias": None}}, mode=mode, buckets=[4])
+    p, x = params(device), rand(device, 3, 4)
+    zero = torch.zeros(4, device=device)
+    for bias in [zero, zero, zero + 7, zero + 7, zero + 9]:  # the same tensor twice, then new ones
+        b = {"x": x, "bias": bias}
+        torch.testing.assert_close(j(p, b), f(p, b), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -496,6 +531,19 @@ def _setting(get, set_, value):
         yield
     finally:
         set_(prev)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_python_scalars_are_part_of_the_signature_by_value_and_type(mode):
+    """2, 2.0 and True are equal in Python but trace to int64, float32 and bool results; 0.0 and -0.0 are equal but
+    1 / (x * s) is +inf or -inf. Each is its own signature, in the arguments as inside a batched argument."""
+    j = fgraph.jit(lambda x, s: x * s, batch={"x": Batched()}, mode=mode, buckets=[4])
+    k = fgraph.jit(lambda b: 1.0 / (b["x"] * b["s"]), batch={"b": {"x": Batched(), "s": None}}, mode=mode, buckets=[4])
+    x = torch.arange(3)
+    for s in [2, 2.0, True, 2, 2.0]:
+        assert torch.equal(j(x, s), x * s) and j(x, s).dtype == (x * s).dtype, s
+    for s in [0.0, -0.0, 0.0, -0.0]:
+        assert torch.equal(k({"x": torch.ones(3), "s": s}), 1.0 / (torch.ones(3) * s)), s
 
 
 # -- retraces are bounded and loud -----------------------------------------------------------------------------
