@@ -30,7 +30,14 @@ def host_us_per_step(mode: str, repeats: int) -> list[float]:
     """us per step outside the model call, one value per repeat of the workload (the first, a warm-up, dropped)."""
     cache = llama.init_cache(llama.preset("tiny"), 1 + 128 * (2048 // 16), 16, torch.float32, "cpu")
     eng = engine.Engine(
-        stub, {"w": torch.zeros(V)}, cache, max_seq_len=2048, mode=mode, max_batch_tokens=512, max_seqs=128
+        stub,
+        {"w": torch.zeros(V)},
+        cache,
+        max_seq_len=2048,
+        mode=mode,
+        max_batch_tokens=512,
+        max_seqs=128,
+        vocab_size=V,
     )
     inner, spent = eng.run_batch, [0.0]
 

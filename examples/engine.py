@@ -56,6 +56,8 @@ class Engine:
     mode: a fgraph.Mode name for fgraph.jit, or "eager" to call `step_fn` directly (the oracle). Eager batches
       are padded to the same buckets as jitted ones, so both run kernels of the same shapes (bit-comparable).
     buckets: padded token counts (default fgraph's, up to and including max_batch_tokens).
+    vocab_size: the number of token ids the model takes: add() refuses a prompt outside it (an id the embedding
+      cannot look up fails the whole step, and every later step that batches it).
     seed: the seed of requests added without one (mixed with the request's id).
     capture: capture every bucket of both routines up front (default: on CUDA, unless mode is NONE/eager).
     overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
@@ -77,7 +79,7 @@ class Engine:
         max_seqs: int = 64,
         buckets=None,
         eos_ids=(),
-        vocab_size=None,
+        vocab_size: int,
         seed: int = 0,
         capture: bool | None = None,
         overlap: bool = True,
@@ -94,7 +96,7 @@ class Engine:
         self.device = cache.k[0].device
         self.max_seq_len, self.max_pages = max_seq_len, math.ceil(max_seq_len / self.page_size)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
-        self.eos_ids, self.vocab_size = frozenset(eos_ids), vocab_size
+        self.eos_ids, self.vocab_size = frozenset(eos_ids), request.integer(vocab_size, "vocab_size", 1, 2**31 - 1)
         self.seed = request.integer(seed, "seed", 0, request.SEED_MAX)
         self.blocks = BlockAllocator(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()

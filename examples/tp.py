@@ -71,10 +71,11 @@ class TP:
         return self.all_reduce(torch.where(mine[:, None], x, 0))  # one rank holds each row: the sum is exact
 
     def lm_head(self, x: torch.Tensor, w: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        # x: [N, dim], w: [Vl, dim] -> this rank's logits [N, Vl] -> gathered [W*N, Vl] (rank-major) -> [N, V] fp32
-        N = x.shape[0]
-        y = _all_gather(linear(x, w), 0, self.group)
-        return y.view(self.world, N, -1).transpose(0, 1).reshape(N, -1)[:, :vocab_size]
+        # x: [N, dim], w: [Vl, dim] -> this rank's logits vocab-major [Vl, N] -> gathered [W*Vl, N] (rank-major:
+        # vocab order) -> [N, V]. Gathered token-major ([W*N, Vl]), the ranks' rows would sit around each other's
+        # padded rows until a transpose put them back: right, but what fgraph's padding check reports
+        y = _all_gather(linear(x, w).t().contiguous(), 0, self.group)
+        return y.t()[:, :vocab_size].contiguous()
 
 
 def init(

@@ -120,6 +120,21 @@ def test_add_refuses_a_bad_request_and_changes_nothing(small, case):
     assert not small.busy() and small.next_id == n
 
 
+def test_an_engine_built_directly_checks_prompts_against_its_vocabulary(tiny):
+    """vocab_size is required: without it an id past the embedding got in, failed every step that batched it, and
+    kept the other requests from finishing."""
+    cfg = llama.preset("tiny")
+    cache = llama.init_cache(cfg, 1 + 8, 4, torch.float32, "cpu")
+    kw = dict(max_seq_len=8, mode="eager", max_batch_tokens=8, max_seqs=2)
+    with pytest.raises(TypeError, match="vocab_size"):
+        engine.Engine(stub, {"w": torch.zeros(V)}, cache, **kw)
+    eng = engine.Engine(stub, {"w": torch.zeros(V)}, cache, vocab_size=V, **kw)
+    with pytest.raises(RequestError, match=rf"prompt\[0\]={V} is out of range \[0, {V}\)"):
+        eng.add([V], max_new_tokens=2)
+    eng.add([1, 2], max_new_tokens=2)
+    assert [len(t) for t in eng.run(progress=False).tokens] == [2]
+
+
 def test_add_takes_numpy_and_torch_integers(small):
     small.add(torch.tensor([1, 2, 3]), max_new_tokens=torch.tensor(2), temperature=0.5, top_p=0.9, seed=torch.tensor(3))
     assert [len(t) for t in small.run(progress=False).tokens] == [2]
@@ -257,7 +272,14 @@ def test_soak_5000_tiny_requests_leave_memory_flat():
     cfg = llama.preset("tiny")
     cache = llama.init_cache(cfg, 1 + 32, 4, torch.float32, "cpu")
     eng = engine.Engine(
-        stub, {"w": torch.zeros(V)}, cache, max_seq_len=8, mode="eager", max_batch_tokens=64, max_seqs=32
+        stub,
+        {"w": torch.zeros(V)},
+        cache,
+        max_seq_len=8,
+        mode="eager",
+        max_batch_tokens=64,
+        max_seqs=32,
+        vocab_size=V,
     )
     g = torch.Generator().manual_seed(0)
     tracemalloc.start()

@@ -6,6 +6,7 @@ greedy tokens and the CLI's equal TP=1's; ranks fed different batches fail fast 
 In-process: shard shapes, reassembly and the errors of uneven splits."""
 
 import importlib.util
+import logging
 
 import pytest
 import torch
@@ -132,7 +133,15 @@ def _checks(t: tp.TP, hf_dir: str | None):
         "--mode",
         "PIECEWISE",
     ]
-    assert generate.main(argv + ["--tp", "2"])["tokens"] == generate.main(argv)["tokens"]
+    seen = []  # the ranks' logits gathered and put back in token order: nothing for the padding check to report
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append(r.getMessage())
+    logging.getLogger("fgraph").addHandler(handler)
+    try:
+        assert generate.main(argv + ["--tp", "2"])["tokens"] == generate.main(argv)["tokens"]
+    finally:
+        logging.getLogger("fgraph").removeHandler(handler)
+    assert not [m for m in seen if "padding is visible" in m], seen
 
     # ranks fed different requests: the lockstep check raises on both before any model collective could hang
     cfg = llama.LlamaConfig(**SHAPES["mqa-replicated-kv"])
