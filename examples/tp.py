@@ -28,6 +28,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import tqdm.std
 
 import fgraph
 
@@ -244,6 +246,9 @@ def build(cfg: llama.LlamaConfig, params: llama.Params, tp: TP, verify: bool = T
 # ------------------------------------------------------------------------------------------------ processes
 def _rank_main(rank, fn, world, args, init_method, backend, result, all_reduce="auto"):
     torch.set_num_threads(max(1, torch.get_num_threads() // world))  # ranks share the host's cores
+    # tqdm's default lock holds a multiprocessing semaphore, which _exit_cleanly's os._exit never releases: the
+    # resource tracker warned of leaks at the end of every tensor-parallel run
+    tqdm.std.tqdm.set_lock(threading.RLock())
     tp = init(rank, world, init_method, backend, timeout_s=600, all_reduce=all_reduce)
     try:
         out = fn(tp, *args)

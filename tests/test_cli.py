@@ -72,3 +72,15 @@ def test_a_fresh_process_exits_2_with_one_line():
         [sys.executable, "-m", "examples.generate", "--tp", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--tp: 0 is out of range" in r.stderr
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_says_nothing_but_its_answer():
+    """--tp 2 in the default (jitted) mode: no padding report (the logits are gathered vocab-major), no leaked
+    semaphores at exit (the ranks' tqdm lock), only the tokens and the summary."""
+    argv = ["--tp", "2", "--prompt-ids", "1,2", "--max-new-tokens", "2", "--no-progress"]
+    r = subprocess.run(
+        [sys.executable, "-m", "examples.generate", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and "[0] 2 prompt tokens -> [" in r.stdout
+    assert not [ln for ln in r.stderr.splitlines() if "padding is visible" in ln or "leaked" in ln], r.stderr
