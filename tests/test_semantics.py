@@ -401,6 +401,7 @@ def test_a_capture_out_of_memory_on_the_gpu_frees_what_it_made(monkeypatch):
         self.junk = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # what the capture made before failing
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
+    layer(p, x)  # eager's cuBLAS workspace made first (a capture elsewhere may have freed it): not the capture's
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     monkeypatch.setattr(G.CudaGraph, "capture", capture)
