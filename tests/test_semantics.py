@@ -664,3 +664,51 @@ def test_random_call_sequences_equal_eager(device):
         _check_sequence(mode, device, actions)
 
     run()
+
+
+@dataclasses.dataclass
+class Mixed:
+    y: torch.Tensor
+    ids: torch.Tensor
+    half: float
+
+
+def mixed(p, b, s):
+    """A record out; a Python scalar whose type and sign matter (int ids * 2.0 is float; 1 / -0.0 is -inf); a
+    tensor without the batch axis inside the batched argument; sizes as a float and a bool."""
+    x = b["x"]
+    y = x @ p["w"] + b["bias"] + 1 / (x[:, :1] * 0 + s)
+    return Mixed(y, b["ids"] * s, x.shape[0] / 2), x.shape[0] > 2
+
+
+_MIXED: dict = {}
+
+
+def test_random_calls_of_records_scalars_and_loose_tensors_equal_eager():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=40, deadline=None, derandomize=True, database=None)
+    @hypothesis.given(
+        st.sampled_from(MODES),
+        st.lists(
+            st.tuples(st.integers(0, 9), st.sampled_from([2, 2.0, True, 0.5, 0.0, -0.0]), st.sampled_from("sni")),
+            min_size=1,
+            max_size=8,
+        ),
+    )
+    def run(mode, calls):
+        if mode not in _MIXED:  # one jitted function per mode across examples: its caches carry over
+            batch = {"b": {"x": Batched(), "ids": Batched(), "bias": None}}
+            _MIXED[mode] = fgraph.jit(mixed, batch=batch, mode=mode, buckets=[2, 4, 8])
+        j, g = _MIXED[mode], torch.Generator().manual_seed(len(calls))
+        p, bias = {"w": torch.randn(4, 4, generator=g)}, torch.randn(4, generator=g)
+        for n, s, how in calls:  # the bias tensor: the same, a new one, or the same updated in place
+            bias = torch.randn(4, generator=g) if how == "n" else bias.add_(1) if how == "i" else bias
+            b = {"x": torch.randn(n, 4, generator=g), "ids": torch.arange(n), "bias": bias}
+            (got, big), (want, want_big) = j(p, b, s), mixed(p, b, s)
+            assert type(got) is Mixed and big == want_big and got.half == want.half, (n, s)
+            assert got.y.dtype == want.y.dtype and torch.equal(got.y, want.y), (n, s, how)
+            assert got.ids.dtype == want.ids.dtype and torch.equal(got.ids, want.ids), (n, s)
+
+    run()
