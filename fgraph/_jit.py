@@ -261,7 +261,7 @@ class Jitted:
         self._fast[(statics, torch_state(), call.sig.bucket, tuple(parts))] = entry
 
     def __call__(self, *args, **kwargs):
-        if _disabled or _trace.active:  # called while another function traces: inlined
+        if _disabled or _trace.tracing.depth:  # called while this thread traces a function: inlined
             return self.fn(*args, **kwargs)
         B.check_transforms(self)  # vmap / grad over a jitted call: an fgraph error
         with self._lock:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -77,14 +78,18 @@ plan_filters: dict[Primitive, Callable[[Mapping[str, Any]], bool]] = {}
 registry: dict[str, Primitive] = {}
 
 
-_executing = [None]  # the token of the signature execution in progress (None outside fgraph.jit)
+class _Executing(threading.local):
+    token = None  # the token of this thread's signature execution in progress (None outside fgraph.jit)
+
+
+_executing = _Executing()  # per thread: one thread's execution never lends its token (and memo) to another's
 
 
 def executing():
     """A token for the execution of a jitted signature in progress (None outside one). fgraph sets it before the
     plan hooks run and keeps it through the execution, so a break can tell whether host state its plan hook
     made belongs to this very execution or is left over from an earlier one (then it must not be trusted)."""
-    return _executing[0]
+    return _executing.token
 
 
 def once_per_execution(key, compute: Callable[[], Any]):
@@ -92,7 +97,7 @@ def once_per_execution(key, compute: Callable[[], Any]):
     layer's attention deriving the same tensor from the same metadata: one kernel a step, not one a layer).
     Outside an execution it is computed each time. Under CUDA graph capture it is computed again (the warm-up,
     which shares the capture's token, ran eagerly), so the graph holds its own computation at the first use."""
-    token = _executing[0]
+    token = _executing.token
     if token is None:
         return compute()
     memo = token.memo = token.memo or {}
@@ -123,12 +128,12 @@ class execution:
         self.in_graph = in_graph
 
     def __enter__(self):
-        self.prev, self.token = _executing[0], Token(self.in_graph)
-        _executing[0] = self.token
+        self.prev, self.token = _executing.token, Token(self.in_graph)
+        _executing.token = self.token
         return self.token
 
     def __exit__(self, *exc):
-        _executing[0] = self.prev
+        _executing.token = self.prev
 
 
 def _as_support_rule(support) -> Callable[[Mapping[str, Any]], tuple[Support, str]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -127,7 +128,14 @@ def _size_oblivious():
     return cfg.patch(backed_size_oblivious=True) if hasattr(cfg, "backed_size_oblivious") else contextlib.nullcontext()
 
 
-active = 0  # traces in progress: a jitted function called inside one is inlined (Jitted.__call__)
+class _Tracing(threading.local):
+    """Traces in progress on this thread: a jitted function called inside one is inlined (Jitted.__call__). Per
+    thread: another thread's call meanwhile is its own, through its function's lock."""
+
+    depth = 0
+
+
+tracing = _Tracing()
 
 
 def trace(
@@ -140,7 +148,6 @@ def trace(
     """make_fx over fake tensors: nothing runs and donated state is not touched. The batch axes are traced as
     symbols (every other dim static), so the program serves every bucket whose size satisfies its guards.
     paths: each input's key path, for errors."""
-    global active
     shapes, names = None, E.Names()
     paths = paths or [f"input {i}" for i in range(len(example))]
 
@@ -149,7 +156,7 @@ def trace(
         names.keep.extend(tensors)
         return flat_fn(*tensors)
 
-    active += 1
+    tracing.depth += 1
     try:
         with _record_source_lines(), _RejectHostSyncs(fname), E.quiet():
             if any(a is not None for a in batch_axes):
@@ -191,7 +198,7 @@ def trace(
             raise
         raise E.translate(fname, e, names) from e
     finally:
-        active -= 1
+        tracing.depth -= 1
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(val):

@@ -85,3 +85,10 @@ supports UNIFORM_DECODE))
       out: %mul
   captured: 2 graphs in T s after 1 eager warm-up run(s), pool 0.000 GiB"""
     )
+
+
+def test_explain_of_a_call_no_graph_serves_says_it_runs_eagerly():
+    j = fgraph.jit(lambda x: x * 2, batch={"x": fgraph.Batched()}, buckets=[2, 4])
+    assert "runs eagerly: 5 tokens exceed the largest bucket 4" in str(fgraph.explain(j, torch.ones(5)))
+    assert "runs eagerly: an empty batch" in str(fgraph.explain(j, torch.ones(0)))
+    assert not j.entries

@@ -340,6 +340,64 @@ def test_threads_get_their_own_results(mode, device):
     assert bad == []
 
 
+def test_a_call_while_another_thread_traces_waits_its_turn():
+    """Tracing is per thread: a call from another thread meanwhile is not "inside a trace" (inlined, eager, unlocked,
+    uncounted, reading whatever the trace has swapped in) but an fgraph call that waits for the function's lock."""
+    from torch._subclasses import FakeTensor
+
+    tracing, release = threading.Event(), threading.Event()
+
+    def f(x, state):
+        if isinstance(x, FakeTensor) and not release.is_set():  # thread A's trace, held open
+            tracing.set()
+            release.wait(5)
+        state["n"].add_(1)
+        return x * 2, state
+
+    j = fgraph.jit(f, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    state, outs = {"n": torch.zeros(())}, {}
+    a = threading.Thread(target=lambda: outs.setdefault("a", j(torch.ones(3), state)[0]))
+    b = threading.Thread(target=lambda: outs.setdefault("b", j(torch.ones(2), state)[0]))
+    a.start()
+    assert tracing.wait(5)
+    b.start()
+    b.join(0.3)  # B waits on the lock while A traces (it used to run at once, eagerly)
+    release.set()
+    a.join(), b.join()
+    assert outs["a"].tolist() == [2.0] * 3 and outs["b"].tolist() == [2.0] * 2
+    assert state["n"].item() == 2 and j.stats()["total"]["calls"] == 2
+
+
+def test_executions_in_two_threads_keep_their_own_tokens():
+    """A enters an execution, B enters one, A leaves, B leaves: neither sees the other's token (its
+    once_per_execution memo), and none is left installed after both are done."""
+    from fgraph import _primitives as P
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with P.execution() as tok:
+            a_in.set()
+            b_in.wait(5)
+            seen["a"] = P.executing() is tok
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with P.execution() as tok:
+            b_in.set()
+            a_out.wait(5)
+            seen["b"] = P.executing() is tok
+
+    ts = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert seen == {"a": True, "b": True} and P.executing() is None
+
+
 # -- failure leaves nothing half made --------------------------------------------------------------------------
 def _failing_capture(monkeypatch, exc):
     real, failed = E.Entry.capture, []
