@@ -113,7 +113,9 @@ class Traced:
         ph_pos = {ph: k for k, ph in enumerate(placeholders)}
         self.outs = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out_node.args[0]]
         outs = [_self_of(o) for o in out_node.args[0]]  # `x.add_(1)` returned is the caller's own x, as in eager
-        self.out_passthrough = {j: tensor_ix[ph_pos[o]] for j, o in enumerate(outs) if o in ph_pos}
+        self.out_passthrough = {
+            j: tensor_ix[ph_pos[o]] for j, o in enumerate(outs) if isinstance(o, fx.Node) and o in ph_pos
+        }
         self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
         self.bucket = call.sig.bucket
         # the donated leaves the program writes (put back after warm-up and capture), and those declared scratch

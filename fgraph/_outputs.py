@@ -86,11 +86,13 @@ def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
 
 
 def _tensors_in(v) -> bool:
-    """Does an object fgraph cannot see into hold tensors (its attributes, one level of containers in them)?"""
+    """Does an object fgraph cannot see into hold tensors (its items if it is a dict or sequence of a class pytrees
+    do not know, an OrderedDict subclass say; its attributes; one level of containers in those)?"""
     attrs = getattr(v, "__dict__", None)
     if not isinstance(attrs, dict):
         attrs = {k: getattr(v, k, None) for k in getattr(type(v), "__slots__", ())}
-    for a in attrs.values():
+    items = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else []
+    for a in [*items, *attrs.values()]:
         for x in a.values() if isinstance(a, dict) else a if isinstance(a, (list, tuple)) else (a,):
             if isinstance(x, torch.Tensor):
                 return True

@@ -245,12 +245,28 @@ def _is_module_state(path: str) -> bool:
     return path.startswith("self.")  # a lifted module's parameter or buffer (fgraph/_bind.py names them so)
 
 
+def _batch_norm_writes(node: fx.Node) -> list:
+    # (input, weight, bias, running_mean, running_var, training, ...): the running stats, when training
+    return [node.args[3], node.args[4]] if len(node.args) > 5 and node.args[5] else []
+
+
+# ops that write arguments their schemas do not annotate as written (`Tensor? running_mean`, not `Tensor(a!)`):
+# op -> the argument nodes a call writes. Without this, BatchNorm's running statistics in training were updated
+# unseen: by the warm-up and the capture too (three updates on a first call), and with no donate= asked for.
+_UNANNOTATED_WRITES = {
+    op: _batch_norm_writes
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
+}
+
+
 def _write_targets(node: fx.Node) -> list[fx.Node]:
-    """The argument nodes an op writes in place (from its schema's alias annotations)."""
+    """The argument nodes an op writes in place (from its schema's alias annotations, and _UNANNOTATED_WRITES)."""
     t = node.target
     if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
         return []
-    out = []
+    rule = _UNANNOTATED_WRITES.get(t)
+    out = [x for x in rule(node) if isinstance(x, fx.Node)] if rule is not None else []
     for i, a in enumerate(t._schema.arguments):
         if a.alias_info is not None and a.alias_info.is_write:
             v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)

@@ -12,6 +12,15 @@ SILENT MISMATCHES (wrong results, no error):
   repeated_reads_python_values_once     MED   fgraph.repeated: a Python value read from outside its arguments
                                                (a per-layer scale in a closure) is copied from the first call to
                                                every later one. Pass it as an argument.
+  grad_mode_not_in_the_signature        MED   a function branching on torch.is_grad_enabled() (torch's own MHA
+                                               fast path does) replays the branch it was traced under. Call it
+                                               under one grad mode (torch.no_grad() for inference)
+  module_changes_without_tensors        MED   forward hooks added after the first call, a parameter-free submodule
+                                               swapped (ReLU -> Tanh), a global / closure / dict slot rebound to a
+                                               new module: the trace keeps the old. Call .reset() after such edits
+  shared_state_across_threads           MED   two jitted functions donating the same state, called from two
+                                               threads: one's capture puts the state back over the other's update.
+                                               Serialize such calls (a lock of your own)
   statics_equal_in_python               MED   static arguments compare by ==, as in jax.jit: static 2 and 2.0 share
                                                a trace (int64 results for both). Non-static Python scalars are
                                                keyed by type and value (tests/test_semantics.py)
@@ -92,6 +101,24 @@ def test_repeated_reads_python_values_once():
     for as_arg, close in [(False, False), (True, True)]:
         f = fgraph.jit(model, static=["as_arg"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
         assert torch.allclose(f(x, ws, as_arg), model(x, ws, as_arg)) is close  # from outside: layer 1's scale x3
+
+
+def test_grad_mode_not_in_the_signature():
+    f = fgraph.jit(lambda x: x * 2 if torch.is_grad_enabled() else x * 3, mode="PIECEWISE")
+    with torch.no_grad():
+        assert f(torch.ones(2)).tolist() == [3.0, 3.0]
+    assert f(torch.ones(2)).tolist() == [3.0, 3.0]  # eager gives [2.0, 2.0]: grad mode is on
+
+
+def test_module_changes_without_tensors():
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    f, x = fgraph.jit(m, mode="PIECEWISE"), -torch.ones(1, 2)
+    with torch.no_grad():
+        f(x)
+        m[1] = torch.nn.Tanh()
+        assert not torch.equal(f(x), m(x))  # the trace still applies ReLU
+        f.reset()
+        assert torch.equal(f(x), m(x))  # the fix: reset after editing the module
 
 
 def test_statics_equal_in_python():

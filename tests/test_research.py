@@ -183,6 +183,35 @@ def test_batchnorm_in_training_mode_is_an_error_naming_its_statistics():
     assert "add 'self' to donate=[...]" in e.value.fix and "model.eval()" in e.value.fix
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_batchnorm_in_training_donated_updates_its_statistics_once_per_call(mode):
+    """native_batch_norm writes its running statistics without saying so in its schema: fgraph knows (a table of
+    such ops), so warm-up and capture put them back and each call updates them once, as eager does."""
+    m = nn.BatchNorm1d(2).train()
+    ref = copy.deepcopy(m)
+    f = fgraph.jit(m, donate="self", mode=mode)
+    with torch.no_grad():
+        for k in range(3):
+            x = torch.randn(5, 2, generator=torch.Generator().manual_seed(k))
+            assert torch.equal(f(x), ref(x))
+            for name in ("running_mean", "running_var", "num_batches_tracked"):
+                assert torch.equal(getattr(m, name), getattr(ref, name)), (k, name)
+
+
+def test_batch_norm_on_buffers_not_donated_is_an_error():
+    class Stats(nn.Module):  # F.batch_norm on its own buffers: no add_ of a counter to give the write away
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("rm", torch.zeros(2))
+            self.register_buffer("rv", torch.ones(2))
+
+        def forward(self, x):
+            return nn.functional.batch_norm(x, self.rm, self.rv, training=True, momentum=0.1)
+
+    with pytest.raises(TraceError, match=r"native_batch_norm.* writes in place into self\.rm, which is not donated"):
+        fgraph.jit(Stats(), mode="PIECEWISE")(torch.randn(5, 2))
+
+
 def test_batchnorm_in_eval_mode_through_jit():
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
     f = fgraph.jit(m, mode="PIECEWISE")

@@ -7,6 +7,7 @@ static field are seen. Threads get their own results. A failed or interrupted ca
 Outputs are copies by default. Retraces are bounded and loud. stats() counts every signature.
 """
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -523,9 +524,22 @@ def test_an_output_fgraph_cannot_see_into_is_refused():
         def __init__(self, y):
             self.y = y
 
+    class Fields(collections.OrderedDict):  # a hand-rolled ModelOutput: a dict class pytrees do not know
+        pass
+
     j = fgraph.jit(lambda x: {"a": [x, Box(x + 1)]}, batch={"x": Batched()}, mode="FULL", buckets=[4])
     with pytest.raises(fgraph.TraceError, match=r"output a\[1\] is a .*Box holding tensors, which fgraph cannot see"):
         j(torch.ones(3, 2))
+    j = fgraph.jit(lambda x: Fields(y=x + 1), batch={"x": Batched()}, mode="FULL", buckets=[4])
+    with pytest.raises(fgraph.TraceError, match=r"the output is a .*Fields holding tensors"):
+        j(torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_python_values_among_the_outputs_come_back_as_they_are(mode):
+    j = fgraph.jit(lambda x: (x + 1, slice(0, 2), "rows", None), batch={"x": Batched()}, mode=mode, buckets=[4])
+    y, sl, s, none = j(torch.ones(3, 2))
+    assert torch.equal(y, torch.full((3, 2), 2.0)) and (sl, s, none) == (slice(0, 2), "rows", None)
 
 
 @pytest.mark.parametrize("copy_outputs", [True, False])
