@@ -230,7 +230,9 @@ def find_mixing(
             ends = [_arg(node, "index")] if name == "select" else [_arg(node, "start"), _arg(node, "end")]
             if d not in dims:
                 continue
-            neg = [e for e in ends if isinstance(e, int) and 0 > e]
+            # a negative index or start reads from the padded end; a negative end alone (`offsets[:-1]`) keeps a
+            # prefix, whose rows are the call's own once the output is cut back
+            neg = [e for e in ends[:1] if isinstance(e, int) and 0 > e]
             if neg:
                 add(node, syms, f"index {neg[0]} counts from the end of the padded batch axis (a padded row)")
             # an index computed from the batch size (`x[x.shape[0] - 1]`, `x[n - 2:]`): the padded size, not the

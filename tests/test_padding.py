@@ -131,6 +131,23 @@ def test_ops_mixing_the_batch_axis_are_logged_once_with_their_line(fn, caplog):
     assert "padding visible: " + MIXING[fn] in text and where(fn) in text
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prefix_cut_by_a_negative_end_is_the_calls_own_and_not_reported(mode, caplog):
+    """`offsets[1:] - offsets[:-1]` (lengths from cumulative offsets) and `x[:-1]`: a negative end keeps a prefix,
+    whose rows are the call's once the output is cut back. A negative start or index (`x[-1]`) is reported."""
+
+    def lengths(x, offsets):
+        return offsets[1:] - offsets[:-1], x[:-1] * 2
+
+    f = fgraph.jit(lengths, batch={"x": Batched(), "offsets": Batched(pad="ramp", extra=1)}, buckets=[8], mode=mode)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for n, offsets in [(5, [0, 2, 5]), (3, [0, 1, 2, 3]), (6, [0, 6])]:
+            x, off = torch.randn(n, 2), torch.tensor(offsets)
+            got, want = f(x, off), eager(lengths, x, off)
+            assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want)), (n, offsets)
+    assert "padding is visible" not in caplog.text
+
+
 @pytest.mark.parametrize("fn", list(MIXING), ids=lambda f: f.__name__)
 def test_declared_mixing_is_silent(fn, caplog):
     f = fgraph.jit(fn, batch={"x": Batched(mixes=True)}, buckets=[8], mode="NONE")
