@@ -221,16 +221,24 @@ def read_config(model_dir: str, moe_backend: str = "local") -> MoEConfig:
         dict(c, intermediate_size=c.get("intermediate_size") or 1),
         path,
         qkv_bias=a["qkv_bias"] and c.get("qkv_bias", True),
+        defaults=checkpoint.LLAMA_DEFAULTS if qwen else checkpoint.MIXTRAL_DEFAULTS,
     )
     for key in (a["experts"], "num_experts_per_tok", "moe_intermediate_size" if qwen else "intermediate_size"):
         if not isinstance(c.get(key), int) or isinstance(c[key], bool):
             raise checkpoint.CheckpointError(
                 f"{path}: key {key!r} is missing or not an integer", "use the config.json saved with the checkpoint"
             )
-    step = c.get("decoder_sparse_step", 1) if qwen else 1
-    dense = tuple(
-        i for i in range(base.n_layers) if (qwen and i in (c.get("mlp_only_layers") or [])) or (i + 1) % step != 0
-    )
+    if c["num_experts_per_tok"] > c[a["experts"]] and c[a["experts"]] > 0:
+        raise checkpoint.CheckpointError(
+            f"{path}: num_experts_per_tok={c['num_experts_per_tok']} is more than the {c[a['experts']]} experts",
+            "fix config.json",
+        )
+    step, only = (c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []) if qwen else (1, [])
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise checkpoint.CheckpointError(f"{path}: decoder_sparse_step={step!r} is not a positive integer")
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise checkpoint.CheckpointError(f"{path}: mlp_only_layers={only!r} is not a list of layer indices")
+    dense = tuple(i for i in range(base.n_layers) if i in only or (i + 1) % step != 0)
     if qwen and c.get("num_experts", 0) == 0:
         dense = tuple(range(base.n_layers))
     return MoEConfig(

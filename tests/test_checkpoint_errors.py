@@ -123,6 +123,22 @@ CASES = {  # name: (corrupt the directory, the error's message must match)
         lambda d: config(d, rope_scaling={"rope_type": "llama3"}, rope_parameters=None),
         r"config\.json: rope parameters",
     ),
+    "config-string-for-a-number": (
+        lambda d: config(d, rms_norm_eps="1e-6"),
+        r"config\.json: rms_norm_eps='1e-6' is not a finite number >= 0",
+    ),
+    "config-string-for-a-flag": (
+        lambda d: config(d, tie_word_embeddings="false"),  # bool("false") is True: read, it tied the head
+        r"config\.json: tie_word_embeddings='false' is not true or false",
+    ),
+    "config-heads-not-a-multiple-of-kv-heads": (
+        lambda d: config(d, num_key_value_heads=3),
+        r"config\.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+    ),
+    "config-two-ropes-that-disagree": (  # transformers >= 5's rope_parameters plus a legacy rope_scaling added
+        lambda d: config(d, rope_scaling={"type": "linear", "factor": 4.0}),
+        r"config\.json: rope_scaling \{'type': 'linear', 'factor': 4\.0\} and rope_parameters .* disagree",
+    ),
     "index-invalid-json": (lambda d: index(d, {}, raw="{"), r"index\.json: not valid JSON"),
     "index-without-weight_map": (lambda d: index(d, {}), r"index\.json: no \"weight_map\""),
     "index-missing-shard": (

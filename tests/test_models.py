@@ -281,3 +281,15 @@ def test_tracing_without_zero_one_specialisation_keeps_the_programs(backend, rou
         fgraph.explain(f, params, cache, batch, routine=routine)
     ops = [[str(n.target) for n in gm.graph.nodes if n.op == "call_function"] for gm, _ in traced]
     assert len(ops) == 2 and ops[0] == ops[1] and len(ops[0]) > 20
+
+
+def test_llama3_rope_takes_a_top_level_original_max_position_embeddings_as_transformers_does(tmp_path):
+    path = str(tmp_path)
+    l3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    make_hf("llama", dict(num_key_value_heads=2, rope_parameters=dict(l3, original_max_position_embeddings=16)), path)
+    c = json.load(open(os.path.join(path, "config.json")))
+    json.dump(dict(c, original_max_position_embeddings=64), open(os.path.join(path, "config.json"), "w"))
+    hf = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    cfg, params = checkpoint.load(path, dtype="float32")
+    assert cfg.rope_scaling.original_max_position_embeddings == 64
+    torch.testing.assert_close(params.inv_freq, hf.model.rotary_emb.inv_freq.float(), rtol=0, atol=0)

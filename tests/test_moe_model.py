@@ -259,3 +259,39 @@ def test_loader_rejects_dense_and_unknown_architectures(tmp_path):
     json.dump(dict(c, architectures=["MixtralForCausalLM"]), open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(checkpoint.CheckpointError, match="'MixtralForCausalLM' is not supported(.|\n)*qwen2_moe"):
         checkpoint.load(path)  # the dense loader points to the MoE one
+
+
+def test_a_mixtral_config_is_read_with_mixtrals_defaults_and_its_window_refused(tmp_path):
+    """Keys a Mixtral config.json leaves out take Mixtral's values (rope theta 1e6, rms_norm_eps 1e-5), not Llama's:
+    the logits match transformers' from the same directory. A sliding window (set whenever `sliding_window` is,
+    with no `use_sliding_window` key) is refused: it used to load and differ past the window."""
+    path = str(tmp_path)
+    make_hf(*CASES["mixtral"], path)
+    cfg_path = os.path.join(path, "config.json")
+    c = json.load(open(cfg_path))
+    left_out = {k: v for k, v in c.items() if k not in ("rope_parameters", "rope_theta", "rms_norm_eps")}
+    json.dump(left_out, open(cfg_path, "w"))
+    hf = transformers.MixtralForCausalLM.from_pretrained(path).eval()
+    cfg, params = qwen2_moe.load(path, dtype="float32")
+    assert (cfg.rope_theta, cfg.norm_eps) == (1e6, 1e-5)
+    assert_steps_match_hf(qwen2_moe.make_step(cfg), cfg, hf, params, n_steps=2)
+    json.dump(dict(left_out, sliding_window=8), open(cfg_path, "w"))
+    with pytest.raises(checkpoint.CheckpointError, match=r"sliding_window=8 is not supported"):
+        qwen2_moe.load(path, dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (dict(decoder_sparse_step=0), r"decoder_sparse_step=0 is not a positive integer"),  # was a ZeroDivisionError
+        (dict(mlp_only_layers="1"), r"mlp_only_layers='1' is not a list of layer indices"),  # was a TypeError
+        (dict(num_experts_per_tok=9), r"num_experts_per_tok=9 is more than the 8 experts"),  # failed in torch.topk
+    ],
+)
+def test_a_bad_moe_config_is_refused_in_one_line(tmp_path, edit, message):
+    path = str(tmp_path)
+    make_hf(*CASES["qwen2moe-shared-dense1"], path)
+    c = json.load(open(os.path.join(path, "config.json")))
+    json.dump(dict(c, **edit), open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(checkpoint.CheckpointError, match=message):
+        qwen2_moe.load(path, dtype="float32")
