@@ -24,43 +24,8 @@ import torch.fx as fx
 
 from . import _primitives as P
 from ._errors import SignatureError
+from ._mixing_ops import _ALONG, _BATCH_STATS, _CONTRACT, _READS, _SCATTERS, _SPANS, _VALUES, _VIEWS, _WINDOWS
 from ._trace import _LIB_DIRS, Shapes, base_of
-
-# ops that combine rows along their `dim` / `dims` argument (the axis keeps its size)
-_ALONG = {
-    "_softmax",
-    "_log_softmax",
-    "softmax",
-    "log_softmax",
-    "cumsum",
-    "cumprod",
-    "cummax",
-    "cummin",
-    "logcumsumexp",
-    "sort",
-    "argsort",
-    "topk",
-    "kthvalue",
-    "median",
-    "mode",
-    "flip",
-    "roll",
-}
-# batch norm in training mode: statistics over the batch axis (its output keeps the axis)
-_BATCH_STATS = {"_native_batch_norm_legit", "native_batch_norm", "_batch_norm_with_update", "batch_norm"}
-# (op, index of the operand whose dim is contracted, that dim)
-_CONTRACT = {"mm": (0, 1), "bmm": (0, 2), "addmm": (1, 1), "baddbmm": (1, 2), "addbmm": (1, 2), "mv": (0, 1)}
-_CONTRACT.update({"dot": (0, 0), "vdot": (0, 0), "addmv": (1, 1)})
-# ops that read rows by index or only read metadata: they do not combine rows
-_READS = {"index", "index_select", "gather", "take", "take_along_dim", "embedding", "select", "slice", "narrow"}
-_READS |= {"unbind", "split", "split_with_sizes", "unsafe_split", "chunk", "as_strided", "expand", "copy_", "copy"}
-# layout ops that can put padded rows before real ones along a batch-sized dim (real rows no longer a prefix)
-_VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias"}
-# ops sliding a window along their spatial dims (2 on, after batch and channels)
-_WINDOWS = {"convolution", "_convolution", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "avg_pool3d"}
-_WINDOWS |= {"max_pool2d_with_indices", "max_pool3d_with_indices", "_adaptive_avg_pool2d", "adaptive_max_pool2d"}
-_SCATTERS = {"index_put", "index_put_", "index_copy", "index_copy_", "index_add", "index_add_", "scatter", "scatter_"}
-_SCATTERS |= {"scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "_unsafe_index_put"}
 
 
 class Finding(NamedTuple):
@@ -207,11 +172,25 @@ def find_mixing(
             dim = _arg(node, "dims", None) if name in ("flip", "roll") else _arg(node, "dim", None)
             along = [dim] if isinstance(dim, int) else list(dim) if dim else list(range(first.dim()))
             along = [d % first.dim() for d in along] if first is not None and first.dim() else along
-            if name in _BATCH_STATS:
-                along = [0] if 0 in dims else []
+            if name in _BATCH_STATS:  # statistics over every dim but the channels
+                along = [d for d in range(first.dim()) if d != 1]
             if any(d in dims for d in along):
                 add(node, syms, f"{name} along the batch axis: padded rows take part")
             continue
+        if name in _SPANS and first is not None and dims & _SPANS[name](node, first.dim()):
+            add(node, syms, f"{name} mixes rows along the batch axis: padded rows take part")
+            continue
+        if name in _VALUES:
+            sized = [_val(a) for a in (*node.args, *node.kwargs.values())]
+            sized = [v.node.expr for v in sized if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))]
+            sized = [e for e in sized if axes.syms_of_expr(e)]
+            if sized:
+                add(
+                    node,
+                    axes.syms_of_expr(sized[0]),
+                    f"uses {axes.name(sized[0])} as a value: the bucket's, not the call's",
+                )
+                continue
         if name in _CONTRACT:
             k, d = _CONTRACT[name]
             v = _val(node.args[k]) if k < len(node.args) else None

@@ -94,6 +94,30 @@ def convolved(x):  # a window along the tokens (x as channels x positions)
     return torch.nn.functional.conv1d(x.T[None], torch.ones(3, 3, 3), padding=1)[0].T
 
 
+def scaled_by_size(x):  # the batch size as a value: the bucket's
+    return x * x.shape[0]
+
+
+def last_row_masked(x):
+    return torch.where((torch.arange(x.shape[0]) == x.shape[0] - 1)[:, None], 0.0, x)
+
+
+def normalized_over_rows(x):  # x.T: features x tokens, normalized over the tokens
+    return torch.nn.functional.layer_norm(x.T, x.T.shape[-1:]).T
+
+
+def instance_normalized(x):
+    return torch.nn.functional.instance_norm(x.T[None])[0].T
+
+
+def edge_padded(x):
+    return torch.nn.functional.pad(x.T[None], (0, 1), mode="replicate")[0].T
+
+
+def spectrum(x):
+    return torch.fft.rfft(x, dim=0).abs()
+
+
 MIXING = {
     centered: "aten.mean",
     softmax_over_rows: "aten._softmax",
@@ -110,6 +134,12 @@ MIXING = {
     transposed_flat: "aten._unsafe_view",
     appended: "aten.constant_pad_nd",
     convolved: "aten.convolution",
+    scaled_by_size: "aten.mul",
+    last_row_masked: "aten.eq",
+    normalized_over_rows: "aten.native_layer_norm",
+    instance_normalized: "aten._native_batch_norm_legit",
+    edge_padded: "aten.replication_pad1d",
+    spectrum: "aten._fft_r2c",
 }
 
 
