@@ -279,10 +279,27 @@ def invoke(jitted, dynamic: dict, statics: dict):
     lifted = jitted._lifted
     swap = {k: dynamic[k] for k in lifted.names if k in dynamic} if lifted else {}
     merged = {**{k: v for k, v in dynamic.items() if k not in swap}, **statics}
-    ordered = {k: merged[k] for k in jitted.signature.parameters if k in merged}
-    bound = inspect.BoundArguments(jitted.signature, ordered)
+    # required parameters by position (torch.func.grad's argnums count them), those with defaults by keyword: a
+    # decorator that fills in a keyword the caller left out (transformers' `use_cache`) must not find it passed
+    # by position as well
+    args, kwargs = [], {}
+    params = jitted.signature.parameters.values()
+    spread = any(p.kind is p.VAR_POSITIONAL for p in params)  # then what comes before it goes by position
+    for p in params:
+        if p.name not in merged:
+            continue
+        v = merged[p.name]
+        positional = p.kind is p.POSITIONAL_OR_KEYWORD and (spread or p.default is p.empty) and not kwargs
+        if p.kind is p.POSITIONAL_ONLY or positional:
+            args.append(v)
+        elif p.kind is p.VAR_POSITIONAL:
+            args.extend(v)
+        elif p.kind is p.VAR_KEYWORD:
+            kwargs.update(v)
+        else:
+            kwargs[p.name] = v
     with lifted.installed(swap) if swap else contextlib.nullcontext():
-        return jitted.fn(*bound.args, **bound.kwargs)
+        return jitted.fn(*args, **kwargs)
 
 
 def method(jitted, obj):

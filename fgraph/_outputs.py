@@ -85,18 +85,19 @@ def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
     return [(j, size) for j, v in enumerate(outs) if type(v) in _CAST and (size := _sizer(axes, v))]
 
 
-def _tensors_in(v) -> bool:
-    """Does an object fgraph cannot see into hold tensors (its items if it is a dict or sequence of a class pytrees
-    do not know, an OrderedDict subclass say; its attributes; one level of containers in those)?"""
+def _tensors_in(v, depth: int = 3) -> bool:
+    """Does an object fgraph cannot see into hold tensors: among its items (a dict or sequence of a class pytrees
+    do not know, an OrderedDict subclass say) or attributes, down to `depth` levels (transformers' DynamicCache:
+    layers, then their keys)?"""
+    if isinstance(v, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(v, (str, bytes, int, float, bool, type(None), type)):
+        return False
     attrs = getattr(v, "__dict__", None)
     if not isinstance(attrs, dict):
         attrs = {k: getattr(v, k, None) for k in getattr(type(v), "__slots__", ())}
     items = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, (list, tuple)) else []
-    for a in [*items, *attrs.values()]:
-        for x in a.values() if isinstance(a, dict) else a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(x, torch.Tensor):
-                return True
-    return False
+    return any(_tensors_in(x, depth - 1) for x in [*items, *attrs.values()])
 
 
 def refuse_opaque_outputs(fname: str, out, leaves: list) -> None:

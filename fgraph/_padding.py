@@ -177,6 +177,10 @@ def find_mixing(
             if any(d in dims for d in along):
                 add(node, syms, f"{name} along the batch axis: padded rows take part")
             continue
+        if name.startswith("_scaled_dot_product") and first is not None and first.dim() - 2 in dims:
+            if not _arg(node, "is_causal", False):  # causal: real queries never see the padded keys after them
+                add(node, syms, "attends over the batch axis: padded rows are keys of real ones")
+            continue
         if name in _SPANS and first is not None and dims & _SPANS[name](node, first.dim()):
             add(node, syms, f"{name} mixes rows along the batch axis: padded rows take part")
             continue

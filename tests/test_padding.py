@@ -118,6 +118,10 @@ def spectrum(x):
     return torch.fft.rfft(x, dim=0).abs()
 
 
+def attended(x):  # every token attends to every other: padded ones too
+    return torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None])[0, 0]
+
+
 MIXING = {
     centered: "aten.mean",
     softmax_over_rows: "aten._softmax",
@@ -140,6 +144,7 @@ MIXING = {
     instance_normalized: "aten._native_batch_norm_legit",
     edge_padded: "aten.replication_pad1d",
     spectrum: "aten._fft_r2c",
+    attended: "aten._scaled_dot_product_flash_attention_for_cpu",
 }
 
 
@@ -175,6 +180,20 @@ def test_a_prefix_cut_by_a_negative_end_is_the_calls_own_and_not_reported(mode, 
             x, off = torch.randn(n, 2), torch.tensor(offsets)
             got, want = f(x, off), eager(lengths, x, off)
             assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want)), (n, offsets)
+    assert "padding is visible" not in caplog.text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_causal_attention_over_the_batch_axis_is_the_calls_own_and_not_reported(mode, caplog):
+    def causal(x):
+        q = x[None, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)[0, 0]
+
+    f = fgraph.jit(causal, batch={"x": Batched(pad=1.0)}, buckets=[8], mode=mode)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for n in (3, 5, 8):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(f(x), eager(causal, x))
     assert "padding is visible" not in caplog.text
 
 

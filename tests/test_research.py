@@ -212,6 +212,30 @@ def test_batch_norm_on_buffers_not_donated_is_an_error():
         fgraph.jit(Stats(), mode="PIECEWISE")(torch.randn(5, 2))
 
 
+def fills_in_scale(fn):  # like transformers' @merge_with_config_defaults: a keyword left out, filled in
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        if kwargs.get("scale") is None and not args:
+            kwargs["scale"] = 3.0
+        return fn(x, *args, **kwargs)
+
+    return wrapper
+
+
+@fills_in_scale
+def scaled(x, scale=None):
+    return x * scale
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_decorator_that_fills_in_a_keyword_sees_it_as_a_keyword(mode):
+    """fgraph calls the function with its arguments by keyword where it can: BertModel.forward's decorator adds
+    `use_cache` to the keywords, and a `use_cache` passed by position too was 'multiple values' jitted."""
+    f = fgraph.jit(scaled, batch={"x": Batched()}, mode=mode, buckets=[4])
+    x = torch.ones(3, 2)
+    assert torch.equal(f(x), scaled(x)) and torch.equal(f(x, scale=2.0), scaled(x, scale=2.0))
+
+
 def test_batchnorm_in_eval_mode_through_jit():
     m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
     f = fgraph.jit(m, mode="PIECEWISE")

@@ -533,6 +533,9 @@ def test_an_output_fgraph_cannot_see_into_is_refused():
     j = fgraph.jit(lambda x: Fields(y=x + 1), batch={"x": Batched()}, mode="FULL", buckets=[4])
     with pytest.raises(fgraph.TraceError, match=r"the output is a .*Fields holding tensors"):
         j(torch.ones(3, 2))
+    j = fgraph.jit(lambda x: {"cache": Box([Box(x * 3)])}, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    with pytest.raises(fgraph.TraceError, match=r"output cache is a .*Box holding tensors"):  # a DynamicCache's depth
+        j(torch.ones(3, 2))
 
 
 @pytest.mark.parametrize("mode", MODES)
