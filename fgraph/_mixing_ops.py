@@ -1,17 +1,14 @@
 """The aten ops the padding check (fgraph/_padding.py) treats by kind, keyed by schema name (`aten.mean.dim` ->
 "mean"): the rules are in find_mixing, the tables here."""
 
-# ops that combine rows along their `dim` / `dims` argument (the axis keeps its size)
+# ops that combine rows along their `dim` / `dims` argument (the axis keeps its size). Running ones (cumsum, cummax,
+# ...) are not among them: a row's result depends only on the rows before it, and padded rows come after the real
+# ones (or something earlier was reported for putting them before)
 _ALONG = {
     "_softmax",
     "_log_softmax",
     "softmax",
     "log_softmax",
-    "cumsum",
-    "cumprod",
-    "cummax",
-    "cummin",
-    "logcumsumexp",
     "sort",
     "argsort",
     "topk",

@@ -125,7 +125,6 @@ def attended(x):  # every token attends to every other: padded ones too
 MIXING = {
     centered: "aten.mean",
     softmax_over_rows: "aten._softmax",
-    running_total: "aten.cumsum",
     sorted_rows: "aten.sort",
     gram: "aten.mm",
     last_row: "aten.select",
@@ -169,10 +168,11 @@ def test_ops_mixing_the_batch_axis_are_logged_once_with_their_line(fn, caplog):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_prefix_cut_by_a_negative_end_is_the_calls_own_and_not_reported(mode, caplog):
     """`offsets[1:] - offsets[:-1]` (lengths from cumulative offsets) and `x[:-1]`: a negative end keeps a prefix,
-    whose rows are the call's once the output is cut back. A negative start or index (`x[-1]`) is reported."""
+    whose rows are the call's once the output is cut back; a running sum along the tokens depends only on the rows
+    before each. A negative start or index (`x[-1]`) is reported."""
 
     def lengths(x, offsets):
-        return offsets[1:] - offsets[:-1], x[:-1] * 2
+        return offsets[1:] - offsets[:-1], x[:-1] * 2, running_total(x)  # a running sum: earlier rows only
 
     f = fgraph.jit(lengths, batch={"x": Batched(), "offsets": Batched(pad="ramp", extra=1)}, buckets=[8], mode=mode)
     with caplog.at_level(logging.WARNING, logger="fgraph"):
