@@ -218,10 +218,10 @@ def find_mixing(
             neg = [e for e in ends[:1] if isinstance(e, int) and 0 > e]
             if neg:
                 add(node, syms, f"index {neg[0]} counts from the end of the padded batch axis (a padded row)")
-            # an index computed from the batch size (`x[x.shape[0] - 1]`, `x[n - 2:]`): the padded size, not the
-            # call's; an end equal to the whole axis (`x[k:]`) is the one that reads no padded row by itself
+            # an index or start computed from the batch size (`x[x.shape[0] - 1]`, `x[n - 2:]`): the padded size,
+            # not the call's; an end computed from it (`x[: n - 1]`, `narrow`) keeps a prefix, as above
             whole = axes.canon(first.shape[d])
-            sized = [e for e in map(_val, ends) if axes.syms_of(e) and axes.canon(e) != whole]
+            sized = [e for e in map(_val, ends[:1]) if axes.syms_of(e) and axes.canon(e) != whole]
             if sized:
                 add(node, syms, f"index {axes.name(sized[0])} is computed from the padded batch size (a padded row)")
             continue

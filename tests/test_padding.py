@@ -172,7 +172,8 @@ def test_a_prefix_cut_by_a_negative_end_is_the_calls_own_and_not_reported(mode, 
     before each. A negative start or index (`x[-1]`) is reported."""
 
     def lengths(x, offsets):
-        return offsets[1:] - offsets[:-1], x[:-1] * 2, running_total(x)  # a running sum: earlier rows only
+        # x[: n - 1]: an end computed from the size, a prefix too; a running sum depends on earlier rows only
+        return offsets[1:] - offsets[:-1], x[:-1] * 2, x[: x.shape[0] - 1] * 3, running_total(x)
 
     f = fgraph.jit(lengths, batch={"x": Batched(), "offsets": Batched(pad="ramp", extra=1)}, buckets=[8], mode=mode)
     with caplog.at_level(logging.WARNING, logger="fgraph"):
