@@ -77,7 +77,7 @@ def llama_config(c: dict, where: str, qkv_bias: bool = False, defaults: tuple = 
             "set it to null in config.json if the model never attends past it, or extend examples/llama.py",
         )
     heads = need("num_attention_heads")
-    kv = need("num_key_value_heads", heads) if c.get("num_key_value_heads") is not None else heads
+    kv = need("num_key_value_heads") if c.get("num_key_value_heads") is not None else heads
     if heads % kv:
         raise CheckpointError(
             f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}", "fix config.json"

@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from ._errors import CaptureError, FgraphError, SignatureError
 from ._pytree import _RECORDS, _children
 from ._signature import Signature, leaf_of, path_str
+from ._state import root_of
 
 log = logging.getLogger("fgraph")
 
@@ -127,11 +128,12 @@ class Slots:
         self.targets = [leaves[i] for i in self.ix]  # held: the graphs read their memory
         self.copied: list[int] = []  # positions into ix whose targets are fgraph's buffers
         self.moved = [0] * len(self.ix)  # per position: how many times a call passed another tensor
-        root = [entry.paths[i].split("[")[0].split(".")[0] for i in self.ix]
-        self.donated = [r in set(donate) for r in root]
+        root = [root_of(entry.paths[i]) for i in self.ix]
+        donate, batched = set(donate), set(batched)
+        self.donated = [r in donate for r in root]
         # positions inside batched arguments (a tensor without a batch axis next to batched ones): those arguments
         # are flattened afresh every call, so no container identity vouches for these tensors (_fast_call)
-        self.loose = [k for k, r in enumerate(root) if r in set(batched)]
+        self.loose = [k for k, r in enumerate(root) if r in batched]
         self.logged = False
 
     def diverged(self, leaves: list, positions: list[int] | None = None) -> list[int]:

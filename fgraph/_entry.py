@@ -103,7 +103,7 @@ class Traced:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
         donated_roots = set(jitted.donate)
-        check(fname, gm, ph_paths, lambda ph: ph_paths[ph].split("[")[0].split(".")[0] in donated_roots, device)
+        check(fname, gm, ph_paths, lambda ph: root_of(ph_paths[ph]) in donated_roots, device)
         is_break = breaks_filter(jitted.breaks)
         decode = call.statics.get(jitted.routine) == "decode"
         self.mode, self.reason = resolve_mode(fname, jitted.mode, decode, gm, is_break)

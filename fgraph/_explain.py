@@ -95,9 +95,9 @@ def explain(fn, *args, **kwargs) -> Explanation:
             "\n".join(_entry_text(fn.name, e, None) for e in entries) or f"{fn.name}: no signatures yet", entries
         )
     call = fn._bind(args, kwargs)
-    if call.n == 0 or (call.n is not None and call.sig.bucket is None):  # no graph serves it: what the call does
-        why = "an empty batch" if call.n == 0 else f"{call.n} tokens exceed the largest bucket {fn.buckets[-1]}"
-        return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why}", [])
+    why = fn._ungraphed(call)
+    if why is not None:  # no graph serves it: what the call does
+        return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why[1] or 'an empty batch'}", [])
     e = fn.entries.get(call.sig)
     if e is None:  # trace only: explaining never captures
         device = _device_of(fn.name, call)

@@ -219,8 +219,7 @@ class Jitted:
         bucket = bucket_for(self.buckets, n) if n else None
         if n is not None and bucket is None:  # past the largest bucket, or an empty batch
             return _MISS
-        # torch's settings, not all of B.context: a function with lifted modules (their training modes) never
-        # takes this path (_plain)
+        # torch's settings, not all of B.context: functions with lifted modules (training modes) are not _plain
         entry = self._fast.get((statics, torch_state(), bucket, tuple(parts)))
         if entry is None:
             return _MISS
@@ -272,15 +271,8 @@ class Jitted:
 
     def _slow_call(self, args, kwargs):
         call = self._bind(args, kwargs)
-        if call.n == 0:  # no bucket traces 0 rows: eager's answer, counted, not logged (nothing to fix)
-            return self._fallback("empty", call, None, None)
-        if call.n is not None and call.sig.bucket is None:
-            return self._fallback(
-                "oversize",
-                call,
-                f"{call.n} tokens exceed the largest bucket {self.buckets[-1]}",
-                "raise buckets=[..., N] or split the batch",
-            )
+        if (why := self._ungraphed(call)) is not None:  # an empty batch: counted, not logged (nothing to fix)
+            return self._fallback(why[0], call, why[1], "raise buckets=[..., N] or split the batch")
         entry = self.entries.get(call.sig)
         if entry is None:
             if self.sealed:
@@ -311,6 +303,13 @@ class Jitted:
         self._remember(call, entry)
         entry.verified = None
         return out
+
+    def _ungraphed(self, call) -> tuple[str, str | None] | None:
+        """(kind, what) when no graph serves a call: none traces 0 rows, and none is past the largest bucket."""
+        if call.n == 0:
+            return "empty", None
+        big = call.n is not None and call.sig.bucket is None
+        return ("oversize", f"{call.n} tokens exceed the largest bucket {self.buckets[-1]}") if big else None
 
     def _fallback(self, kind, call, what, fix):
         if self.strict and what is not None:

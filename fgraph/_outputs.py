@@ -12,6 +12,8 @@ import torch.fx as fx
 
 from ._errors import TraceError
 from ._padding import BatchAxes
+from ._pytree import flatten_with_paths
+from ._signature import path_str
 
 _CAST = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
@@ -105,9 +107,6 @@ def refuse_opaque_outputs(fname: str, out, leaves: list) -> None:
     that no replay updates): a TraceError naming its key path instead."""
     for i, v in enumerate(leaves):
         if not isinstance(v, torch.Tensor) and _tensors_in(v):
-            from ._pytree import flatten_with_paths
-            from ._signature import path_str
-
             p = flatten_with_paths(out)[0][i][0]
             where = f"output {path_str(p)}" if p else "the output"
             raise TraceError(

@@ -25,6 +25,7 @@ import torch.fx as fx
 from . import _primitives as P
 from ._errors import SignatureError
 from ._mixing_ops import _ALONG, _BATCH_STATS, _CONTRACT, _READS, _SCATTERS, _SPANS, _VALUES, _VIEWS, _WINDOWS
+from ._state import root_of
 from ._trace import _LIB_DIRS, Shapes, base_of
 
 
@@ -241,7 +242,7 @@ def find_mixing(
             src = [_val(a) for a in ins[1:]]
             if any(axes.dims(v) for v in src) and not axes.dims(first):
                 target = paths.get(base_of(node.args[0]), "a tensor without the batch axis")
-                if target.split("[")[0].split(".")[0] not in scratch:
+                if root_of(target) not in scratch:
                     s = set().union(*(axes.syms_of(v.shape[d]) for v in src for d in axes.dims(v)))
                     add(node, s, f"writes rows of the batch axis into {target}: padded rows write too")
             continue
@@ -271,7 +272,7 @@ def find_mixing(
             base = base_of(node.args[0])
             if not axes.dims(_val(base)):
                 target = paths.get(base, "a tensor without the batch axis")
-                if target.split("[")[0].split(".")[0] not in scratch:
+                if root_of(target) not in scratch:
                     add(node, syms, f"writes a slice as long as the batch into {target}: padded rows write too")
                 continue
         if name in _READS or name.startswith("new_") or name.startswith("sym_"):

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _trace_errors as E
 from ._errors import FgraphError, TraceError
+from ._state import root_of
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FGRAPH_DIR = os.path.dirname(__file__)
@@ -236,11 +237,6 @@ def _tb_line(e: BaseException) -> str:
     return line
 
 
-def _root(path: str) -> str:
-    """The argument (or lifted root: `self` of a module's state) a key path starts at."""
-    return path.split("[")[0].split(".")[0]
-
-
 def _is_module_state(path: str) -> bool:
     return path.startswith("self.")  # a lifted module's parameter or buffer (fgraph/_bind.py names them so)
 
@@ -287,7 +283,8 @@ def base_of(node: Any) -> Any:
     return node
 
 
-def _same_memory(a: fx.Node, b: fx.Node) -> bool:
+def _same_storage(a: fx.Node, b: fx.Node) -> bool:
+    """Whether two placeholders were traced as one tensor (the same one passed twice, or views of its storage)."""
     va, vb = a.meta.get("val"), b.meta.get("val")
     return (
         a is not b
@@ -311,18 +308,18 @@ def check(
         for tgt in _write_targets(node):
             b = base_of(tgt)
             if b in placeholder_paths and not donated(b):
-                twin = next((p for p in placeholder_paths if donated(p) and _same_memory(p, b)), None)
+                twin = next((p for p in placeholder_paths if donated(p) and _same_storage(p, b)), None)
                 if twin is not None:  # one tensor passed twice: the trace writes it through whichever came last
                     raise TraceError(
                         f"fgraph.jit({fname}): {placeholder_paths[twin]} (donated) and {placeholder_paths[b]} are the "
                         f"same tensor, and {node.target} at {node.meta.get('line')} writes it in place",
-                        f"pass it once, or pass a copy ({_root(placeholder_paths[b])}.clone()) for the argument "
+                        f"pass it once, or pass a copy ({root_of(placeholder_paths[b])}.clone()) for the argument "
                         "that is only read",
                     )
                 raise TraceError(
                     f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "
                     f"{placeholder_paths[b]}, which is not donated",
-                    f"add {_root(placeholder_paths[b])!r} to donate=[...] (fgraph then updates it in place across "
+                    f"add {root_of(placeholder_paths[b])!r} to donate=[...] (fgraph then updates it in place across "
                     "calls), or use the out-of-place op"
                     + (
                         " (a module's training statistics: model.eval())"
