@@ -3,17 +3,17 @@
 # here, then carry [".gpu"]). Logs go to $OUT (or /tmp).
 #   bash scripts/gpu_tests.sh             every GPU test, in separate processes (a CUDA error poisons a process,
 #                                         and FlashInfer keeps wrappers per process), one lane each:
-#                                           specs         the single-GPU semantics specs but FlashInfer's
-#                                                         (test_semantics, test_capture_*, test_padding, ...)
-#                                           single        every other single-GPU test but FlashInfer's
+#                                           single        the single-GPU tests but FlashInfer's and the models'
+#                                           models        tests/test_models_gpu.py but FlashInfer's (Inductor
+#                                                         compiles: most of the single-GPU time)
 #                                           flashinfer    FlashInfer's
 #                                           flashinfer-tc-plan-paths-off  FlashInfer's model tests with
 #                                                         FI.TENSOR_CORE_PLAN_PATHS off (the fallback)
 #                                           multigpu      the TP/EP tests (the TP bench: benchmarks/tp_bench.py)
 #                                         The lanes run side by side, on one GPU too (timings are not what these
 #                                         check).
-#   LANES="specs single" bash scripts/gpu_tests.sh   only those lanes (a device command has 10 minutes; all the
-#                                         single-GPU lanes side by side took about 6 of them)
+#   LANES="single models" bash scripts/gpu_tests.sh   only those lanes (a device command has 10 minutes; all the
+#                                         single-GPU lanes side by side took about 8 of them)
 #   bash scripts/gpu_tests.sh PYTEST_ARGS  one pytest process with those arguments; exits with pytest's status
 #
 # Exit status: 0 only if every lane that ran passed; 1 if any lane failed, or if no CUDA GPU is visible (then
@@ -29,7 +29,8 @@ if [ -f .gpu/activate.sh ]; then source .gpu/activate.sh >/dev/null; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="${OUT:-/tmp}"
 limit="${LANE_TIMEOUT:-560}"
-t() { timeout -k 10 "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
+# --durations: the slowest tests, for balancing the lanes
+t() { timeout -k 10 "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 "$@"; }
 if [ $# -gt 0 ]; then
   t "$@" 2>&1 | tee "$log/gpu_tests.log"
   exit "$?"
@@ -41,10 +42,7 @@ if [ "${n:-0}" -lt 1 ]; then
 fi
 # every gpu-marked test of tests/ but the multi-GPU files (a new test file joins a lane without an edit here)
 single="tests --ignore=tests/test_tp_gpu.py --ignore=tests/test_ep_gpu.py"
-# the semantics specs: about half of the single lane's time, so a lane of their own
-specs_files="tests/test_semantics.py tests/test_capture_state.py tests/test_padding.py tests/test_capture_gpu.py \
-tests/test_workspace_gpu.py"
-rest="$single$(for f in $specs_files; do printf ' --ignore=%s' "$f"; done)"
+models=tests/test_models_gpu.py
 fi_tc="import sys, pytest, fgraph.ops._attn_flashinfer as FI; FI.TENSOR_CORE_PLAN_PATHS = False; \
 sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-k', 'flashinfer', 'tests/test_models_gpu.py']))"
 rcs=$(mktemp -d)
@@ -55,25 +53,25 @@ lane() {
   "$@" > "$log/gpu_tests-$name.log" 2>&1
   echo "$?" > "$rcs/$name"
 }
-lane_specs() { lane specs t $specs_files -k "not flashinfer"; }
-lane_rest() { lane single t $rest -k "not flashinfer"; }
+lane_rest() { lane single t $single --ignore=$models -k "not flashinfer"; }
+lane_models() { lane models t $models -k "not flashinfer"; }
 lane_fi() {
   lane flashinfer t $single -k flashinfer
   lane flashinfer-tc-plan-paths-off timeout -k 10 "$limit" python3 -c "$fi_tc"
 }
 lane_multi() { lane multigpu t tests/test_tp_gpu.py tests/test_ep_gpu.py -k "not bench"; }
-want="${LANES:-specs single flashinfer flashinfer-tc-plan-paths-off multigpu}"
+want="${LANES:-single models flashinfer flashinfer-tc-plan-paths-off multigpu}"
 has() { [[ " $want " == *" $1 "* ]]; }
 lanes=""
-has specs && lanes="$lanes specs"
 has single && lanes="$lanes single"
+has models && lanes="$lanes models"
 has flashinfer && lanes="$lanes flashinfer flashinfer-tc-plan-paths-off"
 if [ "$n" -ge 2 ] && has multigpu; then lanes="$lanes multigpu"; fi
 # side by side: on 2+ GPUs the single-GPU lanes on a GPU each, the multi-GPU lane on both
 on() { if [ "$n" -ge 2 ]; then CUDA_VISIBLE_DEVICES=$1 "${@:2}"; else "${@:2}"; fi; }
 if [[ " $lanes " == *" multigpu "* ]]; then lane_multi & fi
-if has specs; then on 1 lane_specs & fi
 if has single; then on 1 lane_rest & fi
+if has models; then on 1 lane_models & fi
 if has flashinfer; then on 0 lane_fi & fi
 wait
 failed=0
