@@ -252,6 +252,16 @@ class _Key:
 
 
 # -- making and remaking a signature ---------------------------------------------------------------------------
+def for_grad_mode(jitted, call):
+    """A trace that branched on torch.is_grad_enabled() serves only the grad mode it was traced in: under the
+    other, the call's signature names the grad mode too (a trace of its own). Functions that never read it are
+    not keyed by it, so a capture under torch.no_grad() still serves calls made with grad on."""
+    entry, now = jitted.entries.get(call.sig), torch.is_grad_enabled()
+    if entry is None or entry.traced.grad_mode in (None, now):
+        return call
+    return call._replace(sig=call.sig._replace(statics=call.sig.statics + (("<grad mode>", now),)))
+
+
 def make(jitted, call, capture_call):
     """A new signature's entry, traced and captured; nothing of it is kept when that fails or is interrupted
     (KeyboardInterrupt included): the next call makes it again. Returns None when the capture ran out of device

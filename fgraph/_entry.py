@@ -100,6 +100,7 @@ class Traced:
         ]
         gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix])
         self.gm = gm  # the whole program, unsplit (Jitted.lower)
+        self.grad_mode = gm.meta["grad_mode"]  # the grad mode the function branched on, else None (serves both)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
         donated_roots = set(jitted.donate)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import overload
 
+import torch
 import torch.utils._pytree as pytree
 
 from . import _bind as B
@@ -220,7 +221,7 @@ class Jitted:
         if n is not None and bucket is None:  # past the largest bucket, or an empty batch
             return _MISS
         # torch's settings, not all of B.context: functions with lifted modules (training modes) are not _plain
-        entry = self._fast.get((statics, torch_state(), bucket, tuple(parts)))
+        entry = self._fast.get((statics, torch_state(), torch._C.is_grad_enabled(), bucket, tuple(parts)))
         if entry is None:
             return _MISS
         # a new tensor where the graphs read another: the slow path copies it. Containers passed again vouch for
@@ -257,7 +258,7 @@ class Jitted:
                     self._flat[name] = c = (v, lv, key, D.guard_for(v, spec))
                 parts.append(c[2])
         statics = tuple(call.bound[k] for k in self._static_sorted)
-        self._fast[(statics, torch_state(), call.sig.bucket, tuple(parts))] = entry
+        self._fast[(statics, torch_state(), torch._C.is_grad_enabled(), call.sig.bucket, tuple(parts))] = entry
 
     def __call__(self, *args, **kwargs):
         if _disabled or _trace.tracing.depth:  # called while this thread traces a function: inlined
@@ -270,7 +271,7 @@ class Jitted:
             return self._slow_call(args, kwargs)
 
     def _slow_call(self, args, kwargs):
-        call = self._bind(args, kwargs)
+        call = D.for_grad_mode(self, self._bind(args, kwargs))
         if (why := self._ungraphed(call)) is not None:  # an empty batch: counted, not logged (nothing to fix)
             return self._fallback(why[0], call, why[1], "raise buckets=[..., N] or split the batch")
         entry = self.entries.get(call.sig)
@@ -357,15 +358,17 @@ class Jitted:
         if config.explain_cache_misses and self.entries:
             log.warning("fgraph.jit(%s): new signature %s%s", self.name, call.sig.describe(), self._closest(call.sig))
         device = _device_of(self.name, call)
-        family = (
-            call.sig.statics,
+        family = (  # grad mode apart: a trace that branched on it serves its own mode (below), any other both
+            tuple(kv for kv in call.sig.statics if kv[0] != "<grad mode>"),
             call.sig.treespec,
             tuple(
                 leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape))
                 for leaf, s in zip(call.sig.leaves, call.specs)
             ),
         )
-        traced = next((t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket)), None)
+        now = torch.is_grad_enabled()
+        fits = (t for t in self._traces.get(family, ()) if t.fits(call.sig.bucket) and t.grad_mode in (None, now))
+        traced = next(fits, None)
         new = traced is None
         if new:
             traced = Traced(self, call, device)
@@ -399,14 +402,10 @@ class Jitted:
         with contextlib.ExitStack() as stack:
             for combo in itertools.product(*choices.values()) if choices else [()]:
                 statics = dict(zip(choices, combo))
-                bar = tqdm(
-                    todo,
-                    desc=f"fgraph capture {self.name} {statics or ''}".rstrip(),
-                    disable=None if progress else True,
-                    leave=False,
-                )
+                desc = f"fgraph capture {self.name} {statics or ''}".rstrip()
+                bar = tqdm(todo, desc=desc, disable=None if progress else True, leave=False)
                 for b in bar:
-                    call = self._dummy(self._bind(args, {**rest, **statics}), b)
+                    call = D.for_grad_mode(self, self._dummy(self._bind(args, {**rest, **statics}), b))
                     if call.sig in self.entries:
                         continue
                     if device is None:

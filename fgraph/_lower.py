@@ -92,9 +92,10 @@ class Lowered:
 
 def lower(jitted, *args, **kwargs) -> Lowered:
     """Jitted.lower: the signature of this call, traced now if new (never captured)."""
+    from . import _dispatch as D
     from ._entry import Entry, Traced, _device_of
 
-    call = jitted._bind(args, kwargs)
+    call = D.for_grad_mode(jitted, jitted._bind(args, kwargs))
     e = jitted.entries.get(call.sig)
     if e is None:
         device = _device_of(jitted.name, call)

@@ -139,6 +139,44 @@ class _Tracing(threading.local):
 tracing = _Tracing()
 
 
+class _GradModeReads(threading.local):
+    """Whether the function this thread traces called torch.is_grad_enabled() from its own code (a branch on grad
+    mode): such a trace serves only the grad mode it was traced in. Reads from torch's and fgraph's own frames
+    are not counted: torch.no_grad() saving the mode it restores, and torch's module fast paths, whose branches
+    also ask for inputs that require grad (a jitted call's never do)."""
+
+    read = False
+
+
+_grad_reads = _GradModeReads()
+_watch_lock, _watchers = threading.Lock(), [0]
+
+
+def _is_grad_enabled() -> bool:
+    if tracing.depth and not sys._getframe(1).f_code.co_filename.startswith(_LIB_DIRS):
+        _grad_reads.read = True
+    return torch._C.is_grad_enabled()
+
+
+@contextlib.contextmanager
+def _watch_grad_mode():
+    """torch.is_grad_enabled replaced while any thread traces (one C call otherwise). Yields a list that holds,
+    once the block ends, the grad mode the trace read, or None when it read none."""
+    with _watch_lock:
+        _watchers[0] += 1
+        torch.is_grad_enabled = _is_grad_enabled
+    outer, _grad_reads.read, got = _grad_reads.read, False, [None]
+    try:
+        yield got
+    finally:
+        got[0] = torch._C.is_grad_enabled() if _grad_reads.read else None
+        _grad_reads.read = outer or _grad_reads.read  # a trace inside a trace: its read is the outer one's too
+        with _watch_lock:
+            _watchers[0] -= 1
+            if not _watchers[0]:
+                torch.is_grad_enabled = torch._C.is_grad_enabled
+
+
 def trace(
     fname: str,
     flat_fn: Callable[..., list],
@@ -148,7 +186,7 @@ def trace(
 ) -> tuple[fx.GraphModule, Shapes | None]:
     """make_fx over fake tensors: nothing runs and donated state is not touched. The batch axes are traced as
     symbols (every other dim static), so the program serves every bucket whose size satisfies its guards.
-    paths: each input's key path, for errors."""
+    paths: each input's key path, for errors. gm.meta["grad_mode"]: the grad mode the function read, else None."""
     shapes, names = None, E.Names()
     paths = paths or [f"input {i}" for i in range(len(example))]
 
@@ -159,7 +197,7 @@ def trace(
 
     tracing.depth += 1
     try:
-        with _record_source_lines(), _RejectHostSyncs(fname), E.quiet():
+        with _record_source_lines(), _RejectHostSyncs(fname), E.quiet(), _watch_grad_mode() as grad_mode:
             if any(a is not None for a in batch_axes):
                 env = ShapeEnv()
                 mode = FakeTensorMode(shape_env=env)
@@ -200,6 +238,7 @@ def trace(
         raise E.translate(fname, e, names) from e
     finally:
         tracing.depth -= 1
+    gm.meta["grad_mode"] = grad_mode[0]
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(val):

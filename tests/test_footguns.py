@@ -12,9 +12,10 @@ SILENT MISMATCHES (wrong results, no error):
   repeated_reads_python_values_once     MED   fgraph.repeated: a Python value read from outside its arguments
                                                (a per-layer scale in a closure) is copied from the first call to
                                                every later one. Pass it as an argument.
-  grad_mode_not_in_the_signature        MED   a function branching on torch.is_grad_enabled() (torch's own MHA
-                                               fast path does) replays the branch it was traced under. Call it
-                                               under one grad mode (torch.no_grad() for inference)
+  grad_mode_read_under_another_name     MED   a branch on torch.is_grad_enabled() gets a trace per grad mode, but
+                                               a name bound to it before tracing (`from torch import
+                                               is_grad_enabled`, torch._C's) replays the branch it was traced
+                                               under. Call torch.is_grad_enabled() by that name
   module_changes_without_tensors        MED   forward hooks added after the first call, a parameter-free submodule
                                                swapped (ReLU -> Tanh), a global / closure / dict slot rebound to a
                                                new module: the trace keeps the old. Call .reset() after such edits
@@ -103,8 +104,11 @@ def test_repeated_reads_python_values_once():
         assert torch.allclose(f(x, ws, as_arg), model(x, ws, as_arg)) is close  # from outside: layer 1's scale x3
 
 
-def test_grad_mode_not_in_the_signature():
-    f = fgraph.jit(lambda x: x * 2 if torch.is_grad_enabled() else x * 3, mode="PIECEWISE")
+def test_grad_mode_read_under_another_name():
+    # torch.is_grad_enabled() itself keys the trace (tests/test_semantics.py); a name bound to it before
+    # tracing (`from torch import is_grad_enabled`) is not seen
+    is_grad_enabled = torch.is_grad_enabled
+    f = fgraph.jit(lambda x: x * 2 if is_grad_enabled() else x * 3, mode="PIECEWISE")
     with torch.no_grad():
         assert f(torch.ones(2)).tolist() == [3.0, 3.0]
     assert f(torch.ones(2)).tolist() == [3.0, 3.0]  # eager gives [2.0, 2.0]: grad mode is on

@@ -598,6 +598,39 @@ def test_torch_global_settings_are_part_of_the_signature(mode, device):
     assert "<torch>=[matmul precision high]" in text
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_branch_on_grad_mode_is_part_of_the_signature(mode, device):
+    """A function that asks torch.is_grad_enabled() gets a trace per grad mode, each eager's, in either order and
+    on the replay path; torch.no_grad() inside the function (torch saving the mode it restores) asks nothing."""
+    w = rand(device, 4, 4, seed=3)
+
+    def branches(x, w):
+        return x @ w if torch.is_grad_enabled() else x * 3
+
+    def scoped(x, w):
+        with torch.no_grad():
+            return x @ w
+
+    for f, traces in [(branches, 2), (scoped, 1)]:
+        j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4, 8])
+        # a bucket first met under the other grad mode; replays (the same w) alternating the modes
+        for grad, n in [(False, 3), (True, 6), (True, 3), (False, 6), (False, 3), (True, 2), (True, 6), (False, 6)]:
+            x = rand(device, n, 4, seed=n)
+            with torch.set_grad_enabled(grad):
+                torch.testing.assert_close(j(x, w), f(x, w), rtol=0, atol=0, msg=f"{f.__name__} grad {grad} N={n}")
+        assert j.stats()["total"]["traces"] == traces, f.__name__
+        assert ("<grad mode>=True" in str(fgraph.explain(j))) is (traces == 2), f.__name__
+
+
+def test_a_capture_under_no_grad_serves_calls_with_grad_on():
+    """Grad mode keys only the traces that read it: serving with grad on what was captured under no_grad replays."""
+    j = fgraph.jit(lambda x: torch.tanh(x) * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    with torch.no_grad():
+        j.capture(torch.ones(1, 4), progress=False)
+    assert torch.equal(j(torch.ones(3, 4)), torch.tanh(torch.ones(3, 4)) * 2)
+    assert not any(j.stats()["fallbacks"].values()) and j.stats()["total"]["replays"] == 1
+
+
 @contextlib.contextmanager
 def _setting(get, set_, value):
     """A torch global setting changed for the block (torch.set_default_dtype, set_float32_matmul_precision)."""
