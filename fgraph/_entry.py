@@ -22,6 +22,7 @@ from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
 from ._padding import BatchAxes, find_mixing, tied_lengths
 from ._pytree import tree_flatten, unflattener
+from ._random import random_draws
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
 from ._state import put_back, root_of
@@ -105,6 +106,7 @@ class Traced:
         ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
         donated_roots = set(jitted.donate)
         check(fname, gm, ph_paths, lambda ph: root_of(ph_paths[ph]) in donated_roots, device)
+        self.random = random_draws(jitted, gm)
         is_break = breaks_filter(jitted.breaks)
         decode = call.statics.get(jitted.routine) == "decode"
         self.mode, self.reason = resolve_mode(fname, jitted.mode, decode, gm, is_break)
@@ -377,13 +379,9 @@ class Entry:
 
 def _self_of(o):
     """The tensor an output is, through in-place ops (aten's `op_` variants return their first argument)."""
-    while (
-        isinstance(o, fx.Node)
-        and isinstance(o.target, torch._ops.OpOverload)
-        and o.target._schema.name.endswith("_")
-        and o.args
-        and isinstance(o.args[0], fx.Node)
-    ):
+    while isinstance(o, fx.Node) and isinstance(o.target, torch._ops.OpOverload) and o.args:
+        if not (o.target._schema.name.endswith("_") and isinstance(o.args[0], fx.Node)):
+            break
         o = o.args[0]
     return o
 

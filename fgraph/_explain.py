@@ -25,6 +25,8 @@ def _entry_text(name: str, e, n: int | None) -> str:
     lines.append(f"  read: {_inputs_text(e)}")
     for f in e.traced.mixing or ():  # ops the padded rows take part in (fgraph/_padding.py)
         lines.append(f"  padding visible: {f}")
+    for f in e.traced.random:  # ops whose draws differ from eager's (fgraph/_random.py)
+        lines.append(f"  random: {f}")
     pieces = e.program.pieces
     lines.append(
         f"  pieces: {len(pieces)} ({sum(not p.is_break for p in pieces)} graph, "

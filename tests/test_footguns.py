@@ -32,12 +32,17 @@ ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   padded_rows_mixed_into_real_ones       MED   logged once at trace time with the line, listed by explain
                                                (x.mean(0), softmax over tokens, ...: tests/test_padding.py)
+  random_draws_differ_from_eager         MED   rand, dropout, multinomial, ...: padded rows and warm-up runs draw
+                                               too, so a seeded run differs from eager; logged once with the line,
+                                               listed by explain. Draw the noise outside and pass it in
 FIXED (pinned so they stay fixed; the full specs: tests/test_semantics.py, test_capture_state.py, test_padding.py):
   new tensors, replaced containers, grown lists, changed static fields, threads, interrupted captures, kept outputs
   warmup_and_capture_leave_no_trace            donated state written by warm-up and capture is put back;
                                                jit(scratch=[...]) skips the copy for state whose padded rows
                                                write only a scratch area (the KV cache's page 0)
 """
+
+import logging
 
 import pytest
 import torch
@@ -256,3 +261,23 @@ def test_cublas_reduction_flags():
     finally:
         mm.allow_bf16_reduced_precision_reduction = before
     assert len(f.entries) == 1  # should be 2 for kernels chosen anew; the same graph replayed
+
+
+@pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL"])
+def test_random_draws_differ_from_eager(mode, caplog):
+    def noisy(x):
+        return x + torch.rand_like(x)
+
+    j, x = fgraph.jit(noisy, batch={"x": Batched()}, mode=mode, buckets=[4]), torch.zeros(3, 2)
+    torch.manual_seed(0)
+    want = [noisy(x) for _ in range(2)]
+    torch.manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        got = [j(x) for _ in range(2)]
+    assert not torch.equal(got[1], want[1])  # the bucket's 8 draws, not eager's 6 (and warm-up's before them)
+    assert sum("aten.rand_like at" in r.getMessage() for r in caplog.records) == 1
+    assert "random: aten.rand_like at" in str(fgraph.explain(j, x))
+    # the fix: the noise passed in is eager's
+    plus = fgraph.jit(lambda x, noise: x + noise, batch={"x": Batched(), "noise": Batched()}, mode=mode, buckets=[4])
+    torch.manual_seed(0)
+    assert all(torch.equal(plus(x, torch.rand_like(x)), w) for w in want)

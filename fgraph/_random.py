@@ -1,0 +1,40 @@
+"""Random draws in a trace: ops that read torch's random generator (torch.Tag.nondeterministic_seeded: rand,
+randn, dropout, bernoulli, multinomial, ...). A jitted call draws another stream than eager under the same seed:
+padded rows draw too (a [bucket, ...] draw, not [N, ...]), and warm-up and capture runs draw before the first
+result. So each such op is logged once at trace time with its line and listed by explain.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from ._padding import Finding
+
+log = logging.getLogger("fgraph")
+
+
+def random_draws(jitted, gm: fx.GraphModule) -> list[Finding]:
+    """The trace's random ops, one per source line; each logged once per jitted function."""
+    found: dict[str, Finding] = {}
+    for node in gm.graph.nodes:
+        op = node.target
+        if node.op == "call_function" and isinstance(op, torch._ops.OpOverload):
+            if torch.Tag.nondeterministic_seeded in op.tags:
+                line = node.meta.get("line", "<unknown>")
+                found.setdefault(
+                    line,
+                    Finding(f"aten.{op._schema.name.split('::')[-1]}", line, "draws from torch's random generator"),
+                )
+    for f in found.values():
+        if ("random", f.line) not in jitted._logged:
+            jitted._logged.add(("random", f.line))
+            log.warning(
+                "fgraph.jit(%s): %s: a jitted call draws another stream than eager under the same seed (padded rows "
+                "and warm-up runs draw too; logged once). Fix: draw the noise outside and pass it in",
+                jitted.name,
+                f,
+            )
+    return list(found.values())
