@@ -94,7 +94,10 @@ def _lands(flow: Flow, d: int, index: fx.Node, v, target, same: bool, wraps: boo
         gap = _const(rows + pad.shift - size)
         if gap is not None and gap >= 0:
             return None  # row j (a padded one) writes row j + shift >= the call's rows of the target
-        return f"hold their row numbers {pad.shift:+g}: they write real rows of the batch axis"
+        if gap is None:
+            return "hold row numbers over a batch size the trace does not tie to the target's: they may write real rows"
+        rows = "row" if gap == -1 else f"{-gap} rows"
+        return f"hold row numbers that stop {-gap} short of the target's: they write its last real {rows}"
     # ramp offsets end at the call's rows of the axis they offset (Batched's contract) and climb to the bucket:
     # shifted by -1 a padded one points at a padded row, or, when the call fills the bucket, at the last real row
     # (as the last real offset does: harmless for one value written to every row)
