@@ -33,6 +33,9 @@ _WINDOWS = {"convolution", "_convolution", "max_pool1d", "max_pool2d", "avg_pool
 _WINDOWS |= {"max_pool2d_with_indices", "max_pool3d_with_indices", "_adaptive_avg_pool2d", "adaptive_max_pool2d"}
 _SCATTERS = {"index_put", "index_put_", "index_copy", "index_copy_", "index_add", "index_add_", "scatter", "scatter_"}
 _SCATTERS |= {"scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "_unsafe_index_put"}
+_SCATTERS |= {"index_fill", "index_fill_"}
+# ops indexing a tensor by index tensors, whose values fgraph/_index_rules.py checks along the batch axis
+_INDEXES = _SCATTERS | {"index", "_unsafe_index", "take"}
 
 
 # ops that mix rows along the dims these return, for an input of `ndim` dims, though they keep every dim's size

@@ -2,11 +2,13 @@
 
 A signature pads every Batched leaf to its bucket. That is invisible only to per-row work; this module finds, on
 the trace (batch axes are sympy symbols there), the ops whose result the padded rows can change (reductions,
-softmax/cumsum/sort along the axis, matmuls contracting it, negative indexing and indices computed from its
-size, concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
+softmax/sort along the axis, matmuls contracting it, negative indexing and indices computed from its size,
+concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
 without it, layouts that put padded rows before real ones, windows sliding along it, Python branches on its size
-that some call padded to a bucket would take differently), and the per-call checks of batched leaves (tied lengths,
-memory shared with written state). Outputs are cut back to the unpadded call's in fgraph/_outputs.py.
+that some call padded to a bucket would take differently; index tensors holding negative values along it, and
+scatters into it by index rows the padding points at real rows: fgraph/_index_rules.py), and the per-call checks
+of batched leaves (tied lengths, memory shared with written state). Outputs are cut back to the unpadded call's in
+fgraph/_outputs.py.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
@@ -24,7 +26,9 @@ import torch.fx as fx
 
 from . import _primitives as P
 from ._errors import SignatureError
-from ._mixing_ops import _ALONG, _BATCH_STATS, _CONTRACT, _READS, _SCATTERS, _SPANS, _VALUES, _VIEWS, _WINDOWS
+from ._index_flow import Flow, _arg, _name, _shape, _static_numel, _val
+from ._index_rules import index_finding
+from ._mixing_ops import _ALONG, _BATCH_STATS, _CONTRACT, _INDEXES, _READS, _SCATTERS, _SPANS, _VALUES, _VIEWS, _WINDOWS
 from ._state import root_of
 from ._trace import _LIB_DIRS, Shapes, base_of
 
@@ -115,29 +119,6 @@ class BatchAxes:
         return bool(raw) and all(leaf[3].mixes for leaf in self.leaves if leaf[1] in raw)
 
 
-def _name(node: fx.Node) -> str:
-    return node.target._schema.name.split("::")[-1]  # aten.mean.dim -> "mean"
-
-
-def _arg(node: fx.Node, name: str, default=None):
-    schema = node.target._schema
-    for i, a in enumerate(schema.arguments):
-        if a.name == name:
-            if i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get(name, a.default_value if a.has_default_value() else default)
-    return default
-
-
-def _val(x):
-    v = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return v[0] if isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor) else v
-
-
-def _shape(v) -> tuple:
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
-
-
 def find_mixing(
     gm: fx.GraphModule, axes: BatchAxes, scratch: set[str], paths: dict[fx.Node, str], buckets=()
 ) -> list[Finding]:
@@ -155,12 +136,19 @@ def find_mixing(
         f = Finding(f"aten.{_name(node)}", line, what)
         found.setdefault((f.op, f.line), f)
 
+    specs = {leaf[0]: leaf[3] for leaf in axes.leaves}
+    flow = Flow(gm, axes, {ph: specs[p] for ph, p in paths.items() if p in specs})  # what index tensors hold
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         if P.primitive_of(node) is not None:
             continue
         name = _name(node)
+        if name in _INDEXES:  # negative indices along the batch axis, scatters by padded index rows into it
+            hit = index_finding(node, name, flow)
+            if hit is not None:
+                add(node, *hit)
+                continue
         ins = [a for a in node.args if isinstance(a, fx.Node)]
         ins += [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, fx.Node)]
         first = _val(ins[0]) if ins else None
@@ -315,16 +303,6 @@ def _same_for_every_call(expr, axes: BatchAxes, buckets) -> bool:
             return False
         prev = b
     return bool(buckets)
-
-
-def _static_numel(sizes) -> int | None:
-    """The product of sizes, or None if one is symbolic."""
-    n = 1
-    for x in sizes:
-        if not isinstance(x, int):
-            return None
-        n *= x
-    return n
 
 
 def _writes_into_first(node: fx.Node) -> bool:

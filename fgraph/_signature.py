@@ -25,7 +25,8 @@ class Batched:
 
     pad: a scalar fill value; "ramp" for offset arrays (a [S+1] array of segment starts): each padded row
     continues the last value by one, clamped at the bucket, so offsets stay monotonic and end at the padded
-    total; or a callable (tensor, size) -> tensor of `size` along `axis` for any other rule.
+    total (the padding check takes the last real offset for the call's rows of the axis they index); or a
+    callable (tensor, size) -> tensor of `size` along `axis` for any other rule.
     Outputs are cut back to the unpadded call's shape along every dim whose traced size is a batch size (from a
     bucket-1 trace, which has no symbols: a first dim of the bucket). Leaves the function uses as one batch must
     agree on their size; the non-batch dims are part of the signature. Ops that combine rows along the axis

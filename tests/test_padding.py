@@ -16,6 +16,7 @@ import ast
 import logging
 import pathlib
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -122,6 +123,22 @@ def attended(x):  # every token attends to every other: padded ones too
     return torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None])[0, 0]
 
 
+def last_row_by_index(x):  # a negative value in an index tensor counts from the end: a padded row
+    return x[torch.tensor([-1])] * 1
+
+
+def previous_rows(x):  # row i reads row i - 1; row 0 reads row -1, the padded end
+    return x[torch.arange(x.shape[0]) - 1] * 1
+
+
+def written_a_row_up(x):  # row i written to row i - 1: row 0's to row -1, the padded end
+    return torch.zeros_like(x).index_put_((torch.arange(x.shape[0]) - 1,), x)
+
+
+def shifted_into_place(x):  # out[: N - 1] = x[1:] by an index: its padded rows (row numbers) write row N - 1
+    return torch.zeros_like(x).index_put_((torch.arange(x.shape[0] - 1),), x[1:])
+
+
 MIXING = {
     centered: "aten.mean",
     softmax_over_rows: "aten._softmax",
@@ -144,6 +161,10 @@ MIXING = {
     edge_padded: "aten.replication_pad1d",
     spectrum: "aten._fft_r2c",
     attended: "aten._scaled_dot_product_flash_attention_for_cpu",
+    last_row_by_index: "aten.index",
+    previous_rows: "aten.index",
+    written_a_row_up: "aten.index_put_",
+    shifted_into_place: "aten.index_put_",
 }
 
 
@@ -215,6 +236,151 @@ def test_the_reported_mixing_is_real(mode, caplog):
     with caplog.at_level(logging.WARNING, logger="fgraph"):
         assert not torch.allclose(f(x), eager(centered, x))
     assert "padding is visible: aten.mean at " in caplog.text and where(centered) + ":" in caplog.text
+
+
+# scatters by a batched index into a tensor with the batch axis: each on the line after its def. The index's padded
+# rows hold its pad (0: row 0, a real row) or what the trace made of it, and write padded rows of x where they point
+def put_by_index(x, idx):  # out[idx] = x
+    return torch.zeros_like(x).index_put_((idx,), x)
+
+
+def copied_by_index(x, idx):
+    return torch.zeros_like(x).index_copy_(0, idx, x)
+
+
+def added_by_index(x, idx):
+    return torch.zeros_like(x).index_add_(0, idx, x)
+
+
+def scattered_by_index(x, idx):
+    return torch.zeros_like(x).scatter_(0, idx[:, None].expand(-1, x.shape[1]), x)
+
+
+def filled_by_index(x, idx):  # (index_fill_ takes -1 as the last row: a padded index row pointing there is not)
+    return x.index_fill(0, idx - 1, 0.0)
+
+
+def put_by_unknown_index(x, idx):  # an index computed from padded rows of x: what it holds there is not known
+    return torch.zeros_like(x).index_put_((x[:, 0].gt(0).long(),), x)
+
+
+def last_rows_by_offsets(x, idx):  # each sequence's last row gets a value of its own: the padded ones write too
+    return torch.zeros_like(x).index_put_((idx[1:] - 1,), x[: idx.shape[0] - 1])
+
+
+def second_last_flags(x, idx):  # offsets - 2: the padded ones point at the call's last row too
+    return torch.zeros(x.shape[0]).index_put_((idx[1:] - 2,), torch.tensor(1.0))
+
+
+OFFSETS = Batched(pad="ramp", extra=1)
+SCATTERS = {  # fn -> (op, spec of idx)
+    put_by_index: ("aten.index_put_", Batched()),
+    copied_by_index: ("aten.index_copy_", Batched()),
+    added_by_index: ("aten.index_add_", Batched()),
+    scattered_by_index: ("aten.scatter_", Batched()),
+    filled_by_index: ("aten.index_fill", Batched(pad=1)),
+    put_by_unknown_index: ("aten.index_put_", Batched()),
+    last_rows_by_offsets: ("aten.index_put_", OFFSETS),
+    second_last_flags: ("aten.index_put_", OFFSETS),
+}
+
+
+def index_args(spec, n):
+    """x [n, 3] and an index of its rows: the reversed rows, or ramp offsets [0, 2, n] of two sequences."""
+    idx = torch.tensor([0, 2, n]) if spec.pad == "ramp" else torch.arange(n).flip(0) + (spec.pad == 1)
+    return torch.randn(n, 3), idx
+
+
+@pytest.mark.parametrize("fn", list(SCATTERS), ids=lambda f: f.__name__)
+def test_scatters_whose_padded_index_rows_reach_real_rows_are_logged_once_with_their_line(fn, caplog):
+    op, spec = SCATTERS[fn]
+    f = fgraph.jit(fn, batch={"x": Batched(pad=0.5), "idx": spec}, buckets=[8], mode="PIECEWISE")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(*index_args(spec, 5))
+        f(*index_args(spec, 6))
+    logged = [r.getMessage() for r in caplog.records if "padding is visible" in r.getMessage()]
+    assert len(logged) == 1 and f"{op} at " in logged[0] and where(fn) in logged[0], logged
+    assert "scatters along the batch axis by an index whose padded rows" in logged[0]
+    assert "padding visible: " + op in str(fgraph.explain(f)) and where(fn) in str(fgraph.explain(f))
+
+
+@pytest.mark.parametrize("fn", list(SCATTERS), ids=lambda f: f.__name__)
+def test_declared_scatters_are_silent(fn, caplog):
+    spec = attrs.evolve(SCATTERS[fn][1], mixes=True)
+    f = fgraph.jit(fn, batch={"x": Batched(mixes=True), "idx": spec}, buckets=[8], mode="NONE")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(*index_args(spec, 5))
+    assert "padding is visible" not in caplog.text
+
+
+def permuted_rows(x, perm):
+    out = torch.zeros_like(x)
+    out[perm] = x  # (line 2 of the def)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_reported_index_patterns_are_real(mode, caplog):
+    """What the log says, against eager: `x[torch.tensor([-1])]` reads a padded row, and `out[perm] = x` with perm
+    padded by 0 writes padded rows of x into row 0 (the last write of a row wins)."""
+    f = fgraph.jit(last_row_by_index, batch={"x": Batched(pad=0.5)}, buckets=[8], mode=mode)
+    g = fgraph.jit(permuted_rows, batch={"x": Batched(pad=0.5), "perm": Batched()}, buckets=[8], mode=mode)
+    x, perm = torch.randn(5, 3), torch.tensor([4, 0, 3, 1, 2])
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        assert torch.equal(f(x), torch.full((1, 3), 0.5)) and torch.equal(eager(last_row_by_index, x), x[-1:])
+        got, want = g(x, perm), eager(permuted_rows, x, perm)
+    assert torch.equal(got[1:], want[1:]) and torch.equal(got[0], torch.full((3,), 0.5))
+    assert "aten.index at " in caplog.text and where(last_row_by_index) in caplog.text
+    assert f"aten.index_put_ at tests/test_padding.py:{permuted_rows.__code__.co_firstlineno + 2}:" in caplog.text
+
+
+# index patterns padding does not leak through: the check follows what padding puts in the index (a ramp of
+# offsets, row numbers) and what the trace makes of it, and stays silent
+def last_token_flags(x, offsets):  # each sequence's last token, from ramp-padded offsets (one value written)
+    last = torch.zeros(x.shape[0], dtype=torch.bool)
+    last[offsets[1:] - 1] = True
+    return torch.where(last[:, None], x, 0.0)
+
+
+def last_token_filled(x, offsets):
+    return torch.zeros(x.shape[0]).index_fill_(0, offsets[1:] - 1, 1.0)[:, None] * x
+
+
+def last_tokens(x, offsets):  # read: the offsets are the caller's values
+    return x[offsets[1:] - 1] * 1
+
+
+def rows_in_place(x, offsets):  # row numbers: each padded row writes itself
+    return torch.zeros_like(x).index_copy_(0, torch.arange(x.shape[0]), x * 2)
+
+
+def one_hot(x, offsets):  # along the features: each index row writes its own row
+    return torch.zeros(x.shape[0], 4).scatter_(1, (x[:, :1] > 0).long(), 1.0)
+
+
+def previous_or_first(x, offsets):  # max(i, 1) - 1 >= 0: never counts from the end
+    return x[torch.arange(x.shape[0]).clamp(min=1) - 1] * 1
+
+
+def constant_rows(x, offsets):  # non-negative constants, and a negative one along a dim without the batch axis
+    return x[torch.tensor([0, 1])][:, torch.tensor([-1])] * 1
+
+
+SILENT = [last_token_flags, last_token_filled, last_tokens, rows_in_place, one_hot, previous_or_first, constant_rows]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fn", SILENT, ids=lambda f: f.__name__)
+def test_index_patterns_padding_does_not_reach_are_silent_and_eager(fn, mode, caplog):
+    """Among the calls, 8 tokens of two sequences fill the bucket while the sequences are padded: their offsets all
+    hold 8, so the padded `offsets[1:] - 1` point at row 7, the last real token, as the last sequence's does."""
+    f = fgraph.jit(fn, batch={"x": Batched(pad=0.5), "offsets": OFFSETS}, buckets=[8], mode=mode)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for n, offsets in [(5, [0, 2, 5]), (8, [0, 3, 8]), (3, [0, 1, 2, 3])]:
+            x, off = torch.randn(n, 3), torch.tensor(offsets)
+            got, want = f(x, off), eager(fn, x, off)
+            assert got.shape == want.shape and torch.equal(got, want), (n, offsets)
+    assert "padding is visible" not in caplog.text
 
 
 def test_a_branch_fixing_the_batch_size_is_logged_and_outputs_still_cut(caplog):
@@ -605,6 +771,7 @@ ROW_OPS = {  # (n, 3) -> (n, 3), each row on its own
     "flip_features": lambda x: x.flip(-1),
     "pad_front": lambda x: torch.nn.functional.pad(x, (0, 0, 1, 0))[1:],
     "interleave_and_back": lambda x: torch.stack([x, x + 1], 1).reshape(-1, 3)[1::2],
+    "scatter_rows": lambda x: torch.zeros_like(x).index_copy_(0, torch.arange(x.shape[0]), x),
 }
 MIXING_OPS = {  # (n, 3) -> (m, 3), rows combined or moved along the batch axis
     "centered": lambda x: x - x.mean(0),
@@ -619,6 +786,8 @@ MIXING_OPS = {  # (n, 3) -> (m, 3), rows combined or moved along the batch axis
     "pad_end": lambda x: torch.nn.functional.pad(x, (0, 0, 0, 1), value=5.0),
     "conv": lambda x: torch.nn.functional.conv1d(x.T[None], torch.ones(3, 3, 3), padding=1)[0].T,
     "last_pair": lambda x: x.split(2, 0)[-1],
+    "previous_rows": lambda x: x[torch.arange(x.shape[0]) - 1],
+    "last_by_index": lambda x: x[torch.tensor([-1, 0])],
 }
 
 
