@@ -2,7 +2,8 @@
 with N tokens onto its bucket.
 
 A signature is  static values × bucket × tree structure × (shape, dtype, device) of every leaf,
-where batched leaves are counted at their padded size, so every N in a bucket shares one signature.
+where batched leaves are counted at their padded size, so every N in a bucket shares one signature, and the
+others by their strides too where they are not contiguous (a trace can depend on them).
 """
 
 from __future__ import annotations
@@ -134,18 +135,25 @@ class Aval(NamedTuple):
     dtype: torch.dtype | type | None  # a Python value's type
     device: str | None  # str(tensor.device): "cpu", "cuda:0"; a Python float's hex
     value: Any = None
+    strides: tuple[int, ...] | None = None  # a leaf's strides where it is not contiguous (see leaf_of)
 
     def __str__(self):
         if self.shape is None:
             return f"{type(self.value).__name__}={self.value!r}"
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}@{self.device}"
+        strides = f" strides {list(self.strides)}" if self.strides is not None else ""
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}@{self.device}{strides}"
 
 
 def leaf_of(x: Any, spec: Batched | None = None, bucket: int | None = None) -> Aval:
-    """A leaf's abstract value; a batched leaf counts at its padded shape (its device is where it came from)."""
+    """A leaf's abstract value; a batched leaf counts at its padded shape (its device is where it came from).
+    A leaf without the batch axis is traced and read in its own layout, and strides change what a trace records
+    (reshape is a view of a contiguous tensor, a copy of a transposed one): a non-contiguous one is keyed by its
+    strides. Batched leaves are padded into contiguous buffers, so theirs never matter."""
     if isinstance(x, torch.Tensor):
-        padded = spec is not None and bucket is not None
-        return Aval(spec.padded_shape(x, bucket) if padded else tuple(x.shape), x.dtype, str(x.device))
+        if spec is not None:
+            shape = spec.padded_shape(x, bucket) if bucket is not None else tuple(x.shape)
+            return Aval(shape, x.dtype, str(x.device))
+        return Aval(tuple(x.shape), x.dtype, str(x.device), None, None if x.is_contiguous() else x.stride())
     # by value and type: 2, 2.0 and True are equal in Python but trace to int64, float32 and bool results; a
     # float's hex tells 0.0 from -0.0 (1 / (x * s) is +inf or -inf)
     return Aval(None, type(x), x.hex() if type(x) is float else None, x)

@@ -202,6 +202,41 @@ def test_any_input_sharing_memory_with_written_state_is_refused(mode):
         j({"h": h}, h.view(3))
 
 
+def reshaped(p, x, state):
+    """reshape is a view of a contiguous tensor and a copy of any other layout: each layout traces its own ops."""
+    state["h"].reshape(-1)[:4].add_(1)  # writes the state only where reshape is a view of it (a contiguous h)
+    return layer({"w": p["w"].reshape(16).view(4, 4), "b": p["b"]}, x), state
+
+
+LAYOUTS = {  # one [4, 4] value in four memory layouts
+    "contiguous": lambda t: t.clone(),
+    "offset": lambda t: torch.cat([t.new_zeros(3), t.reshape(-1)])[3:].view(4, 4),  # contiguous, at an offset
+    "transposed": lambda t: t.T.contiguous().T,
+    "strided": lambda t: torch.stack([t, t], -1)[..., 0],  # every other element of a [4, 8]
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inputs_in_other_memory_layouts_are_their_own_signatures(mode, device):
+    """Strides change what a trace records: reshape of a contiguous tensor is a view (an in-place write through it
+    reaches the tensor, `.view` after it works), of a transposed one a copy. So tensors without the batch axis are
+    keyed by their strides where they are not contiguous (batched ones are padded into contiguous buffers): a call
+    in another layout, before or after the others, returns what eager returns and leaves the state as eager does.
+    A storage offset changes no trace: it shares the contiguous signature."""
+    j = fgraph.jit(reshaped, donate=["state"], batch={"x": Batched()}, mode=mode, buckets=[4])
+    p, x = params(device), rand(device, 3, 4)
+    w, h = rand(device, 4, 4, seed=5), rand(device, 4, 4, seed=6)
+    calls = [("contiguous", "contiguous"), ("transposed", "contiguous"), ("contiguous", "transposed")]
+    calls += [("offset", "transposed"), ("strided", "offset"), ("contiguous", "offset"), *calls]
+    for wl, hl in calls:
+        q, state, ref = {"w": LAYOUTS[wl](w), "b": p["b"]}, {"h": LAYOUTS[hl](h)}, {"h": LAYOUTS[hl](h)}
+        got, back = j(q, x, state)
+        assert back is state
+        torch.testing.assert_close(got, reshaped(q, x, ref)[0], rtol=0, atol=0, msg=(wl, hl))
+        torch.testing.assert_close(state["h"], ref["h"], rtol=0, atol=0, msg=(wl, hl))
+    assert len(j.entries) == 4  # (w, h) contiguous or at an offset, w transposed or strided, h transposed
+
+
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
 def test_strict_refuses_to_copy(mode):
     j = fgraph.jit(layer, mode=mode, strict=True)
@@ -689,13 +724,14 @@ def test_explain_says_what_is_read_in_place_and_what_is_copied():
 
 
 # -- random call sequences against eager -----------------------------------------------------------------------
-ACTIONS = ["same", "new_x", "replace_b", "bump_b", "append_w", "new_params", "new_state", "dtype", "scale"]
+ACTIONS = ["same", "new_x", "replace_b", "bump_b", "append_w", "new_params", "new_state", "dtype", "scale", "layout"]
 
 
 def seq_step(p, state, x, scale):
     """A stack of layers over a list of weights, a break each, donated state written then read, a Python scalar."""
     h = x
     for w in p["ws"]:
+        w = w.reshape(-1).view(w.shape)  # a view of a contiguous w, a copy of a transposed one: traced apart
         o = torch.empty_like(h)
         toys.toy_scale(o, h @ w, 0.5)
         h = torch.tanh(o)
@@ -746,6 +782,8 @@ def _check_sequence(mode, device, actions):
             state, x = {k: v.to(dtype) for k, v in state.items()}, x.to(dtype)
         elif action == "scale":
             scale = float(n)
+        elif action == "layout":  # the same values, the other memory layout
+            p["ws"] = [w.contiguous() if not w.is_contiguous() else w.T.contiguous().T for w in p["ws"]]
         ref_p = {"ws": [w.clone() for w in p["ws"]], "b": p["b"].clone()}
         ref_out, ref_state = seq_step(ref_p, {k: v.clone() for k, v in state.items()}, x.clone(), scale)
         out, back = j(p, state, x, scale=scale)
