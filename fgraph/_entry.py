@@ -74,12 +74,16 @@ class Traced:
             for i, t in zip(tensor_ix, tensors):
                 leaves[i] = t
             dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
+            passed = {name: tree_flatten(v) for name, v in dyn.items()}
             out = invoke(jitted, dyn, call.statics)
             out_leaves, self.out_spec = tree_flatten(out)
             O.refuse_opaque_outputs(fname, out, out_leaves)
             if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back, which
-                # also spares unflattening it on every call
-                self.out_args = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}
+                # also spares unflattening it on every call; only if it still holds what was passed (a dict the
+                # function stored new values into, `state["h"] = h + 1`, comes back as traced, with this call's)
+                self.out_args = {
+                    k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v and _holds(v, *passed[name])
+                }
                 if self.out_args:
                     self.out_recipe, self.out_spec = _fold_arguments(out, self.out_args)
             return out_leaves
@@ -404,6 +408,12 @@ def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
     m.__dict__.update(gm.__dict__)
     m.__dict__["_modules"] = dict(gm._modules)
     return m
+
+
+def _holds(tree, leaves: list, spec) -> bool:
+    """Whether `tree` still holds these leaves (the same objects) in this structure."""
+    now, now_spec = tree_flatten(tree)
+    return now_spec == spec and len(now) == len(leaves) and all(a is b for a, b in zip(now, leaves))
 
 
 def _fold_arguments(out: tuple, out_args: dict[int, str]):

@@ -4,6 +4,8 @@ SILENT MISMATCHES (wrong results, no error):
   outputs_overwritten_with_copy_outputs_off  MED  copy_outputs=False (the engine's opt-in): valid until the next call
   python_constants_frozen_at_trace       HARD  inherent to tracing: closures and globals are read once
   python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only
+  values_stored_into_an_argument         HARD  `state["h"] = h + 1` stores into the trace's own dict: the caller's
+                                               keeps its old value (the returned dict has the new one)
   storage_swapped_under_a_tensor         HARD  `t.data = u` / `t.set_(u)` on a captured tensor: the same object,
                                                other memory; not seen (checking every address per call costs
                                                more than a small model's step). Pass `u` instead.
@@ -199,6 +201,21 @@ def test_python_side_effects_run_once_at_trace():
     for _ in range(3):
         j(torch.ones(2))
     assert log == ["called"]  # should be 3 entries! only the trace ran Python
+
+
+def test_values_stored_into_an_argument_stay_in_the_trace():
+    """Storing into a container argument (`state["h"] = ...`) is a Python side effect: it ran once, on the trace's
+    own dict. The caller's dict keeps what it held, as under jax.jit; the returned one holds the new value."""
+
+    def f(x, state):
+        state["h"] = state["h"] + 1
+        return x * 2, state
+
+    j = fgraph.jit(f, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    state = {"h": torch.zeros(3)}
+    _, back = j(torch.ones(2), state)
+    assert state["h"].tolist() == [0.0] * 3  # should be [1.0] * 3! eager stores into the caller's dict
+    assert back is not state and back["h"].tolist() == [1.0] * 3  # the fix: use the returned state
 
 
 def test_storage_swapped_under_a_tensor():

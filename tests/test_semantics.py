@@ -601,6 +601,28 @@ def test_outputs_that_are_inputs_or_views_of_them_are_values(mode, copy_outputs,
                 torch.testing.assert_close(got[key], kept[key], rtol=0, atol=0)
 
 
+def stores_into_its_argument(x, state):
+    """jax-style state kept in the dict passed in: new values stored into it (no in-place update), then returned."""
+    state["h"] = state["h"] + x.sum(0)
+    state["rows"] = x.shape[0]  # a key the caller's dict does not have
+    return x * 2, state
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_argument_returned_after_the_function_stored_into_it_holds_the_new_values(mode, device):
+    """An argument the function returns comes back as the caller's own object only where the function left it
+    holding what was passed (its tensors updated in place or not): one it stored new values into comes back as
+    the traced tree of this call's values, as jax.jit returns it, never as the caller's object with the old ones.
+    (The caller's own dict is not written by a jitted call: tests/test_footguns.py.)"""
+    j = fgraph.jit(stores_into_its_argument, batch={"x": Batched(mixes=True)}, mode=mode, buckets=[4, 8])
+    for k, n in enumerate([3, 3, 5, 4]):
+        x, h = rand(device, n, 2, seed=k), rand(device, 2, seed=10 + k)
+        (y, got), (y_ref, want) = j(x, {"h": h}), stores_into_its_argument(x, {"h": h})
+        assert got.keys() == want.keys() and got["rows"] == n
+        torch.testing.assert_close(got["h"], want["h"], rtol=0, atol=0)
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_torch_global_settings_are_part_of_the_signature(mode, device):
     """Autocast, the default dtype and float32 matmul precision change what a trace records (the dtype of a matmul,
