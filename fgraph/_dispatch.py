@@ -385,17 +385,22 @@ def stats_keys(entries) -> list[tuple[str, Any]]:
     return out
 
 
-def reader(flatten, specs, spec_id: int):
+def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
     """A batched argument's reader for the fast path: `tree -> (leaves, key, n)`, or None for another structure.
     key: the structure's id and each leaf's (dtype, device, shape) as passed (unpadded: each token count met gets its
     own key, after one call down the slow path; Python leaves by value); n: the largest real token count among its
-    Batched leaves (None if none). Generated per structure as one tuple display (a loop of small tuples cost ~2 us)."""
+    Batched leaves (None if none). Generated per structure as one tuple display (a loop of small tuples cost ~2 us).
+    nones: which leaves are None (an absent optional input): torch's pytrees make None a leaf, so the structure alone
+    does not tell such a call from one passing a tensor there."""
     env = {"flatten": flatten, "_T": torch.Tensor, "_leaf": leaf_of}
     names = [f"a{i}" for i in range(len(specs))]
     key = "".join(f"({a}.dtype, {a}.device, {a}.shape) if isinstance({a}, _T) else _leaf({a}), " for a in names)
     rows = [f"{a}.shape[{s.axis}] - {s.extra}" for a, s in zip(names, specs) if s is not None]
     n = "None" if not rows else rows[0] if len(rows) == 1 else f"max({', '.join(rows)})"
     unpack = f"  {''.join(a + ', ' for a in names)}= lv\n" if names else ""
+    if names:  # a leaf None where it was not, or a value where it was None: another reader's
+        other = " or ".join(f"{a} is not None" if none else f"{a} is None" for a, none in zip(names, nones))
+        unpack += f"  if {other}:\n    return None\n"
     src = (
         f"def read(x):\n  lv = flatten(x)\n  if lv is None:\n    return None\n{unpack}"
         f"  return lv, ({spec_id}, {key}), {n}\n"

@@ -160,7 +160,7 @@ class Jitted:
                     "Python value that is not a tensor is part of the signature",
                     "pass a hashable value (ints or a tuple instead of a slice or a list), or a tensor",
                 )
-        specs = batch_specs(self.name, self.batch, dynamic, treespec, len(leaves))
+        specs = batch_specs(self.name, self.batch, dynamic, treespec, leaves)
         n = pad_count(self.name, paths, leaves, specs)
         bucket = bucket_for(self.buckets, max(n, 1)) if n is not None else None
         sig = Signature(
@@ -243,12 +243,13 @@ class Jitted:
             v = call.bound[name]
             lv, spec = pytree.tree_flatten(v)
             if name in self.batch:
-                read = self._specs.get((name, spec))
+                nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
+                read = self._specs.get((name, spec, nones))
                 if read is None:
                     specs = batch_specs(
-                        self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1], len(lv)
+                        self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1], lv
                     )
-                    read = self._specs[name, spec] = D.reader(flattener(spec), specs, len(self._specs))
+                    read = self._specs[name, spec, nones] = D.reader(flattener(spec), specs, len(self._specs), nones)
                     self._readers.setdefault(name, []).append(read)
                 parts.append(read(v)[1])
             else:

@@ -220,9 +220,10 @@ def path_str(path) -> str:
 
 
 def batch_specs(
-    fname: str, batch: dict[str, Any], dynamic: dict[str, Any], treespec: pytree.TreeSpec, n_leaves: int
+    fname: str, batch: dict[str, Any], dynamic: dict[str, Any], treespec: pytree.TreeSpec, leaves: list
 ) -> list[Batched | None]:
-    """Broadcast the user's per-argument prefix trees of `Batched` onto the flat leaves of the call."""
+    """Broadcast the user's per-argument prefix trees of `Batched` onto the flat leaves of the call. A None leaf
+    is an absent input (an optional mask), as an empty subtree under jax.jit: no batch axis, whatever is declared."""
     full = {k: batch.get(k) for k in dynamic}
     flat = pytree._broadcast_to_and_flatten(full, treespec, is_leaf=lambda x: isinstance(x, Batched) or x is None)
     if flat is None:
@@ -230,8 +231,8 @@ def batch_specs(
             f"fgraph.jit({fname}): batch= {batch!r} is not a prefix of the arguments' structure",
             "give, per argument name, a Batched or a tree of Batched/None matching that argument",
         )
-    assert len(flat) == n_leaves
-    return flat
+    assert len(flat) == len(leaves)
+    return [None if x is None else s for s, x in zip(flat, leaves)]
 
 
 def pad_count(fname: str, paths, leaves, specs) -> int | None:

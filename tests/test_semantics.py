@@ -286,6 +286,27 @@ def test_a_tensor_without_the_batch_axis_inside_a_batched_argument_is_seen(mode,
         torch.testing.assert_close(j(p, b), f(p, b), rtol=0, atol=0)
 
 
+def masked(p, b, bias):
+    """Optional batched inputs: a mask and a bias some calls pass and others leave None."""
+    y = b["x"] @ p["w"]
+    y = y if b["mask"] is None else y * b["mask"][:, None]
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batched_leaf_may_be_none(mode, device):
+    """None where a Batched tensor may be is an absent input, as an empty subtree under jax.jit: a leaf of its own
+    (a signature apart from a tensor there) with no batch axis, not a leaf declared Batched that is no tensor."""
+    batch = {"b": {"x": Batched(), "mask": Batched()}, "bias": Batched()}
+    j = fgraph.jit(masked, batch=batch, mode=mode, buckets=[4, 8])
+    p = params(device)
+    calls = [(3, 0, 0), (3, 1, 0), (5, 0, 1), (3, 0, 0), (5, 1, 1), (3, 1, 0)]  # (rows, a mask?, a bias?)
+    for k, (n, mask, bias) in enumerate(calls):
+        b = {"x": rand(device, n, 4, seed=k), "mask": rand(device, n, seed=20 + k) if mask else None}
+        c = rand(device, n, 4, seed=40 + k) if bias else None
+        torch.testing.assert_close(j(p, b, c), masked(p, b, c), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_longer_list_is_seen(mode, device):
     def f(ws, x):
