@@ -21,7 +21,7 @@ from ._errors import SignatureError
 from ._inductor import Compiled
 from ._modes import Mode, resolve_mode
 from ._padding import BatchAxes, find_mixing, tied_lengths
-from ._pytree import tree_flatten, unflattener
+from ._pytree import holds, tree_flatten, unflattener
 from ._random import random_draws
 from ._signature import Signature, aval_of, path_str
 from ._split import Program, breaks_filter, split
@@ -78,12 +78,10 @@ class Traced:
             out = invoke(jitted, dyn, call.statics)
             out_leaves, self.out_spec = tree_flatten(out)
             O.refuse_opaque_outputs(fname, out, out_leaves)
-            if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` object back, which
-                # also spares unflattening it on every call; only if it still holds what was passed (a dict the
-                # function stored new values into, `state["h"] = h + 1`, comes back as traced, with this call's)
-                self.out_args = {
-                    k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v and _holds(v, *passed[name])
-                }
+            if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` back (no unflattening
+                # per call) if it holds what was passed; one the function stored into (state["h"] = h) is traced
+                held = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}
+                self.out_args = {k: name for k, name in held.items() if holds(out[k], *passed[name])}
                 if self.out_args:
                     self.out_recipe, self.out_spec = _fold_arguments(out, self.out_args)
             return out_leaves
@@ -408,12 +406,6 @@ def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
     m.__dict__.update(gm.__dict__)
     m.__dict__["_modules"] = dict(gm._modules)
     return m
-
-
-def _holds(tree, leaves: list, spec) -> bool:
-    """Whether `tree` still holds these leaves (the same objects) in this structure."""
-    now, now_spec = tree_flatten(tree)
-    return now_spec == spec and len(now) == len(leaves) and all(a is b for a, b in zip(now, leaves))
 
 
 def _fold_arguments(out: tuple, out_args: dict[int, str]):

@@ -85,6 +85,12 @@ def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
     return [v for _, v in leaves], spec
 
 
+def holds(tree: Any, leaves: list, spec: pytree.TreeSpec) -> bool:
+    """Whether `tree` still holds these leaves (the same objects) in this structure (tree_flatten's result)."""
+    now, now_spec = tree_flatten(tree)
+    return now_spec == spec and len(now) == len(leaves) and all(a is b for a, b in zip(now, leaves))
+
+
 def flattener(spec: pytree.TreeSpec):
     """`tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and
     contexts: dict keys, attrs static fields, sequence lengths). torch's tree_flatten minus building a TreeSpec:
