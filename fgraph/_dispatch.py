@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from ._errors import CaptureError, FgraphError, SignatureError
 from ._pytree import _RECORDS, _children
-from ._signature import Signature, leaf_of, path_str
+from ._signature import Signature, leaf_of, path_str, torch_state
 from ._state import root_of
 
 log = logging.getLogger("fgraph")
@@ -236,6 +236,21 @@ def closest(entries: dict, sig) -> str:
     return f"; closest captured signature {entry.sig.describe()} differs in {what}"
 
 
+def fast_key(statics: tuple, bucket: int | None, parts: list) -> tuple:
+    """The replay path's key of a call: its statics, bucket and argument layouts (layout_key, reader's keys), with
+    torch's settings (not all of B.context: functions with lifted modules, training modes, are not _plain) and grad
+    mode (a trace that branched on it serves one, for_grad_mode; a call under it with a tensor that requires grad
+    is the slow path's to refuse)."""
+    return statics, torch_state(), torch._C.is_grad_enabled(), bucket, tuple(parts)
+
+
+def layout_key(spec: pytree.TreeSpec, leaves: list) -> _Key:
+    """An argument's layout as the replay path keys it: its structure, each leaf's aval, and whether any of its
+    tensors requires grad (the slow path refuses those under grad mode)."""
+    grads = any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+    return _Key((spec, tuple(leaf_of(x) for x in leaves), grads))
+
+
 class _Key:
     """A hashable layout key that hashes once: a params tree of hundreds of leaves is looked up per call."""
 
@@ -387,14 +402,17 @@ def stats_keys(entries) -> list[tuple[str, Any]]:
 
 def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
     """A batched argument's reader for the fast path: `tree -> (leaves, key, n)`, or None for another structure.
-    key: the structure's id and each leaf's (dtype, device, shape) as passed (unpadded: each token count met gets its
-    own key, after one call down the slow path; Python leaves by value); n: the largest real token count among its
+    key: the structure's id and each leaf's (dtype, device, shape, requires_grad) as passed (unpadded: each token
+    count met gets its own key, after one call down the slow path; requires_grad: the slow path refuses one under grad
+    mode; Python leaves by value); n: the largest real token count among its
     Batched leaves (None if none). Generated per structure as one tuple display (a loop of small tuples cost ~2 us).
     nones: which leaves are None (an absent optional input): torch's pytrees make None a leaf, so the structure alone
     does not tell such a call from one passing a tensor there."""
     env = {"flatten": flatten, "_T": torch.Tensor, "_leaf": leaf_of}
     names = [f"a{i}" for i in range(len(specs))]
-    key = "".join(f"({a}.dtype, {a}.device, {a}.shape) if isinstance({a}, _T) else _leaf({a}), " for a in names)
+    key = "".join(
+        f"({a}.dtype, {a}.device, {a}.shape, {a}.requires_grad) if isinstance({a}, _T) else _leaf({a}), " for a in names
+    )
     rows = [f"{a}.shape[{s.axis}] - {s.extra}" for a, s in zip(names, specs) if s is not None]
     n = "None" if not rows else rows[0] if len(rows) == 1 else f"max({', '.join(rows)})"
     unpack = f"  {''.join(a + ', ' for a in names)}= lv\n" if names else ""

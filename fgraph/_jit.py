@@ -22,7 +22,6 @@ from . import _graphs as G
 from . import _primitives as P
 from . import _trace
 from ._config import config
-from ._dispatch import _Key
 from ._entry import Call, Entry, Stats, Traced, _device_of
 from ._errors import CaptureError, SignatureError
 from ._inductor import inductor_options
@@ -30,7 +29,7 @@ from ._lower import lower
 from ._modes import Mode
 from ._padding import check_aliases, check_lengths, check_options
 from ._pytree import check_static_fields, flatten_with_paths, flattener
-from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count, path_str, torch_state
+from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count, path_str
 
 log = logging.getLogger("fgraph")
 
@@ -220,8 +219,7 @@ class Jitted:
         bucket = bucket_for(self.buckets, n) if n else None
         if n is not None and bucket is None:  # past the largest bucket, or an empty batch
             return _MISS
-        # torch's settings, not all of B.context: functions with lifted modules (training modes) are not _plain
-        entry = self._fast.get((statics, torch_state(), torch._C.is_grad_enabled(), bucket, tuple(parts)))
+        entry = self._fast.get(D.fast_key(statics, bucket, parts))
         if entry is None:
             return _MISS
         # a new tensor where the graphs read another: the slow path copies it. Containers passed again vouch for
@@ -253,13 +251,13 @@ class Jitted:
                     self._readers.setdefault(name, []).append(read)
                 parts.append(read(v)[1])
             else:
-                key = _Key((spec, tuple(leaf_of(x) for x in lv)))
+                key = D.layout_key(spec, lv)
                 c = self._flat.get(name)
                 if c is None or c[0] is not v or c[2] != key or (c[3] is not None and not c[3]()):
                     self._flat[name] = c = (v, lv, key, D.guard_for(v, spec))
                 parts.append(c[2])
         statics = tuple(call.bound[k] for k in self._static_sorted)
-        self._fast[(statics, torch_state(), torch._C.is_grad_enabled(), call.sig.bucket, tuple(parts))] = entry
+        self._fast[D.fast_key(statics, call.sig.bucket, parts)] = entry
 
     def __call__(self, *args, **kwargs):
         if _disabled or _trace.tracing.depth:  # called while this thread traces a function: inlined

@@ -465,6 +465,25 @@ def test_autograd_through_a_jitted_call_is_an_fgraph_error():
         assert torch.equal(fgraph.jit(lambda x: x * 2)(x), x * 2)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_autograd_wanted_after_calls_that_wanted_none_is_an_fgraph_error(mode):
+    """The replay path refuses it too: a call under grad mode with a tensor that requires grad, after calls of the
+    same layout under no_grad or with tensors that did not, is never answered with outputs that carry no autograd
+    history (eager's would: their gradients would be silently missing)."""
+    f = fgraph.jit(lambda p, x: x @ p["w"], batch={"x": Batched()}, mode=mode, buckets=[4])
+    p, x = {"w": torch.randn(4, 4)}, torch.randn(3, 4)
+    f(p, x), f(p, x)
+    with pytest.raises(FgraphError, match=r"x requires grad and grad mode is on"):
+        f(p, x.clone().requires_grad_())
+    q = {"w": torch.randn(4, 4, requires_grad=True)}
+    with torch.no_grad():
+        f(q, x), f(q, x)
+    with pytest.raises(FgraphError, match=r"p\['w'\] requires grad and grad mode is on"):
+        f(q, x)
+    with torch.no_grad():  # still served as before
+        assert torch.equal(f(q, x.clone().requires_grad_()), x @ q["w"])
+
+
 # -- inspection --------------------------------------------------------------------------------------------------
 def test_lower_as_text_and_explain_avals():
     def f(params, x):
