@@ -189,6 +189,11 @@ def trace(
     paths: each input's key path, for errors. gm.meta["grad_mode"]: the grad mode the function read, else None."""
     shapes, names = None, E.Names()
     paths = paths or [f"input {i}" for i in range(len(example))]
+    # one tensor passed for two leaves (tied weights) is two inputs: fake tensors are made once per tensor object,
+    # so both placeholders would share one fake and every use of either be traced through the later one; a later
+    # call passing two tensors there would read one of them twice. An alias (same memory) gets a fake of its own.
+    firsts = {id(t): i for i, t in reversed(list(enumerate(example)))}
+    example = [t if firsts[id(t)] == i else t.detach() for i, t in enumerate(example)]
 
     def named_fn(*tensors):
         names.inputs.update({id(t): p for t, p in zip(tensors, paths)})
@@ -348,12 +353,12 @@ def check(
             b = base_of(tgt)
             if b in placeholder_paths and not donated(b):
                 twin = next((p for p in placeholder_paths if donated(p) and _same_storage(p, b)), None)
-                if twin is not None:  # one tensor passed twice: the trace writes it through whichever came last
+                if twin is not None:  # one tensor passed twice, written through the name that is not donated
                     raise TraceError(
                         f"fgraph.jit({fname}): {placeholder_paths[twin]} (donated) and {placeholder_paths[b]} are the "
-                        f"same tensor, and {node.target} at {node.meta.get('line')} writes it in place",
-                        f"pass it once, or pass a copy ({root_of(placeholder_paths[b])}.clone()) for the argument "
-                        "that is only read",
+                        f"same tensor, and {node.target} at {node.meta.get('line')} writes it in place through "
+                        f"{placeholder_paths[b]}, which is not donated",
+                        f"write it through {placeholder_paths[twin]}, or pass it once",
                     )
                 raise TraceError(
                     f"fgraph.jit({fname}): {node.target} at {node.meta.get('line')} writes in place into "

@@ -177,13 +177,23 @@ def test_write_into_a_non_donated_input():
 
 
 def test_a_donated_tensor_passed_again_as_another_argument_is_named_as_such():
-    def upd(state, x, other):
+    def upd(state, x, other):  # written through the donated name, read through the other
         state.add_(x.sum(0))
         return x * other
 
-    s = torch.zeros(2)
-    with pytest.raises(TraceError, match=r"state \(donated\) and other are the same tensor, and aten.add_"):
-        fgraph.jit(upd, donate=["state"], batch={"x": Batched(mixes=True)}, buckets=[4])(s, torch.ones(3, 2), s)
+    def upd_other(state, x, other):  # written through the name that is not donated
+        other.add_(x.sum(0))
+        return x * state
+
+    s, kw = torch.zeros(2), {"donate": ["state"], "batch": {"x": Batched(mixes=True)}, "buckets": [4]}
+    with pytest.raises(SignatureError, match=r"other shares memory with state, which the function writes in place"):
+        fgraph.jit(upd, **kw)(s, torch.ones(3, 2), s)
+    with pytest.raises(
+        TraceError, match=r"state \(donated\) and other are the same tensor, and aten.add_.* in place through other"
+    ) as e:
+        fgraph.jit(upd_other, **kw)(s, torch.ones(3, 2), s)
+    assert e.value.fix == "write it through state, or pass it once"
+    assert s.tolist() == [0.0, 0.0]  # nothing written: warm-up and capture put the state back
 
 
 def test_donated_alias_is_fine():

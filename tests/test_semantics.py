@@ -237,6 +237,24 @@ def test_inputs_in_other_memory_layouts_are_their_own_signatures(mode, device):
     assert len(j.entries) == 4  # (w, h) contiguous or at an offset, w transposed or strided, h transposed
 
 
+def tied(p, x):
+    """Two weights, which a model may tie (one tensor passed for both)."""
+    return layer({"w": p["embed"], "b": p["b"]}, x) + x @ p["head"] * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_tensor_passed_for_two_leaves_is_read_as_two(mode, device):
+    """Tied weights: the same tensor at p['embed'] and p['head'] on the first call. Each leaf is traced as an input
+    of its own, so a later call passing two tensors there reads each of them (a trace of the tied call read only
+    one), and a tied call after untied ones reads the one tensor twice."""
+    for first_tied in (True, False):
+        j = fgraph.jit(tied, batch={"x": Batched()}, mode=mode, buckets=[4])
+        w, head, b, x = rand(device, 4, 4, seed=3), rand(device, 4, 4, seed=4), params(device)["b"], rand(device, 3, 4)
+        both, apart = {"embed": w, "head": w, "b": b}, {"embed": w, "head": head, "b": b}
+        for p in [both, apart, apart, both] if first_tied else [apart, both, both, apart]:
+            torch.testing.assert_close(j(p, x), tied(p, x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
 def test_strict_refuses_to_copy(mode):
     j = fgraph.jit(layer, mode=mode, strict=True)
