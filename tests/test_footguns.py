@@ -6,9 +6,10 @@ SILENT MISMATCHES (wrong results, no error):
   python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only
   values_stored_into_an_argument         HARD  `state["h"] = h + 1` stores into the trace's own dict: the caller's
                                                keeps its old value (the returned dict has the new one)
-  storage_swapped_under_a_tensor         HARD  `t.data = u` / `t.set_(u)` on a captured tensor: the same object,
-                                               other memory; not seen (checking every address per call costs
-                                               more than a small model's step). Pass `u` instead.
+  storage_swapped_under_a_tensor         HARD  `t.data = u` / `t.set_(u)` / `t.t_()` / `t.requires_grad_()` on a
+                                               captured tensor: the same object, other memory, strides or autograd
+                                               needs; not seen (checking every address per call
+                                               costs more than a small model's step). Pass `u` instead.
   frozen_record_changed_by_force         HARD  object.__setattr__ on a frozen attrs/dataclass instance: frozen
                                                trees are proven unchanged by identity. attrs.evolve it instead.
   repeated_reads_python_values_once     MED   fgraph.repeated: a Python value read from outside its arguments
@@ -220,7 +221,9 @@ def test_values_stored_into_an_argument_stay_in_the_trace():
 
 def test_storage_swapped_under_a_tensor():
     """The replay path proves a leaf unchanged by identity: the same tensor object. Swapping the memory under it
-    (`.data =`, `.set_`) keeps the object, so the graph still reads the old memory."""
+    (`.data =`, `.set_`) or its strides (`.t_()`) keeps the object, so the graph still reads the old memory, in the
+    old layout; `.requires_grad_()` on it is not refused as a new tensor that requires grad is (a jitted call is
+    inference)."""
     f = fgraph.jit(lambda x, p: x * p["s"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
     p = {"s": torch.full((1,), 2.0)}
     f(torch.ones(4), p)
@@ -229,6 +232,18 @@ def test_storage_swapped_under_a_tensor():
     assert f(torch.ones(4), p).tolist() == [2.0] * 4  # should be [5.0] * 4! the graph reads the old memory
     p["s"] = torch.full((1,), 5.0)  # a new tensor is seen
     assert f(torch.ones(4), p).tolist() == [5.0] * 4
+    g = fgraph.jit(lambda x, p: x @ p["w"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[2])
+    w = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
+    g(torch.eye(2), w), g(torch.eye(2), w)
+    w["w"].t_()
+    assert g(torch.eye(2), w).tolist() == [[1.0, 2.0], [3.0, 4.0]]  # should be transposed! the old layout
+    w["w"] = w["w"].clone()  # a new tensor is seen
+    assert g(torch.eye(2), w).tolist() == [[1.0, 3.0], [2.0, 4.0]]
+    g(torch.eye(2), w)
+    w["w"].requires_grad_()
+    assert not g(torch.eye(2), w).requires_grad  # should be an FgraphError (grad mode is on), as for a new tensor
+    with pytest.raises(fgraph.FgraphError, match=r"requires grad and grad mode is on"):
+        g(torch.eye(2), {"w": w["w"]})
 
 
 def test_frozen_record_changed_by_force():
