@@ -407,7 +407,8 @@ def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
     mode; Python leaves by value); n: the largest real token count among its
     Batched leaves (None if none). Generated per structure as one tuple display (a loop of small tuples cost ~2 us).
     nones: which leaves are None (an absent optional input): torch's pytrees make None a leaf, so the structure alone
-    does not tell such a call from one passing a tensor there."""
+    does not tell such a call from one passing a tensor there. A value where None was, or None (or any non-tensor)
+    where a Batched tensor was, is another reader's: read returns None."""
     env = {"flatten": flatten, "_T": torch.Tensor, "_leaf": leaf_of}
     names = [f"a{i}" for i in range(len(specs))]
     key = "".join(
@@ -416,12 +417,12 @@ def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
     rows = [f"{a}.shape[{s.axis}] - {s.extra}" for a, s in zip(names, specs) if s is not None]
     n = "None" if not rows else rows[0] if len(rows) == 1 else f"max({', '.join(rows)})"
     unpack = f"  {''.join(a + ', ' for a in names)}= lv\n" if names else ""
-    if names:  # a leaf None where it was not, or a value where it was None: another reader's
-        other = " or ".join(f"{a} is not None" if none else f"{a} is None" for a, none in zip(names, nones))
-        unpack += f"  if {other}:\n    return None\n"
+    if any(nones):
+        unpack += f"  if {' or '.join(f'{a} is not None' for a, none in zip(names, nones) if none)}:\n    return None\n"
     src = (
         f"def read(x):\n  lv = flatten(x)\n  if lv is None:\n    return None\n{unpack}"
-        f"  return lv, ({spec_id}, {key}), {n}\n"
+        f"  try:\n    return lv, ({spec_id}, {key}), {n}\n"
+        "  except AttributeError:\n    return None\n"  # no .shape: not a tensor where a Batched one was
     )
     exec(compile(src, "<fgraph batched reader>", "exec"), env)
     return env["read"]

@@ -241,12 +241,12 @@ class Jitted:
             v = call.bound[name]
             lv, spec = pytree.tree_flatten(v)
             if name in self.batch:
-                nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
-                read = self._specs.get((name, spec, nones))
+                read = next((r for r in self._readers.get(name, ()) if r(v) is not None), None)  # as _fast_call picks
                 if read is None:
                     specs = batch_specs(
                         self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1], lv
                     )
+                    nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
                     read = self._specs[name, spec, nones] = D.reader(flattener(spec), specs, len(self._specs), nones)
                     self._readers.setdefault(name, []).append(read)
                 parts.append(read(v)[1])

@@ -245,6 +245,9 @@ def test_batched_leaf_must_be_a_tensor():
     f = fgraph.jit(lambda x: x, batch={"x": Batched()})
     with pytest.raises(SignatureError, match=r"x is declared Batched but is a int"):
         f(3)
+    f(torch.ones(3))  # also after a call with a tensor there (the replay path reads its .shape)
+    with pytest.raises(SignatureError, match=r"x is declared Batched but is a int"):
+        f(3)
 
 
 def test_batched_axis_out_of_range():
