@@ -4,8 +4,10 @@
 #   bash scripts/gpu_tests.sh             every GPU test, in separate processes (a CUDA error poisons a process,
 #                                         and FlashInfer keeps wrappers per process), one lane each:
 #                                           single        the single-GPU tests but FlashInfer's and the models'
-#                                           models        tests/test_models_gpu.py but FlashInfer's (Inductor
-#                                                         compiles: most of the single-GPU time)
+#                                           models        tests/test_models_gpu.py but FlashInfer's and the
+#                                                         compiled ones
+#                                           compiled      test_models_gpu's Inductor-compiled tests (-k compile:
+#                                                         two tests, ~4 minutes of compiling)
 #                                           flashinfer    FlashInfer's
 #                                           flashinfer-tc-plan-paths-off  FlashInfer's model tests with
 #                                                         FI.TENSOR_CORE_PLAN_PATHS off (the fallback)
@@ -13,7 +15,7 @@
 #                                         The lanes run side by side, on one GPU too (timings are not what these
 #                                         check).
 #   LANES="single models" bash scripts/gpu_tests.sh   only those lanes (a device command has 10 minutes; all the
-#                                         single-GPU lanes side by side took about 8 of them)
+#                                         single-GPU lanes side by side take about 6 of them)
 #   bash scripts/gpu_tests.sh PYTEST_ARGS  one pytest process with those arguments; exits with pytest's status
 #
 # Exit status: 0 only if every lane that ran passed; 1 if any lane failed, or if no CUDA GPU is visible (then
@@ -54,17 +56,19 @@ lane() {
   echo "$?" > "$rcs/$name"
 }
 lane_rest() { lane single t $single --ignore=$models -k "not flashinfer"; }
-lane_models() { lane models t $models -k "not flashinfer"; }
+lane_models() { lane models t $models -k "not flashinfer and not compile"; }
+lane_compiled() { lane compiled t $models -k "compile and not flashinfer"; }
 lane_fi() {
   lane flashinfer t $single -k flashinfer
   lane flashinfer-tc-plan-paths-off timeout -k 10 "$limit" python3 -c "$fi_tc"
 }
 lane_multi() { lane multigpu t tests/test_tp_gpu.py tests/test_ep_gpu.py -k "not bench"; }
-want="${LANES:-single models flashinfer flashinfer-tc-plan-paths-off multigpu}"
+want="${LANES:-single models compiled flashinfer flashinfer-tc-plan-paths-off multigpu}"
 has() { [[ " $want " == *" $1 "* ]]; }
 lanes=""
 has single && lanes="$lanes single"
 has models && lanes="$lanes models"
+has compiled && lanes="$lanes compiled"
 has flashinfer && lanes="$lanes flashinfer flashinfer-tc-plan-paths-off"
 if [ "$n" -ge 2 ] && has multigpu; then lanes="$lanes multigpu"; fi
 # side by side: on 2+ GPUs the single-GPU lanes on a GPU each, the multi-GPU lane on both
@@ -72,6 +76,7 @@ on() { if [ "$n" -ge 2 ]; then CUDA_VISIBLE_DEVICES=$1 "${@:2}"; else "${@:2}"; 
 if [[ " $lanes " == *" multigpu "* ]]; then lane_multi & fi
 if has single; then on 1 lane_rest & fi
 if has models; then on 1 lane_models & fi
+if has compiled; then on 0 lane_compiled & fi
 if has flashinfer; then on 0 lane_fi & fi
 wait
 failed=0
