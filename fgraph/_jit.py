@@ -19,17 +19,16 @@ import torch.utils._pytree as pytree
 from . import _bind as B
 from . import _dispatch as D
 from . import _graphs as G
-from . import _primitives as P
+from . import _options as O
 from . import _trace
 from ._config import config
 from ._entry import Call, Entry, Stats, Traced, _device_of
 from ._errors import CaptureError, SignatureError
-from ._inductor import inductor_options
 from ._lower import lower
 from ._modes import Mode
-from ._padding import check_aliases, check_lengths, check_options
+from ._padding import check_aliases, check_lengths
 from ._pytree import check_static_fields, flatten_with_paths, flattener
-from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count, path_str
+from ._signature import Signature, batch_specs, bucket_for, leaf_of, pad_count, path_str
 
 log = logging.getLogger("fgraph")
 
@@ -70,40 +69,10 @@ class Jitted:
         static_argnames=(),
         donate_argnames=(),
     ):
-        static, donate = B.setup(self, fn, {k: v for k, v in locals().items() if k not in ("self", "fn")})
+        opts = {k: v for k, v in locals().items() if k not in ("self", "fn")}
+        static, donate = B.setup(self, fn, dict(opts))
+        O.declare(self, static, donate, opts)
         params = self.signature.parameters
-        for kind, names in (("static", static), ("donate", donate), ("scratch", scratch), ("batch", list(batch or {}))):
-            for a in names:
-                if a not in params and not (kind == "donate" and a in self._lifted.roots()):
-                    raise SignatureError(
-                        f"fgraph.jit({self.name}): {kind}= names {a!r}, which is not a parameter of "
-                        f"{self.name}{self.signature}",
-                        f"use one of {list(params)}",
-                    )
-        self.static = tuple(static)
-        self.donate = tuple(donate)
-        self.scratch = tuple(scratch)
-        self.batch = dict(batch or {})
-        self.buckets = tuple(sorted(buckets)) if buckets is not None else default_buckets()
-        try:
-            self.mode = Mode(mode.upper() if isinstance(mode, str) else mode)
-        except ValueError:
-            raise SignatureError(
-                f"fgraph.jit({self.name}): unknown mode {mode!r}", f"use one of {[m.value for m in Mode]}"
-            ) from None
-        unknown = [b for b in breaks or () if b not in P.registry]
-        if unknown:
-            raise SignatureError(
-                f"fgraph.jit({self.name}): breaks= names unknown primitives {unknown}",
-                f"registered primitives are {sorted(P.registry)}",
-            )
-        self.breaks = breaks
-        self.strict = strict
-        self.copy_outputs = copy_outputs
-        self.routine = routine
-        check_options(self.name, self.signature, self)
-        self.warmups = warmups
-        self.compile = inductor_options(self.name, compile)
         self.entries: dict[Signature, Entry] = {}
         self._names = list(params)
         self._defaults = {k: p.default for k, p in params.items()}
@@ -458,6 +427,7 @@ class Jitted:
         self.sealed, self.pool = False, None
 
 
+_OPTIONS = tuple(inspect.signature(Jitted.__init__).parameters)[2:]  # what jit(fn, **options) takes
 _MISS = object()  # the fast path's "not here": a jitted function may itself return None
 
 
@@ -492,6 +462,7 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
       config options as torch.compile(options=...) takes them, e.g. {"coordinate_descent_tuning": True}: with it,
       Inductor turns one-row matmuls (decode at batch 1) into tuned Triton reductions with the norm fused in.
     """
+    O.check_names(options, _OPTIONS)
     if fn is None:
         return lambda f: Jitted(f, **options)
     return Jitted(fn, **options)

@@ -3,6 +3,8 @@
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fgraph
 from fgraph import Batched, CaptureError, SignatureError, TraceError
@@ -58,6 +60,77 @@ def test_unknown_break_name():
 def test_an_argument_cannot_be_both_static_and_donated():
     with pytest.raises(SignatureError, match=r"fgraph.jit\(step\): 'state' is named in both static= and donate="):
         fgraph.jit(toys.step, static=["routine", "state"], donate=["state"])
+
+
+BAD_OPTIONS = [  # fgraph.jit(toys.step, **options) -> what its SignatureError says
+    ({"static": 3}, r"static=3 is neither a name nor a list of names\nFix: pass static=\['name', ...\]"),
+    ({"donate_argnames": 3}, r"donate_argnames=3 is neither a name nor a list of names"),
+    ({"scratch": 3}, r"scratch=3 is neither a name nor a list of names"),
+    ({"breaks": 3}, r"breaks=3 is neither a name nor a list of names"),
+    (
+        {"batch": ["batch"]},
+        r"batch=\['batch'\] is not a dict of argument names\nFix: pass batch=\{\"x\": fgraph.Batched",
+    ),
+    ({"batch": Batched()}, r"batch=Batched\(axis=0.*\) is not a dict of argument names"),
+    ({"batch": {"batch": 3}}, r"batch=\{'batch': 3\}: 3 is neither a Batched nor None"),
+    ({"batch": {"batch": {"x": "rows"}}}, r"batch=\{'batch': \{'x': 'rows'\}\}: it holds 'rows', which is neither a"),
+    ({"static": ["routine"], "batch": {"routine": Batched()}}, r"'routine' is named in both static= and batch="),
+    ({"buckets": 8}, r"buckets=8 is not a list of sizes\nFix: give buckets=\[1, 2, 4, ...\]"),
+    ({"buckets": ["8", 4]}, r"buckets=\['8', 4\]\nFix: give positive integer sizes"),
+    ({"buckets": [None, 4]}, r"buckets=\[None, 4\]\nFix: give positive integer sizes"),
+    ({"buckets": [True]}, r"buckets=\[True\]\nFix: give positive integer sizes"),
+    ({"buckets": [0, 4]}, r"buckets=\[0, 4\]\nFix: give positive integer sizes"),
+    ({"buckets": []}, r"buckets=\[\] leaves no size to pad a call to"),
+    ({"mode": "PIECEWIS"}, r"unknown mode 'PIECEWIS'"),
+    ({"strict": "yes"}, r"strict='yes' is not a bool\nFix: pass strict=True or False"),
+    ({"copy_outputs": "no"}, r"copy_outputs='no' is not a bool"),  # truthy: it would have copied
+    ({"routine": "phase"}, r"routine='phase' is not a parameter of step\(params, state, batch, routine='decode'"),
+    ({"warmups": "2"}, r"warmups='2' is not a count\nFix: pass a non-negative int"),
+    ({"warmups": -1}, r"warmups=-1 is not a count"),
+    ({"compile": {"coordinate_descent_tuning": "yes"}}, r"Inductor's coordinate_descent_tuning takes a bool"),
+    ({"statik": ["routine"]}, r"fgraph.jit: unknown option 'statik' \(did you mean 'static'\?\)"),
+]
+
+
+@pytest.mark.parametrize("options, says", BAD_OPTIONS, ids=[str(o) for o, _ in BAD_OPTIONS])
+def test_a_bad_option_is_a_signature_error_naming_it(options, says):
+    with pytest.raises(SignatureError, match=says):
+        fgraph.jit(toys.step, **options)
+
+
+def test_a_misspelt_option_fails_the_decorator_itself():
+    with pytest.raises(SignatureError, match=r"unknown option 'donate_args' \(did you mean 'donate_argnames'\?\)"):
+        fgraph.jit(donate_args=["state"])
+
+
+def test_options_that_take_names_take_one_name_too():
+    f = fgraph.jit(toys.step, static="routine", donate="state", scratch="state", breaks="toy_scale", buckets=(8, 4, 8))
+    assert (f.static, f.scratch, f.breaks, f.buckets) == (("routine",), ("state",), ["toy_scale"], (4, 8))
+
+
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 600),
+    st.floats(),
+    st.text(max_size=6),
+    st.sampled_from(["routine", "state", "batch", "toy_scale", "decode", "full", Batched(), fgraph.Mode.FULL]),
+    st.lists(st.one_of(st.integers(-2, 600), st.sampled_from(["routine", "state", "batch", "x"])), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["batch", "state", "routine", "debug"]),
+        st.one_of(st.just(Batched()), st.none(), st.integers()),
+        max_size=2,
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(fgraph._jit._OPTIONS + ("statics",)), JUNK, max_size=4))
+def test_any_declaration_makes_a_function_or_a_signature_error(options):
+    try:
+        fgraph.jit(toys.step, **options)
+    except SignatureError:
+        pass
 
 
 @pytest.mark.parametrize("pad", ["zeros", None, [0]])
