@@ -361,9 +361,7 @@ class Jitted:
         every bucket (largest first, so smaller graphs reuse the pool memory of larger ones). Batched inputs are
         replaced by all-padding dummies, so the padding values must be valid inputs for every kernel.
         """
-        choices = {k: (v if isinstance(v, list) else [v]) for k, v in kwargs.items() if k in self.static}
-        rest = {k: v for k, v in kwargs.items() if k not in self.static}
-        todo = sorted(buckets or self.buckets, reverse=True)
+        choices, rest, todo = O.capture_plan(self, args, kwargs, buckets)
         t0, n0, graphs, device = time.perf_counter(), len(self.entries), 0, None
         from tqdm.auto import tqdm
 

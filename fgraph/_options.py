@@ -80,6 +80,40 @@ def bucket_sizes(where: str, buckets) -> tuple[int, ...]:
     return tuple(sorted({int(b) for b in sizes}))
 
 
+def capture_plan(jitted, args: tuple, kwargs: dict, buckets) -> tuple[dict, dict, list[int]]:
+    """capture(...)'s static choices (a list per static keyword: each of its values), the other keyword arguments,
+    and the buckets to capture, largest first: ones calls are padded to (a capture of any other would be unused)."""
+    where = f"fgraph.jit({jitted.name}).capture"
+    try:
+        positional = jitted.signature.bind_partial(*args).arguments
+    except TypeError:  # (the call's own binding error comes from binding it)
+        positional = {}
+    listed = next((k for k, v in positional.items() if k in jitted.static and isinstance(v, list)), None)
+    if listed is not None:
+        raise SignatureError(
+            f"{where}: static argument {listed}={positional[listed]!r} is passed by position, where a list is one "
+            "(unhashable) value",
+            f"pass it by keyword, {listed}=[...], to capture each value",
+        )
+    choices = {k: (v if isinstance(v, list) else [v]) for k, v in kwargs.items() if k in jitted.static}
+    empty = next((k for k, v in choices.items() if not v), None)
+    if empty is not None:
+        raise SignatureError(
+            f"{where}: {empty}=[] gives no value to capture, so nothing would be captured before sealing",
+            f"list the values to capture ({empty}=[...]), or leave {empty} out to capture its default",
+        )
+    todo = jitted.buckets if buckets is None else bucket_sizes(where, buckets)
+    unknown = [b for b in todo if b not in jitted.buckets]
+    if unknown:
+        raise SignatureError(
+            f"{where}: buckets {unknown} are not among {jitted.name}'s buckets {list(jitted.buckets)}, so no call "
+            "would be padded to them",
+            "capture some of its buckets, or add these to fgraph.jit(..., buckets=[...])",
+        )
+    rest = {k: v for k, v in kwargs.items() if k not in jitted.static}
+    return choices, rest, sorted(todo, reverse=True)
+
+
 def flag(fname: str, option: str, x) -> bool:
     """strict= / copy_outputs=: a bool (copy_outputs="no" would be truthy: copies, where zero-copy was meant)."""
     if not isinstance(x, bool):

@@ -385,3 +385,22 @@ def test_host_tensor_inside_a_device_signature():
         r"Fix: create it on the device",
     ):
         g(torch.ones(3, 2), {"w": torch.ones(2, 2, device="meta")})
+
+
+def test_capture_refuses_what_it_could_not_use():
+    f = jitted(buckets=[4, 8])
+    params, state, batch = make()
+    bad = {  # capture(..., **kw) -> what its SignatureError says
+        "buckets=[16]": ({"buckets": [16]}, r"capture: buckets \[16\] are not among step's buckets \[4, 8\], so no"),
+        "buckets=8": ({"buckets": 8}, r"capture: buckets=8 is not a list of sizes"),
+        "buckets=[0]": ({"buckets": [0]}, r"capture: buckets=\[0\]\nFix: give positive integer sizes"),
+        "buckets=[]": ({"buckets": []}, r"capture: buckets=\[\] leaves no size to pad a call to"),
+        "routine=[]": ({"routine": []}, r"capture: routine=\[\] gives no value to capture, so nothing would be"),
+        "an unknown keyword": ({"rotuine": ["decode"]}, r"got an unexpected keyword argument 'rotuine'"),
+    }
+    for kw, says in bad.values():
+        with pytest.raises(SignatureError, match=says):
+            f.capture(params, state, batch, progress=False, **kw)
+    with pytest.raises(SignatureError, match=r"static argument routine=\['decode'\] is passed by position, where"):
+        f.capture(params, state, batch, ["decode"], progress=False)
+    assert not f.sealed and not f.entries
