@@ -28,7 +28,7 @@ from ._lower import lower
 from ._modes import Mode
 from ._padding import check_aliases, check_lengths
 from ._pytree import check_static_fields, flatten_with_paths, flattener
-from ._signature import Signature, batch_specs, bucket_for, leaf_of, pad_count, path_str
+from ._signature import Signature, batch_specs, bucket_for, check_leaves, leaf_of, pad_count
 
 log = logging.getLogger("fgraph")
 
@@ -121,13 +121,7 @@ class Jitted:
         dynamic = B.check_call(self, statics, dynamic)  # + the lifted tensors' current values
         flat, treespec = flatten_with_paths(dynamic)
         paths, leaves = [p for p, _ in flat], [x for _, x in flat]
-        for p, x in flat:  # a non-tensor leaf is part of the signature: it is keyed by its value
-            if type(x).__hash__ is None:  # tensors hash by identity
-                raise SignatureError(
-                    f"fgraph.jit({self.name}): {path_str(p)}={x!r} is unhashable ({type(x).__name__}), and a "
-                    "Python value that is not a tensor is part of the signature",
-                    "pass a hashable value (ints or a tuple instead of a slice or a list), or a tensor",
-                )
+        check_leaves(self.name, flat)
         specs = batch_specs(self.name, self.batch, dynamic, treespec, leaves)
         n = pad_count(self.name, paths, leaves, specs)
         bucket = bucket_for(self.buckets, max(n, 1)) if n is not None else None

@@ -133,10 +133,21 @@ def test_any_declaration_makes_a_function_or_a_signature_error(options):
         pass
 
 
-@pytest.mark.parametrize("pad", ["zeros", None, [0]])
-def test_pad_is_a_fill_value_ramp_or_a_callable(pad):
-    with pytest.raises(SignatureError, match=r"pad must be a number \(the fill value\), \"ramp\" or a callable"):
-        Batched(pad=pad)
+BAD_BATCHED = [  # Batched(**kw) -> what its SignatureError says
+    ({"pad": "zeros"}, r"pad must be a number \(the fill value\), \"ramp\" or a callable"),
+    ({"pad": None}, r"pad must be a number \(the fill value\), \"ramp\" or a callable"),
+    ({"pad": [0]}, r"pad must be a number \(the fill value\), \"ramp\" or a callable"),
+    ({"axis": -1}, r"Batched\(axis=-1, extra=0\): both must be non-negative ints"),
+    ({"extra": 1.5}, r"Batched\(axis=0, extra=1.5\): both must be non-negative ints"),
+    ({"mixes": "yes"}, r"Batched\(mixes='yes'\): mixes is a bool"),
+    ({"pad": lambda x: x}, r"a pad callable is called as pad\(tensor, size\), which it cannot take"),
+]
+
+
+@pytest.mark.parametrize("kw, says", BAD_BATCHED, ids=[str(k) for k, _ in BAD_BATCHED])
+def test_a_bad_batched_is_a_signature_error(kw, says):
+    with pytest.raises(SignatureError, match=says):
+        Batched(**kw)
 
 
 def checked(x, table):
@@ -385,6 +396,97 @@ def test_host_tensor_inside_a_device_signature():
         r"Fix: create it on the device",
     ):
         g(torch.ones(3, 2), {"w": torch.ones(2, 2, device="meta")})
+
+
+def padded(spec, x, y=None, params=None):
+    """A call of a jitted function of the batched leaves x and y (and unbatched params)."""
+    batch = {"x": spec} if y is None else {"x": spec, "y": spec}
+    return fgraph.jit(lambda x, y=None, p=None: x * 2, batch=batch, buckets=[4])(x, y, p=params)
+
+
+BAD_CALLS = {  # a call -> what its SignatureError says
+    "fewer rows than extra": (
+        lambda: padded(Batched(extra=5), torch.ones(3)),
+        r"x has 3 rows along axis 0, fewer than the 5 extra rows its Batched\(extra=5\) declares",
+    ),
+    "ramp of a 2-D leaf": (
+        lambda: padded(Batched(pad="ramp"), torch.ones(3, 2)),
+        r"x has shape \[3, 2\], but Batched\(pad='ramp'\) continues a 1-D array of offsets along its axis",
+    ),
+    "a fill value the dtype cannot hold": (
+        lambda: padded(Batched(pad=float("nan")), torch.ones(3, dtype=torch.int32)),
+        r"x is int32, which cannot hold its Batched\(pad=nan\)",
+    ),
+    "a pad callable's wrong shape": (
+        lambda: padded(Batched(pad=lambda t, size: torch.zeros(2)), torch.ones(3)),
+        r"Batched\(pad=.*<lambda>\) returned shape \[2\] for 4 rows along axis 0, not the padded leaf's shape \[4\]",
+    ),
+    "a sparse tensor": (
+        lambda: padded(Batched(), torch.ones(3).to_sparse()),
+        r"x is a sparse_coo tensor; fgraph traces and captures dense \(strided\) tensors\nFix: pass x.to_dense\(\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(BAD_CALLS))
+def test_a_call_that_does_not_fit_is_a_signature_error(call):
+    fn, says = BAD_CALLS[call]
+    with pytest.raises(SignatureError, match=says):
+        fn()
+
+
+ANY_VALUE = st.one_of(
+    st.none(),
+    st.integers(-1, 3),
+    st.floats(-2, 2, width=32),
+    st.text(max_size=2),
+    st.lists(st.integers(0, 2), max_size=2),
+    st.builds(
+        torch.ones,
+        st.lists(st.integers(0, 9), max_size=3).map(tuple),
+        dtype=st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bool]),
+    ),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["params", "params.w", "state", "state.count", "batch", "batch.x", "routine", "breaks"]), ANY_VALUE
+)
+def test_a_call_with_any_wrong_value_fails_as_eager_does_or_with_an_fgraph_error(where, value):
+    """Eager is the oracle: where it raises, the jitted call raises that exception (the function's own) or an
+    fgraph error, or fgraph said at trace time that padding is visible (`x @ w` of a 1-D x is valid at the bucket's
+    8 rows only: eager refuses 1 row, the padded call does not); where eager returns, the jitted call returns the
+    same or raises an fgraph error."""
+
+    def arguments():
+        params, state, batch = make()
+        kw = {"params": params, "state": state, "batch": batch, "routine": "decode", "breaks": 2}
+        top, _, key = where.partition(".")
+        if key:
+            kw[top] = {**kw[top], key: value}
+        else:
+            kw[top] = value
+        return kw
+
+    try:
+        with fgraph.disable_jit():
+            want = toys.step(**arguments())
+    except Exception as e:
+        want = e
+    f = jitted(buckets=[8], mode="PIECEWISE")
+    try:
+        got = f(**arguments())
+    except fgraph.FgraphError:
+        return
+    except Exception as e:
+        assert type(e) is type(want), f"eager: {want!r}, jitted: {e!r}"
+        return
+    visible = any(k[0] == "padding" for k in f._logged)  # (logged once per place: fgraph/_padding.py)
+    assert visible or not isinstance(want, Exception), f"eager raised {want!r}, the jitted call returned"
+    if visible:
+        return
+    torch.testing.assert_close(got[0], want[0])
 
 
 def test_capture_refuses_what_it_could_not_use():
