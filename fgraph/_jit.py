@@ -22,13 +22,13 @@ from . import _graphs as G
 from . import _options as O
 from . import _trace
 from ._config import config
-from ._entry import Call, Entry, Stats, Traced, _device_of
+from ._entry import Call, Entry, Stats, Traced
 from ._errors import CaptureError, SignatureError
 from ._lower import lower
 from ._modes import Mode
 from ._padding import check_aliases, check_lengths
 from ._pytree import check_static_fields, flatten_with_paths, flattener
-from ._signature import Signature, batch_specs, bucket_for, check_leaves, leaf_of, pad_count
+from ._signature import Signature, batch_specs, bucket_for, check_leaves, device_of, leaf_of, pad_count
 
 log = logging.getLogger("fgraph")
 
@@ -281,7 +281,7 @@ class Jitted:
             self._logged.add((kind, call.sig.statics))
             log.warning("fgraph.jit(%s): %s; running eagerly (logged once). Fix: %s", self.name, what, fix)
         self.fallbacks[kind] += 1
-        device = _device_of(self.name, call)
+        device = device_of(self.name, call)
         leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]
         return B.invoke(self, pytree.tree_unflatten(leaves, call.sig.treespec), call.statics)
 
@@ -319,7 +319,7 @@ class Jitted:
             check_static_fields(v, f"fgraph.jit({self.name}): {k}")
         if config.explain_cache_misses and self.entries:
             log.warning("fgraph.jit(%s): new signature %s%s", self.name, call.sig.describe(), self._closest(call.sig))
-        device = _device_of(self.name, call)
+        device = device_of(self.name, call)
         family = (  # grad mode apart: a trace that branched on it serves its own mode (below), any other both
             tuple(kv for kv in call.sig.statics if kv[0] != "<grad mode>"),
             call.sig.treespec,
@@ -369,7 +369,7 @@ class Jitted:
                     if call.sig in self.entries:
                         continue
                     if device is None:
-                        device = _device_of(self.name, call)
+                        device = device_of(self.name, call)
                         stack.enter_context(G.capture_session(device))
                     entry = D.make(self, call, call)
                     if entry is None:

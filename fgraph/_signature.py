@@ -330,3 +330,26 @@ def pad_count(fname: str, paths, leaves, specs) -> int | None:
             )
         n = max(n or 0, spec.real(x))
     return n
+
+
+def device_of(fname: str, call) -> str:
+    """The signature's device: where its non-batched tensors live (batched inputs may come from the host)."""
+    devs = {}
+    for p, x, s in zip(call.paths, call.leaves, call.specs):
+        if isinstance(x, torch.Tensor) and s is None:
+            devs.setdefault(str(x.device) if x.device.type != "cuda" else f"cuda:{x.device.index or 0}", p)
+    if len(devs) > 1:
+        (d1, p1), (d2, p2) = sorted(devs.items())[:2]
+        raise SignatureError(
+            f"fgraph.jit({fname}): {path_str(p1)} is on {d1} but {path_str(p2)} is on {d2}",
+            "put params and state on one device (only Batched inputs may come from the host)",
+        )
+    tensors = [(p, x) for p, x in zip(call.paths, call.leaves) if isinstance(x, torch.Tensor)]
+    device = next(iter(devs)) if devs else str(tensors[0][1].device) if tensors else "cpu"
+    for p, x in tensors:  # batched rows are copied in from the host, never from another device
+        if x.device.type != "cpu" and x.device != torch.device(device):
+            raise SignatureError(
+                f"fgraph.jit({fname}): {path_str(p)} is on {x.device}, but the call runs on {device}",
+                f"put it on {device}, or on the host (Batched inputs may come from the host)",
+            )
+    return device

@@ -425,6 +425,14 @@ BAD_CALLS = {  # a call -> what its SignatureError says
         lambda: padded(Batched(), torch.ones(3).to_sparse()),
         r"x is a sparse_coo tensor; fgraph traces and captures dense \(strided\) tensors\nFix: pass x.to_dense\(\)",
     ),
+    "batched leaves on two devices": (
+        lambda: padded(Batched(), torch.ones(3), torch.ones(3, device="meta")),
+        r"y is on meta, but the call runs on cpu\nFix: put it on cpu, or on the host",
+    ),
+    "a batched leaf on another device than the params": (
+        lambda: padded(Batched(), torch.ones(3, device="meta"), params=torch.ones(1)),
+        r"x is on meta, but the call runs on cpu",
+    ),
 }
 
 
