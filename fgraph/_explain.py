@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._errors import FgraphError
 from ._lower import avals_lines
 from ._split import op_summary
 
@@ -88,9 +89,9 @@ def explain(fn, *args, **kwargs) -> Explanation:
     from ._signature import device_of
 
     if not isinstance(fn, Jitted):
-        raise TypeError(
-            f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}; "
-            "wrap it first: fgraph.explain(fgraph.jit(f, ...), *args)"
+        raise FgraphError(
+            f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}",
+            "wrap it first: fgraph.explain(fgraph.jit(f, ...), *args)",
         )
     if not args and not kwargs:
         entries = sorted(fn.entries.values(), key=lambda e: (repr(e.sig.statics), e.sig.bucket or 0))

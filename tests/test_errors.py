@@ -376,9 +376,10 @@ def test_never_capturable_primitive_kept_inside_a_graph():
         f(torch.ones(3, 2))
 
 
-def test_explain_of_a_plain_function():
-    with pytest.raises(TypeError, match=r"expected a function made by fgraph.jit"):
-        fgraph.explain(toys.step)
+@pytest.mark.parametrize("what", [toys.step, None, 3, jitted().capture])
+def test_explain_of_what_is_not_a_jitted_function(what):
+    with pytest.raises(fgraph.FgraphError, match=r"expected a function made by fgraph.jit, got \w+\nFix: wrap it"):
+        fgraph.explain(what)
 
 
 def test_host_tensor_inside_a_device_signature():
@@ -514,3 +515,80 @@ def test_capture_refuses_what_it_could_not_use():
     with pytest.raises(SignatureError, match=r"static argument routine=\['decode'\] is passed by position, where"):
         f.capture(params, state, batch, ["decode"], progress=False)
     assert not f.sealed and not f.entries
+
+
+_names = iter(f"fz_bad{i}" for i in range(1000))
+
+
+def out_only(out: torch.Tensor, x: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+BAD_PRIMITIVES = {  # fgraph.primitive(...) of `out_only` (or of what it decorates) -> what its FgraphError says
+    "a name taken": (lambda: fgraph.primitive("toy_scale")(out_only), r"'toy_scale'\): a primitive of this name is"),
+    "no name": (lambda: fgraph.primitive(out_only), r"the first argument is the primitive's name, got <function"),
+    "a class decorated": (lambda: fgraph.primitive(next(_names))(int), r"decorates <class 'int'>, which is not a Py"),
+    "a name that is no identifier": (lambda: fgraph.primitive("my-op")(out_only), r"is not a Python identifier"),
+    "a support string": (
+        lambda: fgraph.primitive(next(_names), support="ALWAYS")(out_only),
+        r"support='ALWAYS' is neither a fgraph.Support nor a rule of one argument",
+    ),
+    "a plan that is no function": (
+        lambda: fgraph.primitive(next(_names), plan=True)(out_only),
+        r"plan=True is not a function of one argument",
+    ),
+    "no annotations": (
+        lambda: fgraph.primitive(next(_names))(lambda out, x: None),
+        r"torch cannot make an op of <lambda>\(out, x\): .*Parameter out must have a type annotation",
+    ),
+    "mutates_args naming no parameter": (
+        lambda: fgraph.primitive(next(_names), mutates_args=["outt"])(out_only),
+        r"torch cannot make an op of out_only\(out: torch.Tensor, x: torch.Tensor\) -> None: .*outt",
+    ),
+    "a support rule returning junk": (
+        lambda: padded_through(fgraph.primitive(next(_names), support=lambda args: "never")(out_only)),
+        r"its support rule returned 'never' for arguments \{\}\nFix: return a fgraph.Support",
+    ),
+    "a tensor result without a shape rule": (
+        lambda: padded_through(fgraph.primitive(next(_names))(returns)),
+        r"returns tensors but has no shape rule, so it cannot be traced\nFix: give it one: @returns.register_fake",
+    ),
+}
+
+
+def returns(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def padded_through(op):
+    """A FULL-mode call of a function around the break `op`."""
+
+    def fn(x):
+        o = torch.empty_like(x)
+        r = op(o, x)
+        return o if r is None else r
+
+    return fgraph.jit(fn, batch={"x": Batched()}, mode="FULL", buckets=[4])(torch.ones(3))
+
+
+@pytest.mark.parametrize("case", list(BAD_PRIMITIVES))
+def test_a_primitive_set_up_wrongly_is_an_fgraph_error(case):
+    fn, says = BAD_PRIMITIVES[case]
+    with pytest.raises(fgraph.FgraphError, match=says):
+        fn()
+
+
+def test_switches_and_helpers_given_the_wrong_kind():
+    with pytest.raises(fgraph.FgraphError, match=r"fgraph.config has no switch 'max_signaturs'\nFix: the switches"):
+        fgraph.config.max_signaturs = 8
+    with pytest.raises(fgraph.FgraphError, match=r"config.max_signatures = '8': max_signatures is a count"):
+        fgraph.config.max_signatures = "8"
+    with pytest.raises(fgraph.FgraphError, match=r"config.log_captures = 1: log_captures is a bool"):
+        fgraph.config.log_captures = 1
+    with pytest.raises(fgraph.FgraphError, match=r"fgraph.repeated: expected a function, got None"):
+        fgraph.repeated(None)
+    with pytest.raises(fgraph.FgraphError, match=r"fgraph.field\(static='yes'\): static is a bool"):
+        fgraph.field(static="yes")
+    with pytest.raises(fgraph.FgraphError, match=r"fgraph.register\(Batched\(.*\)\): expected an attrs class or a"):
+        fgraph.register(Batched())
+    assert fgraph.config.max_signatures == 64 and fgraph.config.log_captures is False
