@@ -69,6 +69,15 @@ def _device(text: str) -> str:
     return text
 
 
+def _path(text: str) -> str:
+    if not text.strip():  # `--model "$DIR"` with DIR unset: not the embedded model, silently
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return text
+
+
+RANDOM_TOKENS = 1 << 24  # random prompts made up front, in all: past this a typo would fill the host's memory
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not the usage block: `prog: error: message (see --help)`, exit 2
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -81,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="Hugging Face model directory (config.json + *.safetensors)")
+    src.add_argument("--model", type=_path, help="Hugging Face model directory (config.json + *.safetensors)")
     src.add_argument(
         "--preset",
         choices=sorted(llama.presets) + sorted(qwen2_moe.presets),
@@ -147,9 +156,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.prompt_ids = [[int(t) for t in ids.split(",") if t.strip()] for ids in args.prompt_ids]
     except ValueError:
         p.error(f"--prompt-ids {args.prompt_ids}: not comma-separated integers (--prompt-ids 1,2,3)")
+    _check_combinations(p, args)
     if args.greedy:
         args.temperature = 0.0
     return args
+
+
+def _check_combinations(p: _Parser, args) -> None:
+    """Flags that each parse but do not go together: a usage error, before anything is built."""
+    if args.compile and args.mode in ("EAGER", "NONE"):
+        p.error(f"--compile with --mode {args.mode}: nothing is captured, so nothing would be compiled")
+    if not (args.prompt_ids or args.prompt) and args.num_prompts * args.prompt_len > RANDOM_TOKENS:
+        p.error(
+            f"--num-prompts {args.num_prompts} x --prompt-len {args.prompt_len}: more than {RANDOM_TOKENS} random "
+            "prompt tokens"
+        )
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    spawned = args.tp > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ  # as _main spawns them
+    if spawned and device.startswith("cuda"):  # a GPU each
+        if device != "cuda":
+            p.error(f"--device {device} with --tp {args.tp}: each rank takes its own GPU (pass --device cuda)")
+        if torch.cuda.device_count() < args.tp:
+            p.error(f"--tp {args.tp}: {torch.cuda.device_count()} CUDA device(s) here, one per rank is needed")
 
 
 def config_of(args):
@@ -229,6 +257,11 @@ def main(argv=None) -> dict:
 
 
 def _main(args, argv) -> dict:
+    if args.moe_backend != "local" and not isinstance(config_of(args), qwen2_moe.MoEConfig):
+        raise fgraph.FgraphError(
+            f"--moe-backend {args.moe_backend}: {args.model or args.preset or 'tiny'} is a dense model (no experts)",
+            "drop --moe-backend, or run an MoE model (--preset tiny-moe, a Qwen2-MoE or Mixtral --model)",
+        )
     if args.tp > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:  # not under torchrun
         tensor_parallel.local_config(config_of(args), args.tp)  # a split that cannot work: one error, before spawning
         return tensor_parallel.launch(_rank_main, args.tp, sys.argv[1:] if argv is None else list(argv))

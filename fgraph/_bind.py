@@ -23,6 +23,7 @@ from torch._C import _functorch
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ._errors import FgraphError, SignatureError
+from ._options import names
 from ._signature import path_str, torch_state
 
 _PATHS = sysconfig.get_paths()  # where the standard library and installed packages live (not sys.prefix itself)
@@ -49,7 +50,9 @@ def describe(fn) -> tuple[str, inspect.Signature]:
         return name, inspect.signature(fn)
     except (TypeError, ValueError) as e:
         raise SignatureError(
-            f"fgraph.jit: cannot read the signature of {name} ({e})", "jit a Python function, method or nn.Module"
+            f"fgraph.jit: cannot read the signature of {name} ({e})",
+            "jit a Python function, method or nn.Module"
+            + ("" if callable(fn) else "; options go by keyword: fgraph.jit(f, static=[...]) or @fgraph.jit(...)"),
         ) from None
 
 
@@ -63,8 +66,10 @@ def setup(jitted, fn, options: dict) -> tuple[tuple, tuple]:
         functools.update_wrapper(jitted, fn)
     jitted._lifted = Lifted(fn, set(jitted.signature.parameters))
     jitted._plain = plain_signature(jitted.signature) and not jitted._lifted
-    static = (*_names(options.pop("static")), *_names(options.pop("static_argnames")))
-    donate = (*_names(options.pop("donate")), *_names(options.pop("donate_argnames")))
+    static, donate = (
+        (*names(jitted.name, a, options.pop(a)), *names(jitted.name, f"{a}_argnames", options.pop(f"{a}_argnames")))
+        for a in ("static", "donate")
+    )
     both = [a for a in static if a in donate]
     if both:
         raise SignatureError(
@@ -74,10 +79,6 @@ def setup(jitted, fn, options: dict) -> tuple[tuple, tuple]:
         )
     options.update(static=static, donate=donate, static_argnames=(), donate_argnames=())
     return static, donate
-
-
-def _names(x) -> tuple:
-    return (x,) if isinstance(x, str) else tuple(x or ())
 
 
 def plain_signature(sig: inspect.Signature) -> bool:

@@ -1,7 +1,30 @@
 """fgraph.config: process-wide switches."""
 
+from ._errors import FgraphError
 
-class config:
+
+class _Checked(type):
+    """Setting a switch checks its name and kind: a misspelt name would otherwise set nothing, and a string where a
+    count goes would be a TypeError inside some later call."""
+
+    def __setattr__(cls, name, value):
+        now = cls.__dict__.get(name)
+        if name.startswith("_") or not isinstance(now, (bool, int)):
+            raise FgraphError(
+                f"fgraph.config has no switch {name!r}",
+                f"the switches are {', '.join(k for k, v in vars(cls).items() if k[0] != '_' and isinstance(v, int))}",
+            )
+        if isinstance(now, bool) and not isinstance(value, bool):
+            raise FgraphError(f"fgraph.config.{name} = {value!r}: {name} is a bool", "set it to True or False")
+        if not isinstance(now, bool) and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise FgraphError(
+                f"fgraph.config.{name} = {value!r}: {name} is a count",
+                f"set it to a non-negative int (now {now})",
+            )
+        super().__setattr__(name, value)
+
+
+class config(metaclass=_Checked):
     """Process-wide switches (JAX's jax_explain_cache_misses / jax_log_compiles are the models)."""
 
     explain_cache_misses = False  # log, for each new signature, the closest previous one and what differs

@@ -478,21 +478,3 @@ def _plan_sites(gm, ph_pos, tensor_ix, specs):
         key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())), tuple(avals.items()))
         sites.setdefault(key, (p, args, inputs, avals))
     return list(sites.values())
-
-
-def _device_of(fname: str, call: Call) -> str:
-    """The signature's device: where its non-batched tensors live (batched inputs may come from the host)."""
-    devs = {}
-    for p, x, s in zip(call.paths, call.leaves, call.specs):
-        if isinstance(x, torch.Tensor) and s is None:
-            devs.setdefault(str(x.device) if x.device.type != "cuda" else f"cuda:{x.device.index or 0}", p)
-    if len(devs) > 1:
-        (d1, p1), (d2, p2) = sorted(devs.items())[:2]
-        raise SignatureError(
-            f"fgraph.jit({fname}): {path_str(p1)} is on {d1} but {path_str(p2)} is on {d2}",
-            "put params and state on one device (only Batched inputs may come from the host)",
-        )
-    if devs:
-        return next(iter(devs))
-    batched = [x for x, s in zip(call.leaves, call.specs) if isinstance(x, torch.Tensor)]
-    return str(batched[0].device) if batched else "cpu"

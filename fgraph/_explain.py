@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._errors import FgraphError
 from ._lower import avals_lines
 from ._split import op_summary
 
@@ -83,13 +84,14 @@ def explain(fn, *args, **kwargs) -> Explanation:
     explain(step) covers every signature seen so far; explain(step, *args, **kwargs) the signature of that call
     (traced on the spot, without capturing, if it is new).
     """
-    from ._entry import Entry, Traced, _device_of
+    from ._entry import Entry, Traced
     from ._jit import Jitted
+    from ._signature import device_of
 
     if not isinstance(fn, Jitted):
-        raise TypeError(
-            f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}; "
-            "wrap it first: fgraph.explain(fgraph.jit(f, ...), *args)"
+        raise FgraphError(
+            f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}",
+            "wrap it first: fgraph.explain(fgraph.jit(f, ...), *args)",
         )
     if not args and not kwargs:
         entries = sorted(fn.entries.values(), key=lambda e: (repr(e.sig.statics), e.sig.bucket or 0))
@@ -102,6 +104,6 @@ def explain(fn, *args, **kwargs) -> Explanation:
         return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why[1] or 'an empty batch'}", [])
     e = fn.entries.get(call.sig)
     if e is None:  # trace only: explaining never captures
-        device = _device_of(fn.name, call)
+        device = device_of(fn.name, call)
         e = Entry(Traced(fn, call, device), call, device, True)
     return Explanation(_entry_text(fn.name, e, call.n), [e])

@@ -31,7 +31,22 @@ def inductor_options(fname: str, compile) -> dict | None:
             "options (torch._inductor.config)",
             "check the spelling against torch._inductor.list_options()",
         )
+    # Inductor's config takes any value at patch time: a string for a bool option would only fail (or, truthy, be
+    # read as True) inside a capture on the GPU. Options whose default is None or a container are not checked.
+    for k, v in compile.items():
+        kind = type(getattr(inductor_config, k))
+        if kind in (bool, int, float, str) and not _of_kind(v, kind):
+            raise SignatureError(
+                f"fgraph.jit({fname}): compile={{{k!r}: {v!r}}}: Inductor's {k} takes a {kind.__name__}",
+                f"pass a {kind.__name__}, e.g. compile={{{k!r}: {getattr(inductor_config, k)!r}}}",
+            )
     return dict(compile)
+
+
+def _of_kind(v, kind) -> bool:
+    if kind is bool or isinstance(v, bool):  # (a bool is an int, but not a count)
+        return kind is bool and isinstance(v, bool)
+    return isinstance(v, (int, float)) if kind is float else isinstance(v, kind)
 
 
 class Compiled(torch.nn.Module):

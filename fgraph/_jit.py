@@ -19,17 +19,16 @@ import torch.utils._pytree as pytree
 from . import _bind as B
 from . import _dispatch as D
 from . import _graphs as G
-from . import _primitives as P
+from . import _options as O
 from . import _trace
 from ._config import config
-from ._entry import Call, Entry, Stats, Traced, _device_of
+from ._entry import Call, Entry, Stats, Traced
 from ._errors import CaptureError, SignatureError
-from ._inductor import inductor_options
 from ._lower import lower
 from ._modes import Mode
-from ._padding import check_aliases, check_lengths, check_options
+from ._padding import check_aliases, check_lengths
 from ._pytree import check_static_fields, flatten_with_paths, flattener
-from ._signature import Signature, batch_specs, bucket_for, default_buckets, leaf_of, pad_count, path_str
+from ._signature import Signature, batch_specs, bucket_for, check_leaves, device_of, leaf_of, pad_count
 
 log = logging.getLogger("fgraph")
 
@@ -70,40 +69,10 @@ class Jitted:
         static_argnames=(),
         donate_argnames=(),
     ):
-        static, donate = B.setup(self, fn, {k: v for k, v in locals().items() if k not in ("self", "fn")})
+        opts = {k: v for k, v in locals().items() if k not in ("self", "fn")}
+        static, donate = B.setup(self, fn, dict(opts))
+        O.declare(self, static, donate, opts)
         params = self.signature.parameters
-        for kind, names in (("static", static), ("donate", donate), ("scratch", scratch), ("batch", list(batch or {}))):
-            for a in names:
-                if a not in params and not (kind == "donate" and a in self._lifted.roots()):
-                    raise SignatureError(
-                        f"fgraph.jit({self.name}): {kind}= names {a!r}, which is not a parameter of "
-                        f"{self.name}{self.signature}",
-                        f"use one of {list(params)}",
-                    )
-        self.static = tuple(static)
-        self.donate = tuple(donate)
-        self.scratch = tuple(scratch)
-        self.batch = dict(batch or {})
-        self.buckets = tuple(sorted(buckets)) if buckets is not None else default_buckets()
-        try:
-            self.mode = Mode(mode.upper() if isinstance(mode, str) else mode)
-        except ValueError:
-            raise SignatureError(
-                f"fgraph.jit({self.name}): unknown mode {mode!r}", f"use one of {[m.value for m in Mode]}"
-            ) from None
-        unknown = [b for b in breaks or () if b not in P.registry]
-        if unknown:
-            raise SignatureError(
-                f"fgraph.jit({self.name}): breaks= names unknown primitives {unknown}",
-                f"registered primitives are {sorted(P.registry)}",
-            )
-        self.breaks = breaks
-        self.strict = strict
-        self.copy_outputs = copy_outputs
-        self.routine = routine
-        check_options(self.name, self.signature, self)
-        self.warmups = warmups
-        self.compile = inductor_options(self.name, compile)
         self.entries: dict[Signature, Entry] = {}
         self._names = list(params)
         self._defaults = {k: p.default for k, p in params.items()}
@@ -152,13 +121,7 @@ class Jitted:
         dynamic = B.check_call(self, statics, dynamic)  # + the lifted tensors' current values
         flat, treespec = flatten_with_paths(dynamic)
         paths, leaves = [p for p, _ in flat], [x for _, x in flat]
-        for p, x in flat:  # a non-tensor leaf is part of the signature: it is keyed by its value
-            if type(x).__hash__ is None:  # tensors hash by identity
-                raise SignatureError(
-                    f"fgraph.jit({self.name}): {path_str(p)}={x!r} is unhashable ({type(x).__name__}), and a "
-                    "Python value that is not a tensor is part of the signature",
-                    "pass a hashable value (ints or a tuple instead of a slice or a list), or a tensor",
-                )
+        check_leaves(self.name, flat)
         specs = batch_specs(self.name, self.batch, dynamic, treespec, leaves)
         n = pad_count(self.name, paths, leaves, specs)
         bucket = bucket_for(self.buckets, max(n, 1)) if n is not None else None
@@ -318,7 +281,7 @@ class Jitted:
             self._logged.add((kind, call.sig.statics))
             log.warning("fgraph.jit(%s): %s; running eagerly (logged once). Fix: %s", self.name, what, fix)
         self.fallbacks[kind] += 1
-        device = _device_of(self.name, call)
+        device = device_of(self.name, call)
         leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]
         return B.invoke(self, pytree.tree_unflatten(leaves, call.sig.treespec), call.statics)
 
@@ -356,7 +319,7 @@ class Jitted:
             check_static_fields(v, f"fgraph.jit({self.name}): {k}")
         if config.explain_cache_misses and self.entries:
             log.warning("fgraph.jit(%s): new signature %s%s", self.name, call.sig.describe(), self._closest(call.sig))
-        device = _device_of(self.name, call)
+        device = device_of(self.name, call)
         family = (  # grad mode apart: a trace that branched on it serves its own mode (below), any other both
             tuple(kv for kv in call.sig.statics if kv[0] != "<grad mode>"),
             call.sig.treespec,
@@ -392,9 +355,7 @@ class Jitted:
         every bucket (largest first, so smaller graphs reuse the pool memory of larger ones). Batched inputs are
         replaced by all-padding dummies, so the padding values must be valid inputs for every kernel.
         """
-        choices = {k: (v if isinstance(v, list) else [v]) for k, v in kwargs.items() if k in self.static}
-        rest = {k: v for k, v in kwargs.items() if k not in self.static}
-        todo = sorted(buckets or self.buckets, reverse=True)
+        choices, rest, todo = O.capture_plan(self, args, kwargs, buckets)
         t0, n0, graphs, device = time.perf_counter(), len(self.entries), 0, None
         from tqdm.auto import tqdm
 
@@ -408,7 +369,7 @@ class Jitted:
                     if call.sig in self.entries:
                         continue
                     if device is None:
-                        device = _device_of(self.name, call)
+                        device = device_of(self.name, call)
                         stack.enter_context(G.capture_session(device))
                     entry = D.make(self, call, call)
                     if entry is None:
@@ -458,6 +419,7 @@ class Jitted:
         self.sealed, self.pool = False, None
 
 
+_OPTIONS = tuple(inspect.signature(Jitted.__init__).parameters)[2:]  # what jit(fn, **options) takes
 _MISS = object()  # the fast path's "not here": a jitted function may itself return None
 
 
@@ -492,6 +454,7 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
       config options as torch.compile(options=...) takes them, e.g. {"coordinate_descent_tuning": True}: with it,
       Inductor turns one-row matmuls (decode at batch 1) into tuned Triton reductions with the norm fused in.
     """
+    O.check_names(options, _OPTIONS)
     if fn is None:
         return lambda f: Jitted(f, **options)
     return Jitted(fn, **options)

@@ -405,24 +405,3 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
-
-
-def check_options(fname: str, signature, jitted) -> None:
-    """The jit options padding and capture rely on, checked when jit is called rather than at a first call."""
-    if not jitted.buckets:
-        raise SignatureError(f"fgraph.jit({fname}): buckets=[] leaves no size to pad a call to", "give buckets=[...]")
-    if any(not isinstance(b, int) or b < 1 for b in jitted.buckets):
-        raise SignatureError(f"fgraph.jit({fname}): buckets={list(jitted.buckets)}", "give positive integer sizes")
-    loose = [a for a in jitted.scratch if a not in jitted.donate]
-    if loose:
-        raise SignatureError(
-            f"fgraph.jit({fname}): scratch= names {loose}, which are not donated",
-            "scratch= declares donated state whose padded rows write only to a scratch area: donate it too",
-        )
-    if jitted.mode.value == "FULL_DECODE_ONLY" and jitted.routine not in jitted.static:
-        raise SignatureError(
-            f"fgraph.jit({fname}): mode FULL_DECODE_ONLY needs the static routine argument {jitted.routine!r} "
-            f'(its value "decode" marks the signatures to capture), but {fname}{signature} '
-            + ("has no such parameter" if jitted.routine not in signature.parameters else "does not make it static"),
-            f"add a `{jitted.routine}` parameter to static=[...] (or pass routine=<its name>), or use mode='FULL'",
-        )

@@ -24,7 +24,8 @@ from typing import Any
 import attrs
 import torch
 
-from ._signature import Aval
+from ._errors import FgraphError
+from ._signature import Aval, takes
 
 NAMESPACE = "fgraph"
 
@@ -136,15 +137,52 @@ class execution:
         _executing.token = self.prev
 
 
-def _as_support_rule(support) -> Callable[[Mapping[str, Any]], tuple[Support, str]]:
+def _as_support_rule(name: str, support) -> Callable[[Mapping[str, Any]], tuple[Support, str]]:
     if isinstance(support, Support):
         return lambda args: (support, f"declared {support.name}")
 
     def rule(args):
         res = support(args)
-        return res if isinstance(res, tuple) else (Support(res), f"declared {Support(res).name}")
+        level, why = res if isinstance(res, tuple) and len(res) == 2 else (res, None)
+        try:
+            level = Support(level) if not isinstance(level, bool) else None
+        except ValueError:
+            level = None
+        if level is None or not isinstance(why, (str, type(None))):
+            raise FgraphError(
+                f"fgraph.primitive({name!r}): its support rule returned {res!r} for arguments {dict(args)}",
+                "return a fgraph.Support (ALWAYS, UNIFORM_DECODE, NEVER), or a (Support, reason string) pair",
+            )
+        return level, why or f"declared {level.name}"
 
     return rule
+
+
+def _check_hooks(name: str, support, plan, plan_needed) -> None:
+    """primitive()'s rules and hooks, checked where they are given rather than when a trace first calls them."""
+    where = f"fgraph.primitive({name!r})"
+    if not isinstance(name, str):
+        raise FgraphError(
+            f"fgraph.primitive: the first argument is the primitive's name, got {name!r}",
+            "decorate with @fgraph.primitive('name', support=...) (called, with a name)",
+        )
+    if not name.isidentifier():
+        raise FgraphError(
+            f"{where}: the name is not a Python identifier (the op becomes torch.ops.{NAMESPACE}.<name>)",
+            "use letters, digits and underscores, not starting with a digit, e.g. 'my_op'",
+        )
+    if not isinstance(support, Support) and not (callable(support) and takes(support, 1)):
+        raise FgraphError(
+            f"{where}: support={support!r} is neither a fgraph.Support nor a rule of one argument",
+            "pass fgraph.Support.ALWAYS, UNIFORM_DECODE or NEVER, or a rule (non-tensor args by name) -> Support or "
+            "(Support, reason)",
+        )
+    for hook, fn in (("plan", plan), ("plan_needed", plan_needed)):
+        if fn is not None and not (callable(fn) and takes(fn, 1)):
+            raise FgraphError(
+                f"{where}: {hook}={fn!r} is not a function of one argument",
+                f"pass {hook}=None, or a function of one argument (see fgraph.primitive's docstring)",
+            )
 
 
 class BreakOp:
@@ -187,14 +225,30 @@ def primitive(
     site (e.g. only one backend of the op plans). A plan that returns True says it made all the host state the
     break needs, so capturing that signature into a FULL graph needs no eager warm-up run first.
     """
-    if name in registry:
-        raise ValueError(f"fgraph.primitive: a primitive named {name!r} is already registered; pick another name")
+    _check_hooks(name, support, plan, plan_needed)
+    mutates = (mutates_args,) if isinstance(mutates_args, str) else tuple(mutates_args)
 
     def register(fn: Callable) -> BreakOp:
+        if not inspect.isfunction(fn):
+            raise FgraphError(
+                f"fgraph.primitive({name!r}) decorates {fn!r}, which is not a Python function",
+                "decorate a def whose annotations give the op's schema (out: torch.Tensor, ...) -> None",
+            )
+        if name in registry:  # (checked here, not in primitive(): two decorators of one name may be made first)
+            raise FgraphError(
+                f"fgraph.primitive({name!r}): a primitive of this name is already registered", "pick another name"
+            )
         p = Primitive(name)
-        custom = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=tuple(mutates_args))(fn)
+        try:
+            custom = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates)(fn)
+        except (ValueError, RuntimeError) as e:  # torch's schema inference: what the annotations do not give
+            raise FgraphError(
+                f"fgraph.primitive({name!r}): torch cannot make an op of {fn.__name__}{inspect.signature(fn)}: {e}",
+                "annotate every parameter (out: torch.Tensor, x: torch.Tensor, s: float) and the return (-> None), "
+                "and name in mutates_args= the tensors it writes",
+            ) from None
         registry[name], eager_rules[p] = p, fn
-        support_rules[p] = _as_support_rule(support)
+        support_rules[p] = _as_support_rule(name, support)
         if plan is not None:
             plan_rules[p] = plan
         if plan_needed is not None:
@@ -203,6 +257,16 @@ def primitive(
         if inspect.signature(fn).return_annotation in (None, "None"):
             fake_rules[p] = lambda *a, **k: None  # writes `out` only: shapes are the caller's
             custom.register_fake(fake_rules[p])
+        else:  # until op.register_fake gives its shape rule, a trace says so (torch's error would blame the caller)
+
+            def missing(*args, **kwargs):
+                raise FgraphError(
+                    f"fgraph.primitive({name!r}) returns tensors but has no shape rule, so it cannot be traced",
+                    f"give it one: @{fn.__name__}.register_fake on a function of the same arguments returning empty "
+                    "tensors of the outputs' shapes",
+                )
+
+            custom.register_fake(missing)
         return op
 
     return register

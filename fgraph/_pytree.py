@@ -20,8 +20,13 @@ keystr = pytree.keystr
 
 def field(*, static: bool = False, **kwargs):
     """An attrs field; `static=True` puts its value in the treedef instead of the leaves."""
+    if not isinstance(static, bool):
+        raise FgraphError(f"fgraph.field(static={static!r}): static is a bool", "pass static=True or static=False")
     metadata = dict(kwargs.pop("metadata", {}) or {}, static=static)
-    return attrs.field(metadata=metadata, **kwargs)
+    try:
+        return attrs.field(metadata=metadata, **kwargs)
+    except TypeError as e:  # an option attrs.field does not take
+        raise FgraphError(f"fgraph.field: {e}", "fgraph.field takes static= and attrs.field's options") from None
 
 
 def _fields(cls):
@@ -36,6 +41,11 @@ def register(cls: type) -> type:
     """Register an attrs class or dataclass as a pytree node (usable as a class decorator)."""
     if cls in pytree.SUPPORTED_NODES:
         return cls
+    if not isinstance(cls, type) or not (attrs.has(cls) or dataclasses.is_dataclass(cls)):
+        raise FgraphError(
+            f"fgraph.register({cls!r}): expected an attrs class or a dataclass",
+            "register the class (not an instance); other types: torch.utils._pytree.register_pytree_node",
+        )
     names = _fields(cls)
     dynamic, static = [n for n, s in names if not s], [n for n, s in names if s]
     _RECORDS[cls] = (dynamic, static)

@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental import proxy_tensor as pt
 
-from ._errors import TraceError
+from ._errors import FgraphError, TraceError
 from ._pytree import tree_flatten
 from ._trace_errors import op_label
 
@@ -94,6 +94,10 @@ def repeated(fn: Callable) -> Callable:
     """`fn`, traced once per input signature under fgraph's tracing and copied for later calls (module docstring).
     For functions called many times with inputs of the same shapes, such as the layers of a model; `fn` must read
     tensors only through its arguments (checked) and return a pytree of tensors."""
+    if not callable(fn):
+        raise FgraphError(
+            f"fgraph.repeated: expected a function, got {fn!r}", "decorate the layer function: @fgraph.repeated"
+        )
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

@@ -9,6 +9,8 @@ others by their strides too where they are not contiguous (a trace can depend on
 from __future__ import annotations
 
 import bisect
+import functools
+import inspect
 import numbers
 from typing import Any, NamedTuple
 
@@ -57,6 +59,16 @@ class Batched:
                 "(tensor, size) -> tensor",
                 "Batched(pad=0) fills padded rows with zeros; see fgraph.Batched's docstring for the other two",
             )
+        if not isinstance(self.mixes, bool):
+            raise SignatureError(
+                f"Batched(mixes={self.mixes!r}): mixes is a bool",
+                "Batched(mixes=True) says the function combines rows along the axis on purpose",
+            )
+        if callable(self.pad) and not takes(self.pad, 2):
+            raise SignatureError(
+                f"Batched(pad={self.pad!r}): a pad callable is called as pad(tensor, size), which it cannot take",
+                "give a callable of two arguments returning the tensor padded to `size` along the axis",
+            )
         object.__setattr__(self, "fixed_tail", not callable(self.pad) and not ramp)
 
     def padded(self, x: torch.Tensor, size: int) -> torch.Tensor:
@@ -74,7 +86,14 @@ class Batched:
         if have == size:
             dst.copy_(x)
         elif callable(self.pad):
-            dst.copy_(self.pad(x, size))
+            got = self.pad(x, size)
+            if isinstance(got, torch.Tensor) and got.shape != dst.shape:
+                raise SignatureError(
+                    f"Batched(pad={getattr(self.pad, '__qualname__', self.pad)}) returned shape {list(got.shape)} "
+                    f"for {size} rows along axis {self.axis}, not the padded leaf's shape {list(dst.shape)}",
+                    "return the whole leaf padded: its rows, then the padded ones (size rows along the axis)",
+                )
+            dst.copy_(got)
         else:
             dst.narrow(self.axis, 0, have).copy_(x)
             tail = dst.narrow(self.axis, have, size - have)
@@ -113,6 +132,27 @@ class Batched:
 
     def real(self, x: torch.Tensor) -> int:
         return x.shape[self.axis] - self.extra
+
+
+def takes(fn, n: int) -> bool:
+    """Whether `fn` can be called with n positional arguments (a user's hook, checked where it is given)."""
+    try:
+        inspect.signature(fn).bind(*[None] * n)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): taken as it is
+        pass
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _holds(dtype: torch.dtype, pad) -> bool:
+    """Whether a leaf of `dtype` holds the fill value as given (nan, 1e30 or 0.5 in an int64 leaf does not)."""
+    try:
+        v = torch.full((), pad, dtype=dtype, device="cpu").item()
+    except (RuntimeError, TypeError, ValueError, OverflowError):
+        return False
+    return dtype.is_floating_point or dtype.is_complex or v == pad
 
 
 def default_buckets(max_size: int = 512) -> tuple[int, ...]:
@@ -219,6 +259,25 @@ def path_str(path) -> str:
     return f"{name}{pytree.keystr(rest)}"
 
 
+def check_leaves(fname: str, flat: list) -> None:
+    """What a signature can be made of: dense tensors (graphs read them by address and strides), and Python values,
+    which are keyed by value, so hashable."""
+    for p, x in flat:
+        if isinstance(x, torch.Tensor):
+            if x.layout is not torch.strided:
+                raise SignatureError(
+                    f"fgraph.jit({fname}): {path_str(p)} is a {str(x.layout).removeprefix('torch.')} tensor; fgraph "
+                    "traces and captures dense (strided) tensors",
+                    f"pass {path_str(p)}.to_dense()",
+                )
+        elif type(x).__hash__ is None:  # (tensors hash by identity)
+            raise SignatureError(
+                f"fgraph.jit({fname}): {path_str(p)}={x!r} is unhashable ({type(x).__name__}), and a "
+                "Python value that is not a tensor is part of the signature",
+                "pass a hashable value (ints or a tuple instead of a slice or a list), or a tensor",
+            )
+
+
 def batch_specs(
     fname: str, batch: dict[str, Any], dynamic: dict[str, Any], treespec: pytree.TreeSpec, leaves: list
 ) -> list[Batched | None]:
@@ -251,5 +310,46 @@ def pad_count(fname: str, paths, leaves, specs) -> int | None:
                 f"fgraph.jit({fname}): {path_str(path)} has shape {list(x.shape)}, expected a batch axis {spec.axis}",
                 "fix the leaf's shape or the Batched(axis=...)",
             )
+        if spec.real(x) < 0:
+            raise SignatureError(
+                f"fgraph.jit({fname}): {path_str(path)} has {x.shape[spec.axis]} rows along axis {spec.axis}, fewer "
+                f"than the {spec.extra} extra rows its Batched(extra={spec.extra}) declares",
+                "a leaf declared Batched(extra=E) holds N + E rows: pass at least E rows, or lower extra",
+            )
+        if spec.pad == "ramp" and x.numel() != x.shape[spec.axis]:
+            raise SignatureError(
+                f"fgraph.jit({fname}): {path_str(path)} has shape {list(x.shape)}, but Batched(pad='ramp') continues "
+                "a 1-D array of offsets along its axis",
+                "declare offsets as a 1-D tensor, or give a fill value or a callable pad for this leaf",
+            )
+        if spec.fixed_tail and spec.pad != 0 and not _holds(x.dtype, spec.pad):
+            raise SignatureError(
+                f"fgraph.jit({fname}): {path_str(path)} is {str(x.dtype).removeprefix('torch.')}, which cannot hold "
+                f"its Batched(pad={spec.pad!r}): the padded rows would not be filled with it",
+                "give a fill value of the leaf's dtype (an int for integer leaves, 0 or 1 for bool ones)",
+            )
         n = max(n or 0, spec.real(x))
     return n
+
+
+def device_of(fname: str, call) -> str:
+    """The signature's device: where its non-batched tensors live (batched inputs may come from the host)."""
+    devs = {}
+    for p, x, s in zip(call.paths, call.leaves, call.specs):
+        if isinstance(x, torch.Tensor) and s is None:
+            devs.setdefault(str(x.device) if x.device.type != "cuda" else f"cuda:{x.device.index or 0}", p)
+    if len(devs) > 1:
+        (d1, p1), (d2, p2) = sorted(devs.items())[:2]
+        raise SignatureError(
+            f"fgraph.jit({fname}): {path_str(p1)} is on {d1} but {path_str(p2)} is on {d2}",
+            "put params and state on one device (only Batched inputs may come from the host)",
+        )
+    tensors = [(p, x) for p, x in zip(call.paths, call.leaves) if isinstance(x, torch.Tensor)]
+    device = next(iter(devs)) if devs else str(tensors[0][1].device) if tensors else "cpu"
+    for p, x in tensors:  # batched rows are copied in from the host, never from another device
+        if x.device.type != "cpu" and x.device != torch.device(device):
+            raise SignatureError(
+                f"fgraph.jit({fname}): {path_str(p)} is on {x.device}, but the call runs on {device}",
+                f"put it on {device}, or on the host (Batched inputs may come from the host)",
+            )
+    return device

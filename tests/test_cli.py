@@ -2,10 +2,12 @@
 command line), and the traceback only under --debug; every numeric flag is checked before anything is built."""
 
 import os
+import shlex
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import fgraph
 from examples import generate
@@ -30,13 +32,18 @@ USAGE = {  # flags -> what the one line names
     "--device bogus": "--device: 'bogus' is not a device",
     "--prompt-ids 1,x": "--prompt-ids ['1,x']: not comma-separated integers",
     "--mode bogus": "--mode: invalid choice",
+    "--model ''": "--model: an empty path (an unset shell variable?)",  # not the embedded model, silently
+    "--mode EAGER --compile": "--compile with --mode EAGER: nothing is captured, so nothing would be compiled",
+    "--mode NONE --compile": "--compile with --mode NONE: nothing is captured",
+    "--num-prompts 99999999999": "--num-prompts 99999999999 x --prompt-len 16: more than 16777216 random prompt",
+    "--prompt-len 99999999999": "--num-prompts 4 x --prompt-len 99999999999: more than 16777216 random prompt",
 }
 
 
 @pytest.mark.parametrize("flags", list(USAGE))
 def test_a_bad_flag_is_a_usage_error_in_one_line(flags, capsys):
     with pytest.raises(SystemExit) as e:
-        generate.main(flags.split() + QUICK)
+        generate.main(QUICK + shlex.split(flags))
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and USAGE[flags] in err and "Traceback" not in err
 
@@ -49,6 +56,7 @@ RUNTIME = {  # flags -> what the one line names (errors found once the model is 
     "--backend bogus": "bogus",
     "--tp 3": "tensor parallelism over 3 ranks: 4 q heads, 2 KV heads and 512 MLP columns must split evenly",
     "--preset tiny-moe --tp 2": "tensor parallelism: MoEConfig is not supported",
+    "--moe-backend all2all": "--moe-backend all2all: tiny is a dense model (no experts)",
 }
 
 
@@ -60,6 +68,24 @@ def test_a_user_error_found_later_exits_1_in_one_line_and_raises_under_debug(fla
     assert e.value.code == 1 and err.count("\n") == 1 and RUNTIME[flags] in err and "Traceback" not in err
     with pytest.raises(fgraph.FgraphError):
         generate.main(flags.split() + QUICK + ["--num-prompts", "1", "--debug"])
+
+
+@pytest.mark.parametrize(
+    "gpus, flags, says",
+    [
+        (1, "--tp 2", "--tp 2: 1 CUDA device(s) here, one per rank is needed"),
+        (2, "--tp 2 --device cuda:1", "--device cuda:1 with --tp 2: each rank takes its own GPU (pass --device cuda)"),
+    ],
+)
+def test_tensor_parallelism_on_gpus_that_cannot_hold_it_is_a_usage_error(gpus, flags, says, monkeypatch, capsys):
+    """Spawned ranks take a GPU each (rank r: cuda:r): found before any rank starts, not as a CUDA error in one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        generate.parse_args(flags.split())
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and says in err
 
 
 def test_temperature_zero_is_greedy_and_greedy_wins():

@@ -3,6 +3,8 @@
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fgraph
 from fgraph import Batched, CaptureError, SignatureError, TraceError
@@ -60,10 +62,92 @@ def test_an_argument_cannot_be_both_static_and_donated():
         fgraph.jit(toys.step, static=["routine", "state"], donate=["state"])
 
 
-@pytest.mark.parametrize("pad", ["zeros", None, [0]])
-def test_pad_is_a_fill_value_ramp_or_a_callable(pad):
-    with pytest.raises(SignatureError, match=r"pad must be a number \(the fill value\), \"ramp\" or a callable"):
-        Batched(pad=pad)
+BAD_OPTIONS = [  # fgraph.jit(toys.step, **options) -> what its SignatureError says
+    ({"static": 3}, r"static=3 is neither a name nor a list of names\nFix: pass static=\['name', ...\]"),
+    ({"donate_argnames": 3}, r"donate_argnames=3 is neither a name nor a list of names"),
+    ({"scratch": 3}, r"scratch=3 is neither a name nor a list of names"),
+    ({"breaks": 3}, r"breaks=3 is neither a name nor a list of names"),
+    (
+        {"batch": ["batch"]},
+        r"batch=\['batch'\] is not a dict of argument names\nFix: pass batch=\{\"x\": fgraph.Batched",
+    ),
+    ({"batch": Batched()}, r"batch=Batched\(axis=0.*\) is not a dict of argument names"),
+    ({"batch": {"batch": 3}}, r"batch=\{'batch': 3\}: 3 is neither a Batched nor None"),
+    ({"batch": {"batch": {"x": "rows"}}}, r"batch=\{'batch': \{'x': 'rows'\}\}: it holds 'rows', which is neither a"),
+    ({"static": ["routine"], "batch": {"routine": Batched()}}, r"'routine' is named in both static= and batch="),
+    ({"buckets": 8}, r"buckets=8 is not a list of sizes\nFix: give buckets=\[1, 2, 4, ...\]"),
+    ({"buckets": ["8", 4]}, r"buckets=\['8', 4\]\nFix: give positive integer sizes"),
+    ({"buckets": [None, 4]}, r"buckets=\[None, 4\]\nFix: give positive integer sizes"),
+    ({"buckets": [True]}, r"buckets=\[True\]\nFix: give positive integer sizes"),
+    ({"buckets": [0, 4]}, r"buckets=\[0, 4\]\nFix: give positive integer sizes"),
+    ({"buckets": []}, r"buckets=\[\] leaves no size to pad a call to"),
+    ({"mode": "PIECEWIS"}, r"unknown mode 'PIECEWIS'"),
+    ({"strict": "yes"}, r"strict='yes' is not a bool\nFix: pass strict=True or False"),
+    ({"copy_outputs": "no"}, r"copy_outputs='no' is not a bool"),  # truthy: it would have copied
+    ({"routine": "phase"}, r"routine='phase' is not a parameter of step\(params, state, batch, routine='decode'"),
+    ({"warmups": "2"}, r"warmups='2' is not a count\nFix: pass a non-negative int"),
+    ({"warmups": -1}, r"warmups=-1 is not a count"),
+    ({"compile": {"coordinate_descent_tuning": "yes"}}, r"Inductor's coordinate_descent_tuning takes a bool"),
+    ({"statik": ["routine"]}, r"fgraph.jit: unknown option 'statik' \(did you mean 'static'\?\)"),
+]
+
+
+@pytest.mark.parametrize("options, says", BAD_OPTIONS, ids=[str(o) for o, _ in BAD_OPTIONS])
+def test_a_bad_option_is_a_signature_error_naming_it(options, says):
+    with pytest.raises(SignatureError, match=says):
+        fgraph.jit(toys.step, **options)
+
+
+def test_a_misspelt_option_fails_the_decorator_itself():
+    with pytest.raises(SignatureError, match=r"unknown option 'donate_args' \(did you mean 'donate_argnames'\?\)"):
+        fgraph.jit(donate_args=["state"])
+
+
+def test_options_that_take_names_take_one_name_too():
+    f = fgraph.jit(toys.step, static="routine", donate="state", scratch="state", breaks="toy_scale", buckets=(8, 4, 8))
+    assert (f.static, f.scratch, f.breaks, f.buckets) == (("routine",), ("state",), ["toy_scale"], (4, 8))
+
+
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 600),
+    st.floats(),
+    st.text(max_size=6),
+    st.sampled_from(["routine", "state", "batch", "toy_scale", "decode", "full", Batched(), fgraph.Mode.FULL]),
+    st.lists(st.one_of(st.integers(-2, 600), st.sampled_from(["routine", "state", "batch", "x"])), max_size=3),
+    st.dictionaries(
+        st.sampled_from(["batch", "state", "routine", "debug"]),
+        st.one_of(st.just(Batched()), st.none(), st.integers()),
+        max_size=2,
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(fgraph._jit._OPTIONS + ("statics",)), JUNK, max_size=4))
+def test_any_declaration_makes_a_function_or_a_signature_error(options):
+    try:
+        fgraph.jit(toys.step, **options)
+    except SignatureError:
+        pass
+
+
+BAD_BATCHED = [  # Batched(**kw) -> what its SignatureError says
+    ({"pad": "zeros"}, r"pad must be a number \(the fill value\), \"ramp\" or a callable"),
+    ({"pad": None}, r"pad must be a number \(the fill value\), \"ramp\" or a callable"),
+    ({"pad": [0]}, r"pad must be a number \(the fill value\), \"ramp\" or a callable"),
+    ({"axis": -1}, r"Batched\(axis=-1, extra=0\): both must be non-negative ints"),
+    ({"extra": 1.5}, r"Batched\(axis=0, extra=1.5\): both must be non-negative ints"),
+    ({"mixes": "yes"}, r"Batched\(mixes='yes'\): mixes is a bool"),
+    ({"pad": lambda x: x}, r"a pad callable is called as pad\(tensor, size\), which it cannot take"),
+]
+
+
+@pytest.mark.parametrize("kw, says", BAD_BATCHED, ids=[str(k) for k, _ in BAD_BATCHED])
+def test_a_bad_batched_is_a_signature_error(kw, says):
+    with pytest.raises(SignatureError, match=says):
+        Batched(**kw)
 
 
 def checked(x, table):
@@ -292,9 +376,10 @@ def test_never_capturable_primitive_kept_inside_a_graph():
         f(torch.ones(3, 2))
 
 
-def test_explain_of_a_plain_function():
-    with pytest.raises(TypeError, match=r"expected a function made by fgraph.jit"):
-        fgraph.explain(toys.step)
+@pytest.mark.parametrize("what", [toys.step, None, 3, jitted().capture])
+def test_explain_of_what_is_not_a_jitted_function(what):
+    with pytest.raises(fgraph.FgraphError, match=r"expected a function made by fgraph.jit, got \w+\nFix: wrap it"):
+        fgraph.explain(what)
 
 
 def test_host_tensor_inside_a_device_signature():
@@ -312,3 +397,198 @@ def test_host_tensor_inside_a_device_signature():
         r"Fix: create it on the device",
     ):
         g(torch.ones(3, 2), {"w": torch.ones(2, 2, device="meta")})
+
+
+def padded(spec, x, y=None, params=None):
+    """A call of a jitted function of the batched leaves x and y (and unbatched params)."""
+    batch = {"x": spec} if y is None else {"x": spec, "y": spec}
+    return fgraph.jit(lambda x, y=None, p=None: x * 2, batch=batch, buckets=[4])(x, y, p=params)
+
+
+BAD_CALLS = {  # a call -> what its SignatureError says
+    "fewer rows than extra": (
+        lambda: padded(Batched(extra=5), torch.ones(3)),
+        r"x has 3 rows along axis 0, fewer than the 5 extra rows its Batched\(extra=5\) declares",
+    ),
+    "ramp of a 2-D leaf": (
+        lambda: padded(Batched(pad="ramp"), torch.ones(3, 2)),
+        r"x has shape \[3, 2\], but Batched\(pad='ramp'\) continues a 1-D array of offsets along its axis",
+    ),
+    "a fill value the dtype cannot hold": (
+        lambda: padded(Batched(pad=float("nan")), torch.ones(3, dtype=torch.int32)),
+        r"x is int32, which cannot hold its Batched\(pad=nan\)",
+    ),
+    "a pad callable's wrong shape": (
+        lambda: padded(Batched(pad=lambda t, size: torch.zeros(2)), torch.ones(3)),
+        r"Batched\(pad=.*<lambda>\) returned shape \[2\] for 4 rows along axis 0, not the padded leaf's shape \[4\]",
+    ),
+    "a sparse tensor": (
+        lambda: padded(Batched(), torch.ones(3).to_sparse()),
+        r"x is a sparse_coo tensor; fgraph traces and captures dense \(strided\) tensors\nFix: pass x.to_dense\(\)",
+    ),
+    "batched leaves on two devices": (
+        lambda: padded(Batched(), torch.ones(3), torch.ones(3, device="meta")),
+        r"y is on meta, but the call runs on cpu\nFix: put it on cpu, or on the host",
+    ),
+    "a batched leaf on another device than the params": (
+        lambda: padded(Batched(), torch.ones(3, device="meta"), params=torch.ones(1)),
+        r"x is on meta, but the call runs on cpu",
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(BAD_CALLS))
+def test_a_call_that_does_not_fit_is_a_signature_error(call):
+    fn, says = BAD_CALLS[call]
+    with pytest.raises(SignatureError, match=says):
+        fn()
+
+
+ANY_VALUE = st.one_of(
+    st.none(),
+    st.integers(-1, 3),
+    st.floats(-2, 2, width=32),
+    st.text(max_size=2),
+    st.lists(st.integers(0, 2), max_size=2),
+    st.builds(
+        torch.ones,
+        st.lists(st.integers(0, 9), max_size=3).map(tuple),
+        dtype=st.sampled_from([torch.float32, torch.float64, torch.int64, torch.bool]),
+    ),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(["params", "params.w", "state", "state.count", "batch", "batch.x", "routine", "breaks"]), ANY_VALUE
+)
+def test_a_call_with_any_wrong_value_fails_as_eager_does_or_with_an_fgraph_error(where, value):
+    """Eager is the oracle: where it raises, the jitted call raises that exception (the function's own) or an
+    fgraph error, or fgraph said at trace time that padding is visible (`x @ w` of a 1-D x is valid at the bucket's
+    8 rows only: eager refuses 1 row, the padded call does not); where eager returns, the jitted call returns the
+    same or raises an fgraph error."""
+
+    def arguments():
+        params, state, batch = make()
+        kw = {"params": params, "state": state, "batch": batch, "routine": "decode", "breaks": 2}
+        top, _, key = where.partition(".")
+        if key:
+            kw[top] = {**kw[top], key: value}
+        else:
+            kw[top] = value
+        return kw
+
+    try:
+        with fgraph.disable_jit():
+            want = toys.step(**arguments())
+    except Exception as e:
+        want = e
+    f = jitted(buckets=[8], mode="PIECEWISE")
+    try:
+        got = f(**arguments())
+    except fgraph.FgraphError:
+        return
+    except Exception as e:
+        assert type(e) is type(want), f"eager: {want!r}, jitted: {e!r}"
+        return
+    visible = any(k[0] == "padding" for k in f._logged)  # (logged once per place: fgraph/_padding.py)
+    assert visible or not isinstance(want, Exception), f"eager raised {want!r}, the jitted call returned"
+    if visible:
+        return
+    torch.testing.assert_close(got[0], want[0])
+
+
+def test_capture_refuses_what_it_could_not_use():
+    f = jitted(buckets=[4, 8])
+    params, state, batch = make()
+    bad = {  # capture(..., **kw) -> what its SignatureError says
+        "buckets=[16]": ({"buckets": [16]}, r"capture: buckets \[16\] are not among step's buckets \[4, 8\], so no"),
+        "buckets=8": ({"buckets": 8}, r"capture: buckets=8 is not a list of sizes"),
+        "buckets=[0]": ({"buckets": [0]}, r"capture: buckets=\[0\]\nFix: give positive integer sizes"),
+        "buckets=[]": ({"buckets": []}, r"capture: buckets=\[\] leaves no size to pad a call to"),
+        "routine=[]": ({"routine": []}, r"capture: routine=\[\] gives no value to capture, so nothing would be"),
+        "an unknown keyword": ({"rotuine": ["decode"]}, r"got an unexpected keyword argument 'rotuine'"),
+    }
+    for kw, says in bad.values():
+        with pytest.raises(SignatureError, match=says):
+            f.capture(params, state, batch, progress=False, **kw)
+    with pytest.raises(SignatureError, match=r"static argument routine=\['decode'\] is passed by position, where"):
+        f.capture(params, state, batch, ["decode"], progress=False)
+    assert not f.sealed and not f.entries
+
+
+_names = iter(f"fz_bad{i}" for i in range(1000))
+
+
+def out_only(out: torch.Tensor, x: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+BAD_PRIMITIVES = {  # fgraph.primitive(...) of `out_only` (or of what it decorates) -> what its FgraphError says
+    "a name taken": (lambda: fgraph.primitive("toy_scale")(out_only), r"'toy_scale'\): a primitive of this name is"),
+    "no name": (lambda: fgraph.primitive(out_only), r"the first argument is the primitive's name, got <function"),
+    "a class decorated": (lambda: fgraph.primitive(next(_names))(int), r"decorates <class 'int'>, which is not a Py"),
+    "a name that is no identifier": (lambda: fgraph.primitive("my-op")(out_only), r"is not a Python identifier"),
+    "a support string": (
+        lambda: fgraph.primitive(next(_names), support="ALWAYS")(out_only),
+        r"support='ALWAYS' is neither a fgraph.Support nor a rule of one argument",
+    ),
+    "a plan that is no function": (
+        lambda: fgraph.primitive(next(_names), plan=True)(out_only),
+        r"plan=True is not a function of one argument",
+    ),
+    "no annotations": (
+        lambda: fgraph.primitive(next(_names))(lambda out, x: None),
+        r"torch cannot make an op of <lambda>\(out, x\): .*Parameter out must have a type annotation",
+    ),
+    "mutates_args naming no parameter": (
+        lambda: fgraph.primitive(next(_names), mutates_args=["outt"])(out_only),
+        r"torch cannot make an op of out_only\(out: torch.Tensor, x: torch.Tensor\) -> None: .*outt",
+    ),
+    "a support rule returning junk": (
+        lambda: padded_through(fgraph.primitive(next(_names), support=lambda args: "never")(out_only)),
+        r"its support rule returned 'never' for arguments \{\}\nFix: return a fgraph.Support",
+    ),
+    "a tensor result without a shape rule": (
+        lambda: padded_through(fgraph.primitive(next(_names))(returns)),
+        r"returns tensors but has no shape rule, so it cannot be traced\nFix: give it one: @returns.register_fake",
+    ),
+}
+
+
+def returns(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def padded_through(op):
+    """A FULL-mode call of a function around the break `op`."""
+
+    def fn(x):
+        o = torch.empty_like(x)
+        r = op(o, x)
+        return o if r is None else r
+
+    return fgraph.jit(fn, batch={"x": Batched()}, mode="FULL", buckets=[4])(torch.ones(3))
+
+
+@pytest.mark.parametrize("case", list(BAD_PRIMITIVES))
+def test_a_primitive_set_up_wrongly_is_an_fgraph_error(case):
+    fn, says = BAD_PRIMITIVES[case]
+    with pytest.raises(fgraph.FgraphError, match=says):
+        fn()
+
+
+def test_switches_and_helpers_given_the_wrong_kind():
+    with pytest.raises(fgraph.FgraphError, match=r"fgraph.config has no switch 'max_signaturs'\nFix: the switches"):
+        fgraph.config.max_signaturs = 8
+    with pytest.raises(fgraph.FgraphError, match=r"config.max_signatures = '8': max_signatures is a count"):
+        fgraph.config.max_signatures = "8"
+    with pytest.raises(fgraph.FgraphError, match=r"config.log_captures = 1: log_captures is a bool"):
+        fgraph.config.log_captures = 1
+    with pytest.raises(fgraph.FgraphError, match=r"fgraph.repeated: expected a function, got None"):
+        fgraph.repeated(None)
+    with pytest.raises(fgraph.FgraphError, match=r"fgraph.field\(static='yes'\): static is a bool"):
+        fgraph.field(static="yes")
+    with pytest.raises(fgraph.FgraphError, match=r"fgraph.register\(Batched\(.*\)\): expected an attrs class or a"):
+        fgraph.register(Batched())
+    assert fgraph.config.max_signatures == 64 and fgraph.config.log_captures is False
