@@ -18,8 +18,6 @@ import torch
 # config.json is read in hf_config; its names stay importable from here, the loader's public module
 from .hf_config import (  # noqa: F401
     ARCHITECTURES,
-    LLAMA_DEFAULTS,
-    MIXTRAL_DEFAULTS,
     CheckpointError,
     architecture,
     llama_config,
