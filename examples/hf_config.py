@@ -71,6 +71,7 @@ class Family:
     theta: float = 1e4  # rope_theta (transformers' default_theta)
     eps: float = 1e-6  # rms_norm_eps
     kv_heads: int | None = None  # num_key_value_heads left out; None: num_attention_heads
+    kv_null: bool = True  # num_key_value_heads null means the heads (else transformers fails on it)
     max_pos: int = 2048  # max_position_embeddings
     qkv_bias: bool = False  # q/k/v biases (o_proj never has one here)...
     qkv_bias_key: str | None = None  # ...unless this key says otherwise (Qwen2-MoE's `qkv_bias`)
@@ -80,16 +81,24 @@ class Family:
     # is on and config.json has no `layer_types` list (Qwen2, Qwen2-MoE)
     windowed: Callable[[int, int, object], bool] | str | None = None
     window: int | None = None  # sliding_window left out
+    mask_always: bool = False  # builds a sliding-window mask whatever the layers (Qwen2-MoE): it fails on a null window
 
 
 FAMILIES = {
     "LlamaForCausalLM": Family(refused_biases=("attention_bias", "mlp_bias")),
-    "MistralForCausalLM": Family(kv_heads=8, max_pos=131072, windowed="all", window=4096),
+    "MistralForCausalLM": Family(kv_heads=8, kv_null=False, max_pos=131072, windowed="all", window=4096),
     "Qwen2ForCausalLM": Family(kv_heads=32, max_pos=32768, qkv_bias=True, windowed=_qwen2_windowed, window=4096),
     "Qwen2MoeForCausalLM": Family(
-        kv_heads=16, max_pos=32768, qkv_bias=True, qkv_bias_key="qkv_bias", windowed=_qwen2_moe_windowed, window=4096
+        kv_heads=16,
+        kv_null=False,
+        max_pos=32768,
+        qkv_bias=True,
+        qkv_bias_key="qkv_bias",
+        windowed=_qwen2_moe_windowed,
+        window=4096,
+        mask_always=True,
     ),
-    "MixtralForCausalLM": Family(theta=1e6, eps=1e-5, kv_heads=8, max_pos=131072, windowed="all"),
+    "MixtralForCausalLM": Family(theta=1e6, eps=1e-5, kv_heads=8, kv_null=False, max_pos=131072, windowed="all"),
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -162,24 +171,28 @@ def check_windows(k: Keys, fam: Family, n_layers: int, max_pos: int) -> None:
     full. A window of at least max_position_embeddings never does (examples.engine serves no longer sequence)."""
     if fam.windowed is None:
         return
-    if fam.windowed == "all":
+    types = k.c.get("layer_types")  # transformers 5 writes it; its KV cache is sliding where it says so
+    if types is not None and (not isinstance(types, list) or not set(types) <= {"full_attention", "sliding_attention"}):
+        raise k.error(f"layer_types={types!r} is not supported (only full_attention and sliding_attention)")
+    sliding = [i for i, t in enumerate((types or [])[:n_layers]) if t == "sliding_attention"]
+    if fam.windowed == "all":  # the window masks every layer; sliding layers without one fail in transformers
         window = k.c.get("sliding_window", fam.window)
-        layers = list(range(n_layers)) if window is not None else []
+        layers = list(range(n_layers)) if window is not None else sliding
     else:
         on = k.flag("use_sliding_window")
         # without use_sliding_window, Qwen2 sets the window to None (its sliding layers then fail), Qwen2-MoE to 0
         window = k.c.get("sliding_window", fam.window) if on else None
-        types = k.c.get("layer_types")
-        if types is None:  # transformers 4's configs: from max_window_layers (transformers 5 writes the list)
+        if on and window is None and fam.mask_always:
+            raise k.error(
+                "sliding_window=None with use_sliding_window=True is not supported (transformers fails on it)",
+                "set use_sliding_window to false in config.json, or give the window",
+            )
+        layers = sliding
+        if types is None:  # transformers 4's configs: the layers follow from max_window_layers
             m = k.c.get("max_window_layers", 28)
             if isinstance(m, bool) or not isinstance(m, int):
                 raise k.error(f"max_window_layers={m!r} is not an integer")
-            types = [
-                "sliding_attention" if on and fam.windowed(i, m, window) else "full_attention" for i in range(n_layers)
-            ]
-        if not isinstance(types, list) or not set(types) <= {"full_attention", "sliding_attention"}:
-            raise k.error(f"layer_types={types!r} is not supported (only full_attention and sliding_attention)")
-        layers = [i for i, t in enumerate(types[:n_layers]) if t == "sliding_attention"]
+            layers = [i for i in range(n_layers) if on and fam.windowed(i, m, window)]
     if layers and (isinstance(window, bool) or not isinstance(window, int) or window < max_pos):
         raise k.error(
             f"sliding_window={window!r} is not supported on layers {layers} (sliding-window attention is not "
@@ -202,7 +215,7 @@ def llama_config(c: dict, where: str, arch: str) -> LlamaConfig:
             )
     heads = k.positive("num_attention_heads")
     kv = c.get("num_key_value_heads", fam.kv_heads)
-    kv = heads if kv is None else k.positive("num_key_value_heads", kv)  # null: transformers takes the heads
+    kv = heads if kv is None and fam.kv_null else k.positive("num_key_value_heads", kv)
     if heads % kv:
         raise k.error(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
     n_layers, max_pos = k.positive("num_hidden_layers"), k.positive("max_position_embeddings", fam.max_pos)
