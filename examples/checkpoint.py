@@ -29,15 +29,31 @@ from .llama import Layer, LlamaConfig, Params
 
 
 def dtype_of(dtype, model_dir: str) -> torch.dtype:
-    """A torch dtype from a dtype, its name, or None (the checkpoint's own dtype)."""
-    if dtype is None:  # the checkpoint's own dtype ("torch_dtype" before transformers 5)
+    """A torch dtype from a dtype, its name, or None: the checkpoint's own, as transformers' dtype="auto" reads it
+    (config.json's `dtype`, else its `torch_dtype`, else the first float tensor's in the weights)."""
+    if dtype is None:
         c = read_json(os.path.join(model_dir, "config.json"))
-        dtype = c.get("dtype") or c.get("torch_dtype") or "bfloat16"
+        dtype = c.get("dtype") or c.get("torch_dtype") or weights_dtype(model_dir) or "bfloat16"
     if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise CheckpointError(f"unknown dtype {dtype!r}", "use float32, bfloat16 or float16")
-        dtype = getattr(torch, dtype)
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"dtype {dtype!r} is not a float dtype torch has", "use float32, bfloat16 or float16")
     return dtype
+
+
+# safetensors' names of the float dtypes
+SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def weights_dtype(model_dir: str) -> torch.dtype | None:
+    """The dtype of the first float tensor of the first *.safetensors file (read from its header), or None."""
+    paths = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not paths:
+        return None
+    with _safe_open(paths[0]) as f:
+        return next(
+            (SAFETENSORS_FLOATS[t] for n in f.keys() if (t := f.get_slice(n).get_dtype()) in SAFETENSORS_FLOATS), None
+        )
 
 
 def _safe_open(path: str, device: str = "cpu"):
