@@ -76,7 +76,8 @@ class Family:
     qkv_bias: bool = False  # q/k/v biases (o_proj never has one here)...
     qkv_bias_key: str | None = None  # ...unless this key says otherwise (Qwen2-MoE's `qkv_bias`)
     refused_biases: tuple[str, ...] = ()  # bias keys it reads that the models here lack (Llama's: o_proj, MLP)
-    # sliding windows: None: `sliding_window` is ignored; "all": it applies to every layer whenever it is set
+    # which layers have a sliding window: None: those `layer_types` names (its KV cache keeps only the window
+    # there; Llama's attention ignores `sliding_window`); "all": every one whenever `sliding_window` is set
     # (Mistral, Mixtral); else (i, max_window_layers, window) -> whether layer i has it, when `use_sliding_window`
     # is on and config.json has no `layer_types` list (Qwen2, Qwen2-MoE)
     windowed: Callable[[int, int, object], bool] | str | None = None
@@ -169,15 +170,13 @@ def _rope(k: Keys, fam: Family, max_pos: int, d: dict) -> tuple[float, RopeScali
 def check_windows(k: Keys, fam: Family, n_layers: int, max_pos: int) -> None:
     """Refuses a sliding window, as transformers reads it, that can hide a key from a query: attention here is
     full. A window of at least max_position_embeddings never does (examples.engine serves no longer sequence)."""
-    if fam.windowed is None:
-        return
     types = k.c.get("layer_types")  # transformers 5 writes it; its KV cache is sliding where it says so
     if types is not None and (not isinstance(types, list) or not set(types) <= {"full_attention", "sliding_attention"}):
         raise k.error(f"layer_types={types!r} is not supported (only full_attention and sliding_attention)")
     sliding = [i for i, t in enumerate((types or [])[:n_layers]) if t == "sliding_attention"]
-    if fam.windowed == "all":  # the window masks every layer; sliding layers without one fail in transformers
+    if not callable(fam.windowed):  # sliding layers without a window fail in transformers
         window = k.c.get("sliding_window", fam.window)
-        layers = list(range(n_layers)) if window is not None else sliding
+        layers = list(range(n_layers)) if fam.windowed == "all" and window is not None else sliding
     else:
         on = k.flag("use_sliding_window")
         # without use_sliding_window, Qwen2 sets the window to None (its sliding layers then fail), Qwen2-MoE to 0

@@ -230,11 +230,13 @@ def unsupported(arch: str, c) -> list[str]:
     rope = c.rope_parameters
     if rope["rope_type"] not in IMPLEMENTED_ROPE:
         why.append(rope["rope_type"])
-    windowed = arch.startswith("Qwen2") and "sliding_attention" in c.layer_types  # Llama has no windows
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
-        windowed = c.sliding_window is not None
+    # the layers `layer_types` names get a KV cache that keeps only the window (transformers' cached decode then
+    # differs from its full forward, which is what the steps here are compared with), in every architecture
+    windowed = "sliding_attention" in (getattr(c, "layer_types", None) or [])
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # their mask has the window on every layer
+        windowed = windowed or c.sliding_window is not None
     # a window no shorter than the longest sequence the model serves (the engine's cap) never hides a key
-    if windowed and not (c.sliding_window or 0) >= c.max_position_embeddings:
+    if windowed and not (getattr(c, "sliding_window", None) or 0) >= c.max_position_embeddings:
         why.append("sliding_window")
     return why
 
@@ -373,6 +375,10 @@ FOUND = {
     "mixtral-kv-heads-null": (
         case("MixtralForCausalLM", edit=dict(set={"num_key_value_heads": None})),
         r"num_key_value_heads=None is not a positive integer",
+    ),
+    "llama-sliding-layer-types-without-a-window": (
+        case("LlamaForCausalLM", edit=dict(set={"layer_types": ["sliding_attention", "full_attention"]})),
+        r"sliding_window=None is not supported on layers \[0\]",
     ),
     "qwen2moe-kv-heads-null": (
         case("Qwen2MoeForCausalLM", edit=dict(set={"num_key_value_heads": None})),
