@@ -237,8 +237,9 @@ def llama_config(c: dict, where: str, arch: str) -> LlamaConfig:
     )
 
 
-# The dense architectures (examples/qwen2_moe.py has the MoE ones); every one loads into Params.
-ARCHITECTURES = {a: FAMILIES[a] for a in ("LlamaForCausalLM", "Qwen2ForCausalLM")}
+# The dense architectures (examples/qwen2_moe.py has the MoE ones); every one loads into Params. Mistral is Llama
+# without biases, with a sliding window whenever `sliding_window` is set (refused unless it covers the context).
+ARCHITECTURES = {a: FAMILIES[a] for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")}
 
 
 def read_json(path: str) -> dict:

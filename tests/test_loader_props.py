@@ -37,7 +37,7 @@ MODELS = {
     "Qwen2MoeForCausalLM": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig),
     "MixtralForCausalLM": (transformers.MixtralForCausalLM, transformers.MixtralConfig),
 }
-ACCEPTED = {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"}
+ACCEPTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"}
 IMPLEMENTED_ROPE = ("default", "linear", "llama3")
 # Keys a config.json may leave out (transformers then takes its class default; so must we)
 OPTIONAL = (
@@ -417,13 +417,26 @@ FOUND = {
 }
 
 
+# Mistral loads since the property: Llama without biases, with a window on every layer whenever one is set
+MISTRAL = {
+    "mistral-without-a-window": (case("MistralForCausalLM", sliding_window=None), None),
+    # transformers' 4096 when left out: no shorter than this context
+    "mistral-window-left-out": (case("MistralForCausalLM", edit=dict(drop=["sliding_window"])), None),
+    "mistral-head-dim-of-its-own": (case("MistralForCausalLM", head_dim=16, sliding_window=None), None),  # as Nemo's
+    "mistral-window-shorter-than-the-context": (
+        case("MistralForCausalLM", sliding_window=8),
+        r"sliding_window=8 is not supported on layers \[0, 1\]",
+    ),
+}
+
+
 def test_the_accepted_architectures_are_the_loaders():
     assert ACCEPTED == set(checkpoint.ARCHITECTURES) | set(qwen2_moe.ARCHITECTURES)
 
 
-@pytest.mark.parametrize("name", list(FOUND))
-def test_what_the_property_found(name):
-    checkpoint_case, refusal = FOUND[name]
+@pytest.mark.parametrize("name", [*FOUND, *MISTRAL])
+def test_pinned_checkpoints(name):
+    checkpoint_case, refusal = {**FOUND, **MISTRAL}[name]
     outcome, message = check(checkpoint_case)  # the property's own assertions, then the expected outcome
     assert outcome == ("match" if refusal is None else "refused"), message
     if refusal is not None:
