@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, reject, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from examples import checkpoint, llama, qwen2_moe  # noqa: E402
-from tests.hf import save_tiny  # noqa: E402
+from tests.hf import NO_SPECIAL_TOKENS, save_tiny  # noqa: E402
 from tests.test_models import assert_steps_match_hf  # noqa: E402
 
 # architecture -> (transformers model class, its config class)
@@ -115,9 +115,7 @@ def checkpoints(draw) -> dict:
         tie_word_embeddings=draw(st.booleans()),
         hidden_act=draw(st.sampled_from(["silu"] * 8 + ["swish", "gelu"])),
         rope_parameters=draw(rope(head_dim or hidden // heads, max_pos)),
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
+        **NO_SPECIAL_TOKENS,
     )
     if head_dim is not None:
         c["head_dim"] = head_dim
@@ -305,9 +303,7 @@ BASE = dict(
     intermediate_size=32,
     vocab_size=VOCAB,
     max_position_embeddings=32,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
+    **NO_SPECIAL_TOKENS,
 )
 MOE = {
     "Qwen2MoeForCausalLM": dict(
