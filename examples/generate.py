@@ -2,8 +2,8 @@
 
 With neither --model nor --preset it runs an embedded tiny random model (preset "tiny"), so it works on a
 fresh CPU machine in seconds; on a GPU it uses CUDA, bf16 and captured graphs. A --model directory is loaded
-by its architecture: Llama/Qwen2 (examples/checkpoint.py) or Qwen2-MoE/Mixtral (examples/qwen2_moe.py), and
---preset takes the presets of both. --tp N runs N tensor-parallel ranks (examples/tp.py), one process each:
+by its architecture: Llama/Qwen2/Mistral (examples/checkpoint.py) or Qwen2-MoE/Mixtral (examples/qwen2_moe.py),
+and --preset takes the presets of both. --tp N runs N tensor-parallel ranks (examples/tp.py), one process each:
 spawned here, or the processes of `torchrun --nproc-per-node N -m examples.generate --tp N`. Examples:
 
   python -m examples.generate --json

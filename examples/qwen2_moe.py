@@ -24,7 +24,7 @@ import fgraph
 from fgraph.ops import attention as A
 from fgraph.ops.moe import MoEWeights, moe
 
-from . import checkpoint, engine, llama
+from . import checkpoint, engine, hf_config, llama
 from .layers import gated_mlp, rope_inv_freq
 
 
@@ -194,13 +194,14 @@ def build(cfg: MoEConfig, params: llama.Params, **kw) -> engine.Engine:
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-# architecture -> (MoE block prefix, names of expert i's gate/up/down, router, config keys, fixed options)
+# architecture -> (MoE block prefix, names of expert i's gate/up/down, router, experts key); the attention part of
+# each is read by hf_config's family of the same name
 ARCHITECTURES = {
     "Qwen2MoeForCausalLM": dict(
-        block="mlp", expert=("gate_proj", "up_proj", "down_proj"), router="gate", experts="num_experts", qkv_bias=True
+        block="mlp", expert=("gate_proj", "up_proj", "down_proj"), router="gate", experts="num_experts"
     ),
     "MixtralForCausalLM": dict(
-        block="block_sparse_moe", expert=("w1", "w3", "w2"), router="gate", experts="num_local_experts", qkv_bias=False
+        block="block_sparse_moe", expert=("w1", "w3", "w2"), router="gate", experts="num_local_experts"
     ),
 }
 
@@ -215,39 +216,30 @@ def read_config(model_dir: str, moe_backend: str = "local") -> MoEConfig:
             f"{path}: architecture {arch!r} is not a supported MoE",
             f"supported: {', '.join(sorted(ARCHITECTURES))} (dense ones: examples.checkpoint)",
         )
-    a = ARCHITECTURES[arch]
+    a, k = ARCHITECTURES[arch], hf_config.Keys(c, path)
     qwen = arch.startswith("Qwen2Moe")
-    base = checkpoint.llama_config(
-        dict(c, intermediate_size=c.get("intermediate_size") or 1),
-        path,
-        qkv_bias=a["qkv_bias"] and c.get("qkv_bias", True),
-        defaults=checkpoint.LLAMA_DEFAULTS if qwen else checkpoint.MIXTRAL_DEFAULTS,
-    )
-    for key in (a["experts"], "num_experts_per_tok", "moe_intermediate_size" if qwen else "intermediate_size"):
+    # Mixtral's intermediate_size is its experts'; Qwen2-MoE's that of its dense layers (none, maybe): read below
+    base = checkpoint.llama_config(dict(c, intermediate_size=c.get("intermediate_size") or 1), path, arch)
+    experts = a["experts"]
+    for key in (experts, "num_experts_per_tok", "moe_intermediate_size" if qwen else "intermediate_size"):
         if not isinstance(c.get(key), int) or isinstance(c[key], bool):
-            raise checkpoint.CheckpointError(
-                f"{path}: key {key!r} is missing or not an integer", "use the config.json saved with the checkpoint"
-            )
-    if c["num_experts_per_tok"] > c[a["experts"]] and c[a["experts"]] > 0:
-        raise checkpoint.CheckpointError(
-            f"{path}: num_experts_per_tok={c['num_experts_per_tok']} is more than the {c[a['experts']]} experts",
-            "fix config.json",
-        )
-    step, only = (c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []) if qwen else (1, [])
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise checkpoint.CheckpointError(f"{path}: decoder_sparse_step={step!r} is not a positive integer")
+            raise k.error(f"key {key!r} is missing or not an integer", "use the config.json saved with the checkpoint")
+    if c["num_experts_per_tok"] > c[experts] and c[experts] > 0:
+        raise k.error(f"num_experts_per_tok={c['num_experts_per_tok']} is more than the {c[experts]} experts")
+    step, only = (k.positive("decoder_sparse_step", 1), c.get("mlp_only_layers") or []) if qwen else (1, [])
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
-        raise checkpoint.CheckpointError(f"{path}: mlp_only_layers={only!r} is not a list of layer indices")
+        raise k.error(f"mlp_only_layers={only!r} is not a list of layer indices")
     dense = tuple(i for i in range(base.n_layers) if i in only or (i + 1) % step != 0)
-    if qwen and c.get("num_experts", 0) == 0:
+    if qwen and c[experts] == 0:
         dense = tuple(range(base.n_layers))
     return MoEConfig(
         **attrs.asdict(base, recurse=False),
-        num_experts=c[a["experts"]],
+        num_experts=c[experts],
         top_k=c["num_experts_per_tok"],
         moe_intermediate=c["moe_intermediate_size"] if qwen else c["intermediate_size"],
-        shared_intermediate=c.get("shared_expert_intermediate_size", 0) if qwen else 0,
-        renormalize=bool(c.get("norm_topk_prob", False)) if qwen else True,
+        # transformers' default where the key is left out: a shared expert the weights must then hold
+        shared_intermediate=k.positive("shared_expert_intermediate_size", 5632) if qwen else 0,
+        renormalize=k.flag("norm_topk_prob") if qwen else True,
         mlp_only_layers=dense,
         moe_backend=moe_backend,
     )

@@ -1,4 +1,5 @@
-"""Tensor parallelism for the Llama/Qwen2 decoder (examples/llama.py) on torch.distributed, one process per rank.
+"""Tensor parallelism for the dense decoder (examples/llama.py: Llama, Qwen2, Mistral) on torch.distributed, one process
+per rank.
 
 Megatron's layout, as in gpt-fast's tp.py and vLLM: each of W ranks holds
   attention  Hq/W query heads: the rows of wqkv (and bqkv) for its q heads and for the KV heads they read
@@ -132,7 +133,7 @@ def local_config(cfg: llama.LlamaConfig, world: int) -> llama.LlamaConfig:
     """The config one rank runs: its share of the q heads, KV heads and MLP columns (the vocab stays whole)."""
     if type(cfg) is not llama.LlamaConfig:
         raise fgraph.FgraphError(
-            f"tensor parallelism: {type(cfg).__name__} is not supported (dense Llama/Qwen2 only)",
+            f"tensor parallelism: {type(cfg).__name__} is not supported (dense Llama/Qwen2/Mistral only)",
             "run MoE models with an expert-parallel moe_backend (allgather, all2all) instead",
         )
     Hq, Hkv, I = cfg.n_heads, cfg.n_kv_heads, cfg.intermediate

@@ -2,6 +2,9 @@
 
 import torch
 
+# No special tokens: the ids are random here, and transformers' generate must not stop at one
+NO_SPECIAL_TOKENS = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
 
 def save_tiny(model_cls, config, path: str, seed: int = 0):
     """Build `model_cls(config)` with every weight perturbed (norms near 1, the rest ~0.15), save it to `path`."""

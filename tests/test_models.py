@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 
 from examples import checkpoint, engine, llama  # noqa: E402
 from fgraph.ops import attention as A  # noqa: E402
-from tests.hf import save_tiny  # noqa: E402
+from tests.hf import NO_SPECIAL_TOKENS, save_tiny  # noqa: E402
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -44,9 +44,7 @@ def make_hf(kind: str, extra: dict, path: str, seed: int = 0):
         intermediate_size=128,
         vocab_size=128,
         max_position_embeddings=256,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
+        **NO_SPECIAL_TOKENS,
     )
     if kind == "llama":
         return save_tiny(transformers.LlamaForCausalLM, transformers.LlamaConfig(**base, **extra), path, seed)

@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 import fgraph  # noqa: E402
 from examples import checkpoint, generate, llama, qwen2_moe  # noqa: E402
 from fgraph.ops import attention as A  # noqa: E402
-from tests.hf import save_tiny  # noqa: E402
+from tests.hf import NO_SPECIAL_TOKENS, save_tiny  # noqa: E402
 from tests.test_models import PAGE, PROMPTS, assert_steps_match_hf, hf_greedy  # noqa: E402
 
 BASE = dict(
@@ -28,9 +28,7 @@ BASE = dict(
     num_key_value_heads=2,
     vocab_size=128,
     max_position_embeddings=256,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
+    **NO_SPECIAL_TOKENS,
 )
 CASES = {
     "qwen2moe-shared-dense1": (
