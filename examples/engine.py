@@ -363,6 +363,7 @@ class Engine:
         """The ready requests' new tokens replace their PENDING ones; requests that reach EOS or max_new_tokens
         finish (those at EOS are retired here, the others were in _account). Returns those that finished."""
         finished, now = [], time.perf_counter()
+        first = [r for r in ready if r.t_first is None]  # (an undone step takes their first token's time back too)
         for r, t in zip(ready, new):
             r.output[-1] = t
             r.t_first = r.t_first or now
@@ -372,12 +373,14 @@ class Engine:
                     self._retire(r)
                 finished.append(r)
         self.finished += finished
-        self._did(lambda: self._unsettle(finished))
+        self._did(lambda: self._unsettle(finished, first))
         return finished
 
-    def _unsettle(self, finished: list[Request]) -> None:
+    def _unsettle(self, finished: list[Request], first: list[Request]) -> None:
         for r in finished:
             r.finish_reason = r.t_done = None
+        for r in first:
+            r.t_first = None
         del self.finished[len(self.finished) - len(finished) :]
 
     def run_stepwise(self):

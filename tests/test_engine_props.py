@@ -45,3 +45,17 @@ def test_the_report_after_an_interrupted_run_covers_the_interrupted_runs_steps_a
     rep = eng.run(progress=False)
     assert rep.steps == eng.steps == 6 and rep.output_tokens == 6 and rep.elapsed >= 4 * 0.02
     assert eng.run(progress=False).steps == 0  # (reported once)
+
+
+def test_an_undone_step_takes_back_the_time_of_the_first_token_it_gave(tiny):  # noqa: F811
+    """A step interrupted after sampling (here: while staging the next batch) gives no token; the request kept
+    the first-token time of the token taken back, so its TTFT was that of a token it never got."""
+    eng = build(tiny, overlap=True)
+    r = eng.add([1, 2, 3], max_new_tokens=4)
+    restore = inject(eng, "_stage", KeyboardInterrupt(), "after", 2)  # the 1st step's staging of the 2nd
+    with pytest.raises(KeyboardInterrupt):
+        eng.run(progress=False)
+    restore()
+    assert r.output == [] and r.t_first is None
+    t = time.perf_counter()
+    assert eng.run(progress=False).ttft[0] >= t - r.t_arrive
