@@ -58,6 +58,7 @@ class Engine:
     buckets: padded token counts (default fgraph's, up to and including max_batch_tokens).
     vocab_size: the number of token ids the model takes: add() refuses a prompt outside it (an id the embedding
       cannot look up fails the whole step, and every later step that batches it).
+    eos_ids: token ids that end a request (a list, or a numpy / torch array of ints).
     seed: the seed of requests added without one (mixed with the request's id).
     capture: capture every bucket of both routines up front (default: on CUDA, unless mode is NONE/eager).
     overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
@@ -96,7 +97,9 @@ class Engine:
         self.device = cache.k[0].device
         self.max_seq_len, self.max_pages = max_seq_len, math.ceil(max_seq_len / self.page_size)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
-        self.eos_ids, self.vocab_size = frozenset(eos_ids), request.integer(vocab_size, "vocab_size", 1, 2**31 - 1)
+        self.vocab_size = request.integer(vocab_size, "vocab_size", 1, 2**31 - 1)
+        # ints, as sampled tokens are: a tensor of ids (a tokenizer's) made a set of tensors no token equals
+        self.eos_ids = frozenset(request.token_ids(eos_ids, "eos_ids", None))
         self.seed = request.integer(seed, "seed", 0, request.SEED_MAX)
         self.blocks = BlockAllocator(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
