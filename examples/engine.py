@@ -87,6 +87,8 @@ class Engine:
         compile: bool | dict = False,
     ):
         num_pages, self.page_size = cache.k[0].shape[0], cache.k[0].shape[1]
+        max_seqs = request.integer(max_seqs, "max_seqs", 1)  # (0 admitted nothing: run() returned, all waiting)
+        max_batch_tokens = request.integer(max_batch_tokens, "max_batch_tokens", 1)
         if max_seqs > max_batch_tokens:
             raise fgraph.FgraphError(
                 f"max_seqs={max_seqs} > max_batch_tokens={max_batch_tokens}: decodes would starve",

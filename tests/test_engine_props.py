@@ -128,8 +128,11 @@ def test_eos_ids_as_a_tokenizer_hands_them_over_stop_requests(tiny, alone, kind)
         (dict(eos_ids=2), "eos_ids=2 is not a sequence of token ids"),
         (dict(eos_ids=[2.0]), r"eos_ids\[0\]=2.0 is not an integer"),
         (dict(eos_ids=[-1]), r"eos_ids\[0\]=-1 is out of range"),
+        (dict(max_seqs=0, num_pages=9), r"max_seqs=0 is out of range \[1, inf\)"),
+        (dict(max_batch_tokens=2.5), r"max_batch_tokens=2.5 is not an integer"),
     ],
 )
 def test_engine_options_that_would_fail_later_are_refused_when_it_is_made(tiny, kw, match):  # noqa: F811
+    """max_seqs=0 admitted no request, and run() returned at once with every request still waiting."""
     with pytest.raises(RequestError, match=match):
         build(tiny, **kw)
