@@ -58,6 +58,7 @@ class Engine:
     buckets: padded token counts (default fgraph's, up to and including max_batch_tokens).
     vocab_size: the number of token ids the model takes: add() refuses a prompt outside it (an id the embedding
       cannot look up fails the whole step, and every later step that batches it).
+    eos_ids: token ids that end a request (a list, or a numpy / torch array of ints).
     seed: the seed of requests added without one (mixed with the request's id).
     capture: capture every bucket of both routines up front (default: on CUDA, unless mode is NONE/eager).
     overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
@@ -86,6 +87,8 @@ class Engine:
         compile: bool | dict = False,
     ):
         num_pages, self.page_size = cache.k[0].shape[0], cache.k[0].shape[1]
+        max_seqs = request.integer(max_seqs, "max_seqs", 1)  # (0 admitted nothing: run() returned, all waiting)
+        max_batch_tokens = request.integer(max_batch_tokens, "max_batch_tokens", 1)
         if max_seqs > max_batch_tokens:
             raise fgraph.FgraphError(
                 f"max_seqs={max_seqs} > max_batch_tokens={max_batch_tokens}: decodes would starve",
@@ -96,7 +99,9 @@ class Engine:
         self.device = cache.k[0].device
         self.max_seq_len, self.max_pages = max_seq_len, math.ceil(max_seq_len / self.page_size)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
-        self.eos_ids, self.vocab_size = frozenset(eos_ids), request.integer(vocab_size, "vocab_size", 1, 2**31 - 1)
+        self.vocab_size = request.integer(vocab_size, "vocab_size", 1, 2**31 - 1)
+        # ints, as sampled tokens are: a tensor of ids (a tokenizer's) made a set of tensors no token equals
+        self.eos_ids = frozenset(request.token_ids(eos_ids, "eos_ids", None))
         self.seed = request.integer(seed, "seed", 0, request.SEED_MAX)
         self.blocks = BlockAllocator(num_pages)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -105,6 +110,7 @@ class Engine:
         self.staged: tuple[list, llama.Batch] | None = None  # the next step's (plan, batch), built by run_overlapped
         self._undo: list | None = None  # while a step runs: how to take back each change it made so far
         self.next_id, self.steps, self.waited = 0, 0, 0.0
+        self.unreported = (0.0, 0, 0.0)  # (elapsed, steps, waited) of interrupted run()s: the next report's too
         self.buckets = sorted(set(buckets or fgraph.default_buckets(max_batch_tokens)) | {max_batch_tokens})
         self.spec = llama.Batch(
             tokens=fgraph.Batched(pad=0), positions=fgraph.Batched(pad=0), meta=A.metadata_batching()
@@ -362,6 +368,7 @@ class Engine:
         """The ready requests' new tokens replace their PENDING ones; requests that reach EOS or max_new_tokens
         finish (those at EOS are retired here, the others were in _account). Returns those that finished."""
         finished, now = [], time.perf_counter()
+        first = [r for r in ready if r.t_first is None]  # (an undone step takes their first token's time back too)
         for r, t in zip(ready, new):
             r.output[-1] = t
             r.t_first = r.t_first or now
@@ -371,12 +378,14 @@ class Engine:
                     self._retire(r)
                 finished.append(r)
         self.finished += finished
-        self._did(lambda: self._unsettle(finished))
+        self._did(lambda: self._unsettle(finished, first))
         return finished
 
-    def _unsettle(self, finished: list[Request]) -> None:
+    def _unsettle(self, finished: list[Request], first: list[Request]) -> None:
         for r in finished:
             r.finish_reason = r.t_done = None
+        for r in first:
+            r.t_first = None
         del self.finished[len(self.finished) - len(finished) :]
 
     def run_stepwise(self):
@@ -431,24 +440,27 @@ class Engine:
     def run(self, progress: bool = True) -> Report:
         """Step until every request has finished (run_overlapped, or step by step without overlap); hand back the
         finished requests (this run's, and any an interrupted run left) with their tokens and TTFT / TPOT /
-        throughput. After an exception (KeyboardInterrupt too) run() again goes on where the engine stood."""
+        throughput. After an exception (KeyboardInterrupt too) run() again goes on where the engine stood, and its
+        report covers the interrupted runs' time and steps too."""
         from tqdm import tqdm
 
         t0, steps0, waited0 = time.perf_counter(), self.steps, self.waited
         todo = [*self.running, *self.waiting] if progress else []
         steps = self.run_overlapped() if self.overlap else self.run_stepwise()
-        with tqdm(total=sum(r.max_new_tokens for r in todo), unit="tok", disable=not progress, leave=False) as bar:
-            for finished in steps:
-                if progress:  # (counting over every request costs more host time a step than the rest of the loop)
-                    for r in finished:
-                        bar.total -= r.max_new_tokens - len(r.output)  # stopped early at EOS
-                    bar.update(sum(len(r.output) for r in todo) - bar.n)
-        return Report.of(
-            self.take_finished(),
-            elapsed=time.perf_counter() - t0,
-            steps=self.steps - steps0,
-            waited=self.waited - waited0,
-        )
+        try:
+            with tqdm(total=sum(r.max_new_tokens for r in todo), unit="tok", disable=not progress, leave=False) as bar:
+                for finished in steps:
+                    if progress:  # (counting over every request costs more host time a step than the loop's rest)
+                        for r in finished:
+                            bar.total -= r.max_new_tokens - len(r.output)  # stopped early at EOS
+                        bar.update(sum(len(r.output) for r in todo) - bar.n)
+        finally:
+            # The next report hands back what an interrupted run finished, so it covers that run's time and steps
+            # too: else it counted their tokens against its own time alone (4 tokens in 1 step, 4x the rate).
+            e, s, w = self.unreported
+            self.unreported = (e + time.perf_counter() - t0, s + self.steps - steps0, w + self.waited - waited0)
+        (elapsed, steps, waited), self.unreported = self.unreported, (0.0, 0, 0.0)
+        return Report.of(self.take_finished(), elapsed=elapsed, steps=steps, waited=waited)
 
     def explain(self, routine: str = "mixed"):
         return fgraph.explain(self.step_fn, self.params, self.cache, self.example_batch(), routine=routine)

@@ -77,16 +77,22 @@ def real(value, what: str, low: float, high: float, low_open: bool = False) -> f
     return x
 
 
-def check(prompt, max_new_tokens, temperature, top_p, seed, *, vocab_size: int | None) -> tuple:
-    """The parameters of a new request, checked and normalised: (prompt ids, max_new_tokens, temperature, top_p,
-    seed or None). Lengths against the cache are the engine's to check."""
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-        raise RequestError(f"prompt={prompt!r:.60} is not a sequence of token ids", "pass a list of ints")
-    ids = list(prompt)
+def token_ids(values, what: str, vocab_size: int | None) -> list[int]:
+    """`values` as a list of token ids in [0, vocab_size) (numpy / torch integers taken, as from a tokenizer)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise RequestError(f"{what}={values!r:.60} is not a sequence of token ids", "pass a list of ints")
+    ids = list(values)
     fast = all(type(t) is int for t in ids)  # the usual case, checked at C speed (a per-id call costs ~1 us)
     if not fast or (ids and (min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size))):
         tokenize = "tokenize with the model's own tokenizer"
-        ids = [integer(t, f"prompt[{i}]", 0, vocab_size, tokenize) for i, t in enumerate(ids)]
+        ids = [integer(t, f"{what}[{i}]", 0, vocab_size, tokenize) for i, t in enumerate(ids)]
+    return ids
+
+
+def check(prompt, max_new_tokens, temperature, top_p, seed, *, vocab_size: int | None) -> tuple:
+    """The parameters of a new request, checked and normalised: (prompt ids, max_new_tokens, temperature, top_p,
+    seed or None). Lengths against the cache are the engine's to check."""
+    ids = token_ids(prompt, "prompt", vocab_size)
     if not ids:
         raise RequestError("empty prompt", "pass at least one prompt token")
     return (
