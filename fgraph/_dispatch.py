@@ -267,6 +267,9 @@ class _Key:
 
 
 # -- making and remaking a signature ---------------------------------------------------------------------------
+GRAD_MODE = "<grad mode>"  # the signature entry naming the grad mode, for traces that branched on it
+
+
 def for_grad_mode(jitted, call):
     """A trace that branched on torch.is_grad_enabled() serves only the grad mode it was traced in: under the
     other, the call's signature names the grad mode too (a trace of its own). Functions that never read it are
@@ -274,7 +277,7 @@ def for_grad_mode(jitted, call):
     entry, now = jitted.entries.get(call.sig), torch.is_grad_enabled()
     if entry is None or entry.traced.grad_mode in (None, now):
         return call
-    return call._replace(sig=call.sig._replace(statics=call.sig.statics + (("<grad mode>", now),)))
+    return call._replace(sig=call.sig._replace(statics=call.sig.statics + ((GRAD_MODE, now),)))
 
 
 def make(jitted, call, capture_call):

@@ -84,7 +84,6 @@ class Jitted:
         # the fast path's caches (_fast_call): per argument, its flat layout by container identity; per batched
         # argument and structure, its reader; per (statics, bucket, layouts), the entry
         self._flat: dict[str, tuple] = {}
-        self._specs: dict[tuple, Callable] = {}
         self._readers: dict[str, list[Callable]] = {}
         self._fast: dict[tuple, Entry] = {}
         self._traces: dict[tuple, list] = {}  # (statics, structure, non-batch shapes) -> traces
@@ -204,15 +203,17 @@ class Jitted:
             v = call.bound[name]
             lv, spec = pytree.tree_flatten(v)
             if name in self.batch:
-                read = next((r for r in self._readers.get(name, ()) if r(v) is not None), None)  # as _fast_call picks
-                if read is None:
+                readers = self._readers.setdefault(name, [])
+                got = next((g for r in readers if (g := r(v)) is not None), None)  # the reader _fast_call picks
+                if got is None:
                     specs = batch_specs(
                         self.name, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1], lv
                     )
                     nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
-                    read = self._specs[name, spec, nones] = D.reader(flattener(spec), specs, len(self._specs), nones)
-                    self._readers.setdefault(name, []).append(read)
-                parts.append(read(v)[1])
+                    spec_id = sum(map(len, self._readers.values()))  # unique among this function's readers
+                    readers.append(D.reader(flattener(spec), specs, spec_id, nones))
+                    got = readers[-1](v)
+                parts.append(got[1])
             else:
                 key = D.layout_key(spec, lv)
                 c = self._flat.get(name)
@@ -321,7 +322,7 @@ class Jitted:
             log.warning("fgraph.jit(%s): new signature %s%s", self.name, call.sig.describe(), self._closest(call.sig))
         device = device_of(self.name, call)
         family = (  # grad mode apart: a trace that branched on it serves its own mode (below), any other both
-            tuple(kv for kv in call.sig.statics if kv[0] != "<grad mode>"),
+            tuple(kv for kv in call.sig.statics if kv[0] != D.GRAD_MODE),
             call.sig.treespec,
             tuple(
                 leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape))
@@ -413,7 +414,7 @@ class Jitted:
         caller still holds keep their memory (retired, not freed) until a later reset finds them unused."""
         self._retired = [e for e in [*self._retired, *self.entries.values()] if any(g.in_use() for g in e.graphs)]
         self.entries.clear()
-        self._flat.clear(), self._specs.clear(), self._readers.clear(), self._fast.clear(), self._traces.clear()
+        self._flat.clear(), self._readers.clear(), self._fast.clear(), self._traces.clear()
         self._owned.clear()
         self._made = 0
         self.sealed, self.pool = False, None

@@ -11,6 +11,7 @@ import logging
 import torch
 import torch.fx as fx
 
+from ._index_flow import _name
 from ._padding import Finding
 
 log = logging.getLogger("fgraph")
@@ -24,10 +25,7 @@ def random_draws(jitted, gm: fx.GraphModule) -> list[Finding]:
         if node.op == "call_function" and isinstance(op, torch._ops.OpOverload):
             if torch.Tag.nondeterministic_seeded in op.tags:
                 line = node.meta.get("line", "<unknown>")
-                found.setdefault(
-                    line,
-                    Finding(f"aten.{op._schema.name.split('::')[-1]}", line, "draws from torch's random generator"),
-                )
+                found.setdefault(line, Finding(f"aten.{_name(node)}", line, "draws from torch's random generator"))
     for f in found.values():
         if ("random", f.line) not in jitted._logged:
             jitted._logged.add(("random", f.line))
