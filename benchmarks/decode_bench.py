@@ -80,7 +80,7 @@ def make_jitted(cfg, backend, mode, max_ctx, buckets, inductor=None):
 
 
 def decode_entry(f, B):
-    bucket = min(b for b in f.buckets if b >= B)
+    bucket = min(b for b in f.options.buckets if b >= B)
     return next(
         e for e in f.entries.values() if e.sig.bucket == bucket and dict(e.sig.statics).get("routine") == "decode"
     )
@@ -413,7 +413,7 @@ def capture_cost(cfg, params, backend, a) -> dict:
     traces = {id(e.traced): e.traced.seconds for e in f.entries.values()}  # make_fx + split, once per trace
     out = {
         "backend": backend,
-        "buckets": len(f.buckets),
+        "buckets": len(f.options.buckets),
         "capture_s": secs,
         "import_s": import_s,
         "signatures": len(per),

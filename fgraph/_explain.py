@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ._errors import FgraphError
+from ._jit import Jitted
 from ._lower import avals_lines
-from ._split import op_summary
+from .trace import op_summary
 
 
 class Explanation:
@@ -24,9 +25,9 @@ def _entry_text(name: str, e, n: int | None) -> str:
     lines.append(f"  mode: {e.mode.name} ({e.reason})")
     lines.extend(avals_lines(e))
     lines.append(f"  read: {_inputs_text(e)}")
-    for f in e.traced.mixing or ():  # ops the padded rows take part in (fgraph/_padding.py)
+    for f in e.traced.mixing or ():  # ops the padded rows take part in (fgraph/padding/_mixing.py)
         lines.append(f"  padding visible: {f}")
-    for f in e.traced.random:  # ops whose draws differ from eager's (fgraph/_random.py)
+    for f in e.traced.random:  # ops whose draws differ from eager's (fgraph/padding/_random.py)
         lines.append(f"  random: {f}")
     pieces = e.program.pieces
     lines.append(
@@ -84,10 +85,6 @@ def explain(fn, *args, **kwargs) -> Explanation:
     explain(step) covers every signature seen so far; explain(step, *args, **kwargs) the signature of that call
     (traced on the spot, without capturing, if it is new).
     """
-    from ._entry import Entry, Traced
-    from ._jit import Jitted
-    from ._signature import device_of
-
     if not isinstance(fn, Jitted):
         raise FgraphError(
             f"fgraph.explain: expected a function made by fgraph.jit, got {type(fn).__name__}",
@@ -98,12 +95,9 @@ def explain(fn, *args, **kwargs) -> Explanation:
         return Explanation(
             "\n".join(_entry_text(fn.name, e, None) for e in entries) or f"{fn.name}: no signatures yet", entries
         )
-    call = fn._bind(args, kwargs)
-    why = fn._ungraphed(call)
+    call = fn.bind(args, kwargs)
+    why = fn.ungraphed(call)
     if why is not None:  # no graph serves it: what the call does
         return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why[1] or 'an empty batch'}", [])
-    e = fn.entries.get(call.sig)
-    if e is None:  # trace only: explaining never captures
-        device = device_of(fn.name, call)
-        e = Entry(Traced(fn, call, device), call, device, True)
+    e = fn.cache.probe(call)  # trace only: explaining never captures
     return Explanation(_entry_text(fn.name, e, call.n), [e])

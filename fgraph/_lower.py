@@ -92,13 +92,5 @@ class Lowered:
 
 def lower(jitted, *args, **kwargs) -> Lowered:
     """Jitted.lower: the signature of this call, traced now if new (never captured)."""
-    from . import _dispatch as D
-    from ._entry import Entry, Traced
-    from ._signature import device_of
-
-    call = D.for_grad_mode(jitted, jitted._bind(args, kwargs))
-    e = jitted.entries.get(call.sig)
-    if e is None:
-        device = device_of(jitted.name, call)
-        e = Entry(Traced(jitted, call, device), call, device, True)
+    e = jitted.cache.probe(jitted.cache.for_grad_mode(jitted.bind(args, kwargs)))
     return Lowered(jitted, e)

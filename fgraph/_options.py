@@ -7,13 +7,34 @@ import difflib
 import numbers
 from collections.abc import Iterable, Mapping
 
+import attrs
 import torch.utils._pytree as pytree
 
 from . import _primitives as P
 from ._errors import SignatureError
-from ._inductor import inductor_options
 from ._modes import Mode
 from ._signature import Batched, default_buckets
+from .capture import inductor_options
+
+
+@attrs.frozen
+class Options:
+    """fgraph.jit's options for one function, checked once where jit is called (see `jit` for what each means).
+    `given`: the options as passed, to make the same jitted function for each instance of a method's class."""
+
+    static: tuple[str, ...]
+    donate: tuple[str, ...]
+    scratch: tuple[str, ...]
+    batch: dict
+    buckets: tuple[int, ...]
+    mode: Mode
+    breaks: list[str] | None
+    strict: bool
+    copy_outputs: bool
+    routine: str
+    warmups: int
+    compile: dict | None
+    given: dict
 
 
 def check_names(options: dict, known) -> None:
@@ -88,29 +109,29 @@ def capture_plan(jitted, args: tuple, kwargs: dict, buckets) -> tuple[dict, dict
         positional = jitted.signature.bind_partial(*args).arguments
     except TypeError:  # (the call's own binding error comes from binding it)
         positional = {}
-    listed = next((k for k, v in positional.items() if k in jitted.static and isinstance(v, list)), None)
+    listed = next((k for k, v in positional.items() if k in jitted.options.static and isinstance(v, list)), None)
     if listed is not None:
         raise SignatureError(
             f"{where}: static argument {listed}={positional[listed]!r} is passed by position, where a list is one "
             "(unhashable) value",
             f"pass it by keyword, {listed}=[...], to capture each value",
         )
-    choices = {k: (v if isinstance(v, list) else [v]) for k, v in kwargs.items() if k in jitted.static}
+    choices = {k: (v if isinstance(v, list) else [v]) for k, v in kwargs.items() if k in jitted.options.static}
     empty = next((k for k, v in choices.items() if not v), None)
     if empty is not None:
         raise SignatureError(
             f"{where}: {empty}=[] gives no value to capture, so nothing would be captured before sealing",
             f"list the values to capture ({empty}=[...]), or leave {empty} out to capture its default",
         )
-    todo = jitted.buckets if buckets is None else bucket_sizes(where, buckets)
-    unknown = [b for b in todo if b not in jitted.buckets]
+    todo = jitted.options.buckets if buckets is None else bucket_sizes(where, buckets)
+    unknown = [b for b in todo if b not in jitted.options.buckets]
     if unknown:
         raise SignatureError(
-            f"{where}: buckets {unknown} are not among {jitted.name}'s buckets {list(jitted.buckets)}, so no call "
-            "would be padded to them",
+            f"{where}: buckets {unknown} are not among {jitted.name}'s buckets {list(jitted.options.buckets)}, so no "
+            "call would be padded to them",
             "capture some of its buckets, or add these to fgraph.jit(..., buckets=[...])",
         )
-    rest = {k: v for k, v in kwargs.items() if k not in jitted.static}
+    rest = {k: v for k, v in kwargs.items() if k not in jitted.options.static}
     return choices, rest, sorted(todo, reverse=True)
 
 
@@ -121,23 +142,35 @@ def flag(fname: str, option: str, x) -> bool:
     return x
 
 
-def declare(jitted, static: tuple, donate: tuple, opts: dict) -> None:
-    """Jitted.__init__'s options, checked and set on it (static and donate already merged with jax's spellings)."""
-    fname, params = jitted.name, jitted.signature.parameters
+def make(fname: str, signature, lifted_roots: set[str], given: dict) -> Options:
+    """Jitted's options, checked: jax's spellings (static_argnames=, donate_argnames=) merged in, names that are
+    parameters, values of the right kind."""
+    opts = dict(given)
+    static, donate = (
+        (*names(fname, a, opts.pop(a)), *names(fname, f"{a}_argnames", opts.pop(f"{a}_argnames")))
+        for a in ("static", "donate")
+    )
+    both = [a for a in static if a in donate]
+    if both:
+        raise SignatureError(
+            f"fgraph.jit({fname}): {both[0]!r} is named in both static= and donate=",
+            "keep it in one: static= is for hashable Python values frozen into the signature, donate= for tensors "
+            "the function updates in place",
+        )
+    params = signature.parameters
     scratch, batch = names(fname, "scratch", opts["scratch"]), batch_spec(fname, opts["batch"], static)
-    for kind, given in (("static", static), ("donate", donate), ("scratch", scratch), ("batch", list(batch))):
-        for a in given:
-            if a not in params and not (kind == "donate" and a in jitted._lifted.roots()):
+    for kind, named in (("static", static), ("donate", donate), ("scratch", scratch), ("batch", list(batch))):
+        for a in named:
+            if a not in params and not (kind == "donate" and a in lifted_roots):
                 raise SignatureError(
-                    f"fgraph.jit({fname}): {kind}= names {a!r}, which is not a parameter of {fname}{jitted.signature}",
+                    f"fgraph.jit({fname}): {kind}= names {a!r}, which is not a parameter of {fname}{signature}",
                     f"use one of {list(params)}",
                 )
-    jitted.static, jitted.donate, jitted.scratch, jitted.batch = tuple(static), tuple(donate), scratch, batch
-    given = opts["buckets"]
-    jitted.buckets = default_buckets() if given is None else bucket_sizes(f"fgraph.jit({fname})", given)
+    bucket_opt = opts["buckets"]
+    buckets = default_buckets() if bucket_opt is None else bucket_sizes(f"fgraph.jit({fname})", bucket_opt)
     mode = opts["mode"]
     try:
-        jitted.mode = Mode(mode.upper() if isinstance(mode, str) else mode)
+        mode = Mode(mode.upper() if isinstance(mode, str) else mode)
     except ValueError:
         raise SignatureError(
             f"fgraph.jit({fname}): unknown mode {mode!r}", f"use one of {[m.value for m in Mode]}"
@@ -149,13 +182,12 @@ def declare(jitted, static: tuple, donate: tuple, opts: dict) -> None:
             f"fgraph.jit({fname}): breaks= names unknown primitives {unknown}",
             f"registered primitives are {sorted(P.registry)}",
         )
-    jitted.breaks = None if breaks is None else list(breaks)
-    jitted.strict = flag(fname, "strict", opts["strict"])
-    jitted.copy_outputs = flag(fname, "copy_outputs", opts["copy_outputs"])
-    routine = jitted.routine = opts["routine"]
+    strict = flag(fname, "strict", opts["strict"])
+    copy_outputs = flag(fname, "copy_outputs", opts["copy_outputs"])
+    routine = opts["routine"]
     if not isinstance(routine, str) or (routine != "routine" and routine not in params):
         raise SignatureError(
-            f"fgraph.jit({fname}): routine={routine!r} is not a parameter of {fname}{jitted.signature}",
+            f"fgraph.jit({fname}): routine={routine!r} is not a parameter of {fname}{signature}",
             "routine= names the static parameter whose value 'decode' marks decode signatures: pass its name",
         )
     warmups = opts["warmups"]
@@ -163,23 +195,37 @@ def declare(jitted, static: tuple, donate: tuple, opts: dict) -> None:
         raise SignatureError(
             f"fgraph.jit({fname}): warmups={warmups!r} is not a count", "pass a non-negative int (the default: 1)"
         )
-    jitted.warmups = warmups
-    check_options(fname, jitted.signature, jitted)
-    jitted.compile = inductor_options(fname, opts["compile"])
+    options = Options(
+        static=tuple(static),
+        donate=tuple(donate),
+        scratch=scratch,
+        batch=batch,
+        buckets=buckets,
+        mode=mode,
+        breaks=None if breaks is None else list(breaks),
+        strict=strict,
+        copy_outputs=copy_outputs,
+        routine=routine,
+        warmups=warmups,
+        compile=None,
+        given=dict(given),
+    )
+    check_options(fname, signature, options)
+    return attrs.evolve(options, compile=inductor_options(fname, opts["compile"]))
 
 
-def check_options(fname: str, signature, jitted) -> None:
+def check_options(fname: str, signature, options: Options) -> None:
     """The jit options padding and capture rely on, checked when jit is called rather than at a first call."""
-    loose = [a for a in jitted.scratch if a not in jitted.donate]
+    loose = [a for a in options.scratch if a not in options.donate]
     if loose:
         raise SignatureError(
             f"fgraph.jit({fname}): scratch= names {loose}, which are not donated",
             "scratch= declares donated state whose padded rows write only to a scratch area: donate it too",
         )
-    if jitted.mode.value == "FULL_DECODE_ONLY" and jitted.routine not in jitted.static:
+    if options.mode.value == "FULL_DECODE_ONLY" and options.routine not in options.static:
         raise SignatureError(
-            f"fgraph.jit({fname}): mode FULL_DECODE_ONLY needs the static routine argument {jitted.routine!r} "
+            f"fgraph.jit({fname}): mode FULL_DECODE_ONLY needs the static routine argument {options.routine!r} "
             f'(its value "decode" marks the signatures to capture), but {fname}{signature} '
-            + ("has no such parameter" if jitted.routine not in signature.parameters else "does not make it static"),
-            f"add a `{jitted.routine}` parameter to static=[...] (or pass routine=<its name>), or use mode='FULL'",
+            + ("has no such parameter" if options.routine not in signature.parameters else "does not make it static"),
+            f"add a `{options.routine}` parameter to static=[...] (or pass routine=<its name>), or use mode='FULL'",
         )

@@ -40,7 +40,7 @@ class Batched:
     pad: Any = 0
     extra: int = 0
     # the function combines rows along this axis on purpose (padded rows masked by the function itself): fgraph
-    # does not log the reductions, softmaxes, ... along it that it otherwise reports (fgraph/_padding.py)
+    # does not log the reductions, softmaxes, ... along it that it otherwise reports (fgraph/padding/_mixing.py)
     mixes: bool = False
     # whether the pad rows depend only on the call's length (a fill value), not on the data ("ramp", callables)
     fixed_tail: bool = attrs.field(init=False, eq=False, repr=False)
@@ -248,6 +248,26 @@ class Signature(NamedTuple):
     def describe(self) -> str:
         st = ", ".join(f"{k}={v!r}" for k, v in self.statics)
         return f"({st}{', ' if st else ''}bucket={self.bucket})"
+
+
+class Call(NamedTuple):
+    """One call, flattened, with its bucket found (batched leaves stay unpadded: the entry pads them into its
+    input buffers): everything dispatch needs."""
+
+    sig: Signature
+    statics: dict[str, Any]
+    paths: list  # key path per leaf
+    leaves: list  # leaves as passed (batched ones unpadded: the entry pads them into its buffers)
+    specs: list  # Batched | None per leaf
+    n: int | None  # real tokens
+    bound: dict  # argument name -> value, as passed
+
+    def padding_only(self, bucket: int) -> Call:
+        """An all-padding call for `bucket`: each batched leaf cut to its `extra` rows (the entry pads it)."""
+        specs = self.specs
+        leaves = [x if s is None else x.narrow(s.axis, 0, s.extra) for x, s in zip(self.leaves, specs)]
+        sig = self.sig._replace(bucket=bucket, leaves=tuple(leaf_of(x, s, bucket) for x, s in zip(leaves, specs)))
+        return self._replace(sig=sig, leaves=leaves, n=0)
 
 
 def path_str(path) -> str:

@@ -16,9 +16,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
-from fgraph import Support, _trace
-from fgraph import _graphs as C
+from fgraph import Support, _fx
 from fgraph._primitives import support_rules
+from fgraph.capture import _graphs as C
 from fgraph.ops import _attn_flash
 from fgraph.ops import _attn_flashinfer as FI
 from fgraph.ops import attention as A
@@ -430,7 +430,7 @@ def test_trace_is_one_break_that_writes_the_cache():
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.fgraph.attention.default)
     assert node.args[10:] == ("torch", "mixed", D**-0.5, 8 * PAGE, PAGE)
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    written = {names.index(t.name) if t.op == "placeholder" else str(t.target) for t in _trace._write_targets(node)}
+    written = {names.index(t.name) if t.op == "placeholder" else str(t.target) for t in _fx.write_targets(node)}
     assert written == {3, 4, "aten.empty.memory_format"}, written  # kc, vc and out (allocated in the function)
 
 

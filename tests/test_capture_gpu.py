@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fgraph
-from fgraph._graphs import CudaGraph
+from fgraph.capture import CudaGraph
 from tests import toys
 from tests.toys import jitted, step
 
@@ -29,7 +29,7 @@ def test_replay_is_bitwise_eager(mode, graphs_per_sig):
     params, state, batch = make_cuda()
     f.capture(params, state, batch, routine=["decode", "mixed"], progress=False)
     assert f.stats()["total"]["captures"] == 16 * graphs_per_sig
-    assert all(isinstance(g, CudaGraph) and g.pool is f.pool for e in f.entries.values() for g in e.graphs)
+    assert all(isinstance(g, CudaGraph) and g.pool is f.cache.pool for e in f.entries.values() for g in e.graphs)
     g = torch.Generator().manual_seed(1)
     for n in (1, 7, 8, 25, 64, 123):
         for routine in ("decode", "mixed"):
@@ -44,7 +44,7 @@ def test_replay_is_bitwise_eager(mode, graphs_per_sig):
 def toys_pad(x, f):
     from fgraph._signature import bucket_for
 
-    b = bucket_for(f.buckets, x.shape[0])
+    b = bucket_for(f.options.buckets, x.shape[0])
     return torch.cat([x, x.new_zeros(b - x.shape[0], x.shape[1])]).cuda()
 
 
@@ -134,13 +134,13 @@ def test_reset_keeps_memory_of_outputs_still_held():
     call, f = jit_wide("FULL", [64])
     (kept,) = call(torch.full((64, 4), 5.0))
     f.reset()  # the graph is retired, not freed: `kept` still points into its pool
-    assert len(f._retired) == 1
+    assert len(f.cache.retired) == 1
     (other,) = call(torch.full((64, 4), 7.0))  # a new capture in a new pool
     torch.cuda.empty_cache()
     assert kept.sum().item() == 5.0 * 64 * (1 << 18) and other[0, 0].item() == 7.0
     del kept
     f.reset()
-    assert len(f._retired) == 1  # only the second graph (`other` is still held)
+    assert len(f.cache.retired) == 1  # only the second graph (`other` is still held)
 
 
 @pytest.fixture

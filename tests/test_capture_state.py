@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import fgraph
 from fgraph import Batched
-from fgraph import _graphs as G
+from fgraph.capture import _graphs as G
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -123,7 +123,7 @@ def test_the_put_back_is_what_keeps_state_right(monkeypatch):
     """Removing the put-back (a no-op context) makes the counter count the warm-up and capture runs again."""
     import contextlib
 
-    from fgraph import _entry
+    from fgraph.capture import _entry
 
     monkeypatch.setattr(_entry, "put_back", lambda tensors: contextlib.nullcontext())
     f = fgraph.jit(counter_step, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
@@ -146,7 +146,7 @@ def test_scratch_must_be_donated():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_scratch_state_is_not_copied_and_only_its_scratch_row_sees_padding(mode, caplog, monkeypatch):
-    from fgraph import _entry
+    from fgraph.capture import _entry
 
     copied, put_back = [], _entry.put_back
     monkeypatch.setattr(_entry, "put_back", lambda tensors: copied.extend(tensors) or put_back(tensors))

@@ -105,7 +105,12 @@ def test_a_misspelt_option_fails_the_decorator_itself():
 
 def test_options_that_take_names_take_one_name_too():
     f = fgraph.jit(toys.step, static="routine", donate="state", scratch="state", breaks="toy_scale", buckets=(8, 4, 8))
-    assert (f.static, f.scratch, f.breaks, f.buckets) == (("routine",), ("state",), ["toy_scale"], (4, 8))
+    assert (f.options.static, f.options.scratch, f.options.breaks, f.options.buckets) == (
+        ("routine",),
+        ("state",),
+        ["toy_scale"],
+        (4, 8),
+    )
 
 
 JUNK = st.one_of(
@@ -491,7 +496,7 @@ def test_a_call_with_any_wrong_value_fails_as_eager_does_or_with_an_fgraph_error
     except Exception as e:
         assert type(e) is type(want), f"eager: {want!r}, jitted: {e!r}"
         return
-    visible = any(k[0] == "padding" for k in f._logged)  # (logged once per place: fgraph/_padding.py)
+    visible = any(k[0] == "padding" for k in f._logged)  # (logged once per place: fgraph/padding/)
     assert visible or not isinstance(want, Exception), f"eager raised {want!r}, the jitted call returned"
     if visible:
         return

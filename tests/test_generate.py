@@ -352,5 +352,5 @@ def test_compile_flag_reaches_the_jitted_step(tiny, eager):
     """`--compile` / Engine(compile=True) serves Inductor-compiled pieces (FULL+C); with mode NONE nothing is
     captured or compiled, so the tokens are eager's (the compiled path's tokens: tests/test_models_gpu.py)."""
     eng, report = run(tiny, "NONE", compile=True)
-    assert eng.step_fn.compile == {} and report.tokens == eager
+    assert eng.step_fn.options.compile == {} and report.tokens == eager
     assert generate.parse_args(["--compile"]).compile and not generate.parse_args([]).compile

@@ -256,7 +256,7 @@ def test_tracing_without_zero_one_specialisation_keeps_the_programs(backend, rou
 
     import fgraph
     from benchmarks.common import decode_batch
-    from fgraph import _entry, _trace
+    from fgraph.trace import _make, _traced
 
     cfg = llama.preset("tiny")
     params = llama.init_params(cfg, torch.float32, "cpu")
@@ -265,10 +265,10 @@ def test_tracing_without_zero_one_specialisation_keeps_the_programs(backend, rou
     batch, _ = decode_batch(cfg.vocab_size, 8, ps, ps, 2 * ps)  # 8 sequences at position ps / 2
     spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
     traced = []
-    monkeypatch.setattr(_entry, "trace", lambda *a: traced.append(_trace.trace(*a)) or traced[-1])
+    monkeypatch.setattr(_traced, "trace", lambda *a: traced.append(_make.trace(*a)) or traced[-1])
     for oblivious in (True, False):
         if not oblivious:
-            monkeypatch.setattr(_trace, "_size_oblivious", contextlib.nullcontext)
+            monkeypatch.setattr(_make, "_size_oblivious", contextlib.nullcontext)
         f = fgraph.jit(
             llama.make_step(cfg, backend=backend, max_seq_len=2 * ps),
             static=["routine"],

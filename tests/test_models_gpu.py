@@ -230,7 +230,7 @@ def test_compiled_engine_greedy_tokens_identical_to_eager_fp32():
                 out[n] = eng.run(progress=False).tokens
             if compile_:
                 stats = eng.step_fn.stats()
-                assert eng.step_fn.compile == {} and stats["total"]["replays"] == stats["total"]["calls"] > 0
+                assert eng.step_fn.options.compile == {} and stats["total"]["replays"] == stats["total"]["calls"] > 0
         finally:
             del eng
             gc.collect()

@@ -707,7 +707,7 @@ def test_compiled_single_tensor_output_is_cut_like_uncompiled(mode):
         got = f(x, w)
         assert isinstance(got, torch.Tensor) and got.shape == (n, 4)
         torch.testing.assert_close(got, eager(dense, x, w))
-    assert len(f._traces) == 1 and len(f.entries) == 2
+    assert len(f.cache.traces) == 1 and len(f.entries) == 2
 
 
 # -- host buffers name their device ----------------------------------------------------------------------------

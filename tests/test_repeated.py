@@ -7,7 +7,7 @@ import torch
 
 import fgraph
 from examples import engine, llama
-from fgraph import _repeated
+from fgraph.trace import _repeated
 from tests import toys
 
 

@@ -415,7 +415,7 @@ def test_jax_spellings_static_argnames_and_donate_argnames():
         return x * n
 
     jf = fgraph.jit(f, static_argnames=["n"], donate_argnames="state", mode="FULL")
-    assert jf.static == ("n",) and jf.donate == ("state",)
+    assert jf.options.static == ("n",) and jf.options.donate == ("state",)
     s = torch.zeros(())
     assert torch.equal(jf(torch.ones(2), s, n=3), torch.full((2,), 3.0)) and s.item() == 2.0
 

@@ -19,7 +19,7 @@ import torch
 
 import fgraph
 from fgraph import Batched
-from fgraph import _entry as E
+from fgraph.capture import _entry as E
 from tests import toys
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
@@ -380,7 +380,7 @@ def test_a_mutable_container_inside_a_frozen_one_is_seen():
 
 
 def test_guards_skip_immutable_trees():
-    from fgraph._dispatch import guard_for
+    from fgraph._fastpath import guard_for
     from fgraph._pytree import flatten_with_paths
 
     frozen = (torch.ones(1), (torch.ones(1),))
@@ -494,7 +494,7 @@ def test_an_interrupted_capture_is_made_again(mode, monkeypatch):
     _failing_capture(monkeypatch, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         j(p, x)
-    assert not j.entries and not any(j._traces.values())
+    assert not j.entries and not any(j.cache.traces.values())
     torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
     assert j.stats()["total"]["traces"] == 1 and len(j.entries) == 1
 

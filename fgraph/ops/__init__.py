@@ -1,20 +1,15 @@
-"""Break primitives: fgraph's own (`attention`, `moe`) and the API to write one.
+"""Break primitives: fgraph's own (`attention`, `moe`), and the op-author API to write one (`fgraph.extend`,
+re-exported here)."""
 
-An op author registers a primitive with `@primitive(name, support=..., plan=...)`: the function writes a
-caller-provided `out` (vLLM's `*_with_output` convention), `support` says whether it may sit inside a CUDA
-graph, and an optional `plan` hook runs on the host before every execution with a `PlanCall`. Host state a
-backend builds per execution (FlashInfer's plan, say) is keyed by `executing()` or built through
-`once_per_execution(key, compute)`, so a warm-up, a capture and each replay get their own.
-"""
+from fgraph.extend import Aval as Aval
+from fgraph.extend import Batched as Batched
+from fgraph.extend import FgraphError as FgraphError
+from fgraph.extend import PlanCall as PlanCall
+from fgraph.extend import Primitive as Primitive
+from fgraph.extend import Support as Support
+from fgraph.extend import executing as executing
+from fgraph.extend import once_per_execution as once_per_execution
+from fgraph.extend import primitive as primitive
 
-from .._errors import FgraphError as FgraphError
-from .._primitives import PlanCall as PlanCall
-from .._primitives import Primitive as Primitive
-from .._primitives import Support as Support
-from .._primitives import executing as executing
-from .._primitives import once_per_execution as once_per_execution
-from .._primitives import primitive as primitive
-from .._signature import Aval as Aval
-from .._signature import Batched as Batched
 from . import attention as attention
 from . import moe as moe

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from fgraph.ops import once_per_execution
+from fgraph.extend import once_per_execution
 from fgraph.ops._kv_write import write_kv
 
 MAX_SPLITS = 128  # flash-attn's limit

@@ -43,7 +43,7 @@ import weakref
 import attrs
 import torch
 
-from fgraph.ops import FgraphError, executing
+from fgraph.extend import FgraphError, executing
 from fgraph.ops._flashinfer_buffers import HostPlan, _DecodeBuffers, host_plan
 from fgraph.ops._kv_write import write_kv
 

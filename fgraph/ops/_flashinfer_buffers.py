@@ -9,8 +9,7 @@ import attrs
 import numpy as np  # a flashinfer dependency
 import torch
 
-from fgraph._buffers import DoneEvent
-from fgraph.ops import FgraphError
+from fgraph.extend import DoneEvent, FgraphError, config
 
 
 # ------------------------------------------------------------------------------------------- host metadata
@@ -113,8 +112,6 @@ class _DecodeBuffers:
         # layer, then record g_event (an event node in the graph); the hook only writes it (stage_for_graph).
         self.gstage = self.gstage_np = self.g_event = None
         self.g_layout, self.g_owner, self.copied_for = None, None, None
-        from fgraph import config
-
         if config.inputs_in_graph:
             self.make_graph_stage()  # now: buffers are made by eager runs (warm-up), never inside a capture
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from fgraph.ops import _attn_torch
+from . import _attn_torch
 
 
 @functools.cache

@@ -43,8 +43,7 @@ import attrs
 import numpy as np
 import torch
 
-from fgraph import register
-from fgraph.ops import Batched, FgraphError, PlanCall, Support, primitive
+from fgraph.extend import Batched, FgraphError, PlanCall, Support, primitive, register
 
 BACKENDS = ("torch", "flash_attn", "flashinfer")
 ROUTINES = ("decode", "mixed")

@@ -37,8 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fgraph import field, register
-from fgraph.ops import FgraphError, Support, primitive
+from fgraph.extend import FgraphError, Support, field, primitive, register
 
 BACKENDS = ("local", "allgather", "all2all")
 SCORINGS = ("softmax", "sigmoid")

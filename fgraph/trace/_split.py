@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from . import _primitives as P
+from .. import _primitives as P
+from .._fx import op_name
 
 
 class Piece(NamedTuple):
@@ -31,13 +32,6 @@ class Piece(NamedTuple):
 class Program(NamedTuple):
     module: fx.GraphModule  # top level calls the pieces in order: the one interpreter is its forward
     pieces: tuple[Piece, ...]
-
-
-def op_name(node: fx.Node) -> str:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        return t._schema.name.split("::")[-1] if t.namespace == P.NAMESPACE else t.__name__.split(".")[0]
-    return getattr(t, "__name__", str(t))
 
 
 def split(gm: fx.GraphModule, is_break, input_names: dict[str, str]) -> Program:

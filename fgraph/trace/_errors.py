@@ -15,10 +15,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ._errors import TraceError
+from .. import _fx
+from .._errors import TraceError
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FGRAPH_DIR = os.path.dirname(__file__)
 _NOISY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.recording")
 
 
@@ -83,7 +82,7 @@ class Names:
 def _user_frames(tb):
     while tb is not None:
         fn = tb.tb_frame.f_code.co_filename
-        if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR) and "<frozen" not in fn:
+        if not _fx.in_framework(fn):
             yield tb.tb_frame, tb.tb_lineno
         tb = tb.tb_next
 

@@ -18,13 +18,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, free_unbacked_symbols
 from torch.overrides import TorchFunctionMode
 
-from . import _trace_errors as E
-from ._errors import FgraphError, TraceError
-from ._state import root_of
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FGRAPH_DIR = os.path.dirname(__file__)
-_LIB_DIRS = (_TORCH_DIR, os.path.join(_FGRAPH_DIR, ""))
+from .. import _fx
+from .._errors import FgraphError, TraceError
+from .._state import root_of
+from . import _errors as E
 
 
 def user_line(skip_ops: bool = True) -> str:
@@ -32,7 +29,7 @@ def user_line(skip_ops: bool = True) -> str:
     f = sys._getframe(1)
     while f is not None:
         fn = f.f_code.co_filename
-        if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR) and "<frozen" not in fn:
+        if not _fx.in_framework(fn):
             return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
         f = f.f_back
     return "<unknown>"
@@ -153,7 +150,7 @@ _watch_lock, _watchers = threading.Lock(), [0]
 
 
 def _is_grad_enabled() -> bool:
-    if tracing.depth and not sys._getframe(1).f_code.co_filename.startswith(_LIB_DIRS):
+    if tracing.depth and not sys._getframe(1).f_code.co_filename.startswith(_fx.FRAMEWORK_DIRS):
         _grad_reads.read = True
     return torch._C.is_grad_enabled()
 
@@ -275,56 +272,14 @@ def _tb_line(e: BaseException) -> str:
     tb, line = e.__traceback__, "<unknown>"
     while tb is not None:
         fn = tb.tb_frame.f_code.co_filename
-        if not fn.startswith(_TORCH_DIR) and not fn.startswith(_FGRAPH_DIR):
+        if not fn.startswith(_fx.FRAMEWORK_DIRS):
             line = f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{tb.tb_lineno}"
         tb = tb.tb_next
     return line
 
 
 def _is_module_state(path: str) -> bool:
-    return path.startswith("self.")  # a lifted module's parameter or buffer (fgraph/_bind.py names them so)
-
-
-def _batch_norm_writes(node: fx.Node) -> list:
-    # (input, weight, bias, running_mean, running_var, training, ...): the running stats, when training
-    return [node.args[3], node.args[4]] if len(node.args) > 5 and node.args[5] else []
-
-
-# ops that write arguments their schemas do not annotate as written (`Tensor? running_mean`, not `Tensor(a!)`):
-# op -> the argument nodes a call writes. Without this, BatchNorm's running statistics in training were updated
-# unseen: by the warm-up and the capture too (three updates on a first call), and with no donate= asked for.
-_UNANNOTATED_WRITES = {
-    op: _batch_norm_writes
-    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
-    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
-}
-
-
-def _write_targets(node: fx.Node) -> list[fx.Node]:
-    """The argument nodes an op writes in place (from its schema's alias annotations, and _UNANNOTATED_WRITES)."""
-    t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-        return []
-    rule = _UNANNOTATED_WRITES.get(t)
-    out = [x for x in rule(node) if isinstance(x, fx.Node)] if rule is not None else []
-    for i, a in enumerate(t._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-            for x in v if isinstance(v, (list, tuple)) else [v]:
-                if isinstance(x, fx.Node):
-                    out.append(x)
-    return out
-
-
-def base_of(node: Any) -> Any:
-    """Follow view ops back to the tensor they view (a placeholder, or the node that allocated it)."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        rets = node.target._schema.returns
-        if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write and node.args:
-            node = node.args[0]
-        else:
-            break
-    return node
+    return path.startswith("self.")  # a lifted module's parameter or buffer (fgraph/trace/_callable.py names them so)
 
 
 def _same_storage(a: fx.Node, b: fx.Node) -> bool:
@@ -349,8 +304,8 @@ def check(
     non-donated input or a view of one (`return x`, `x.reshape(...)`, `x[:, :1]`) gets a copy inside the program:
     outputs are values, and a replay must not hand back a view of the caller's tensor or of fgraph's buffers."""
     for node in gm.graph.nodes:
-        for tgt in _write_targets(node):
-            b = base_of(tgt)
+        for tgt in _fx.write_targets(node):
+            b = _fx.base_of(tgt)
             if b in placeholder_paths and not donated(b):
                 twin = next((p for p in placeholder_paths if donated(p) and _same_storage(p, b)), None)
                 if twin is not None:  # one tensor passed twice, written through the name that is not donated
@@ -381,7 +336,7 @@ def check(
         if node.op == "output":
             outs = list(node.args[0])
             for i, o in enumerate(outs):
-                b = base_of(o)
+                b = _fx.base_of(o)
                 if isinstance(o, fx.Node) and b in placeholder_paths and not donated(b):
                     with gm.graph.inserting_before(node):
                         outs[i] = gm.graph.call_function(torch.ops.aten.clone.default, (o,))

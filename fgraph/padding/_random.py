@@ -6,33 +6,22 @@ result. So each such op is logged once at trace time with its line and listed by
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx as fx
 
-from ._index_flow import _name
-from ._padding import Finding
-
-log = logging.getLogger("fgraph")
+from .. import _fx
+from ._mixing import Finding
 
 
-def random_draws(jitted, gm: fx.GraphModule) -> list[Finding]:
-    """The trace's random ops, one per source line; each logged once per jitted function."""
+def random_draws(gm: fx.GraphModule) -> list[Finding]:
+    """The trace's random ops, one per source line."""
     found: dict[str, Finding] = {}
     for node in gm.graph.nodes:
         op = node.target
         if node.op == "call_function" and isinstance(op, torch._ops.OpOverload):
             if torch.Tag.nondeterministic_seeded in op.tags:
                 line = node.meta.get("line", "<unknown>")
-                found.setdefault(line, Finding(f"aten.{_name(node)}", line, "draws from torch's random generator"))
-    for f in found.values():
-        if ("random", f.line) not in jitted._logged:
-            jitted._logged.add(("random", f.line))
-            log.warning(
-                "fgraph.jit(%s): %s: a jitted call draws another stream than eager under the same seed (padded rows "
-                "and warm-up runs draw too; logged once). Fix: draw the noise outside and pass it in",
-                jitted.name,
-                f,
-            )
+                found.setdefault(
+                    line, Finding(f"aten.{_fx.op_name(node)}", line, "draws from torch's random generator")
+                )
     return list(found.values())

@@ -26,9 +26,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental import proxy_tensor as pt
 
-from ._errors import FgraphError, TraceError
-from ._pytree import tree_flatten
-from ._trace_errors import op_label
+from .._errors import FgraphError, TraceError
+from .._pytree import tree_flatten
+from ._errors import op_label
 
 stats = {"traced": 0, "copied": 0}  # calls of repeated functions under tracing: traced as usual / copied
 _SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)

@@ -10,10 +10,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._errors import TraceError
-from ._padding import BatchAxes
-from ._pytree import flatten_with_paths
-from ._signature import path_str
+from .._errors import TraceError
+from .._pytree import flatten_with_paths
+from .._signature import path_str
+from ._mixing import BatchAxes
 
 _CAST = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 

@@ -1,4 +1,4 @@
-"""The padding check's rules on indexing along a batch axis (fgraph/_padding.py), over what fgraph/_index_flow.py
+"""The padding check's rules on indexing along a batch axis (fgraph/padding/_mixing.py), over what fgraph/padding/_index_flow.py
 follows of index tensors: an index that can be negative reads or writes from the end of the padded axis (a padded
 row); a scatter by an index whose padded rows point at real rows writes padded rows' values into them (a pad of 0
 writes row 0). A scatter is silent where every padded index row is shown to land in a padded row: row numbers
@@ -12,7 +12,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._index_flow import INF, Flow, _arg, _val
+from .. import _fx
+from ._index_flow import INF, Flow
 
 # ops that take a negative index as counting from the end (the others raise on one, eager and jitted alike)
 _WRAP_READS = {"index", "_unsafe_index", "take"}
@@ -27,20 +28,20 @@ def _indices(node: fx.Node, name: str, ndim: int) -> list[tuple[int | None, fx.N
     Boolean masks are left out (an index by a mask has a shape that depends on the data, refused by the trace)."""
     if name in _ADVANCED:
         idx = [i if isinstance(i, fx.Node) else None for i in node.args[1]]
-        if any(i is not None and _val(i).dtype in (torch.bool, torch.uint8) for i in idx):
+        if any(i is not None and _fx.val(i).dtype in (torch.bool, torch.uint8) for i in idx):
             return []
         return [(d, i) for d, i in enumerate(idx) if i is not None]
     if name == "take":
         return [(None, node.args[1])]
-    index = _arg(node, "index")
-    return [(_arg(node, "dim") % max(ndim, 1), index)] if isinstance(index, fx.Node) else []
+    index = _fx.arg(node, "index")
+    return [(_fx.arg(node, "dim") % max(ndim, 1), index)] if isinstance(index, fx.Node) else []
 
 
 def index_finding(node: fx.Node, name: str, flow: Flow) -> tuple[set, str] | None:
     """Where an op indexing a tensor along its batch axis lets padding in: an index that can be negative (it reads
     or writes from the end of the padded axis: a padded row), or a scatter whose padded index rows point at real
     rows. (the batch symbols involved, what it does), or None."""
-    axes, target = flow.axes, _val(node.args[0])
+    axes, target = flow.axes, _fx.val(node.args[0])
     tdims = axes.dims(target)
     if not tdims:
         return None  # (scatters into a tensor without the batch axis have a rule of their own)
@@ -54,7 +55,7 @@ def index_finding(node: fx.Node, name: str, flow: Flow) -> tuple[set, str] | Non
                 verb = "counts" if name in _WRAP_READS else "writes"
                 where = "" if low > -INF else " where negative"
                 return syms, f"{how} {verb} from the end of the padded batch axis{where} (a padded row)"
-    batched = [(d, i, _val(i)) for d, i in pairs if axes.dims(_val(i))]
+    batched = [(d, i, _fx.val(i)) for d, i in pairs if axes.dims(_fx.val(i))]
     if name in _WRAP_READS or not batched:
         return None
     syms = set().union(*(axes.syms_of(v.shape[q]) for _, _, v in batched for q in axes.dims(v)))
@@ -125,7 +126,7 @@ def _same_value(node: fx.Node, name: str, axes) -> bool:
     if name in ("index_fill", "index_fill_"):
         return True
     if name in ("index_put", "index_put_", "_unsafe_index_put"):
-        return not _arg(node, "accumulate", False) and not axes.dims(_val(node.args[2]))
+        return not _fx.arg(node, "accumulate", False) and not axes.dims(_fx.val(node.args[2]))
     return name in ("scatter", "scatter_") and node.target._overloadname == "value"
 
 

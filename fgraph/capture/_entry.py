@@ -3,45 +3,24 @@ call runs through it: copy inputs in, plan, replay (or run the program), hand ou
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .. import _primitives as P
+from .. import padding
+from .._errors import SignatureError
+from .._modes import Mode
+from .._pytree import unflattener
+from .._signature import Call
+from .._state import put_back
 from . import _graphs as G
-from . import _outputs as O
-from . import _primitives as P
-from ._bind import invoke
 from ._buffers import InputBuffers
-from ._errors import SignatureError
 from ._inductor import Compiled
-from ._modes import Mode, resolve_mode
-from ._padding import BatchAxes, find_mixing, tied_lengths
-from ._pytree import holds, tree_flatten, unflattener
-from ._random import random_draws
-from ._signature import Signature, aval_of, path_str
-from ._split import Program, breaks_filter, split
-from ._state import put_back, root_of
-from ._trace import _write_targets, base_of, check, trace
-
-log = logging.getLogger("fgraph")
-
-
-class Call(NamedTuple):
-    """One call, flattened, with its bucket found (batched leaves stay unpadded: the entry pads them into its
-    input buffers): everything dispatch needs."""
-
-    sig: Signature
-    statics: dict[str, Any]
-    paths: list  # key path per leaf
-    leaves: list  # leaves as passed (batched ones unpadded: the entry pads them into its buffers)
-    specs: list  # Batched | None per leaf
-    n: int | None  # real tokens
-    bound: dict  # argument name -> value, as passed
+from ._slots import Slots
 
 
 class Stats:
@@ -57,149 +36,11 @@ class Stats:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-class Traced:
-    """One trace and its split program, shared by every signature (bucket) its symbolic batch dims fit."""
-
-    def __init__(self, jitted, call: Call, device: str):
-        fname = self.fname = jitted.name
-        tensor_ix = [i for i, x in enumerate(call.leaves) if isinstance(x, torch.Tensor)]
-        self.tensor_ix, self.paths = tensor_ix, [path_str(p) for p in call.paths]
-        self.batched_ix = [i for i in tensor_ix if call.specs[i] is not None]
-        self.address_ix = [i for i in tensor_ix if call.specs[i] is None]
-        self.out_spec, self.out_args = None, {}
-        consts = list(call.leaves)
-
-        def flat_fn(*tensors):
-            leaves = list(consts)
-            for i, t in zip(tensor_ix, tensors):
-                leaves[i] = t
-            dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
-            passed = {name: tree_flatten(v) for name, v in dyn.items()}
-            out = invoke(jitted, dyn, call.statics)
-            out_leaves, self.out_spec = tree_flatten(out)
-            O.refuse_opaque_outputs(fname, out, out_leaves)
-            if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` back (no unflattening
-                # per call) if it holds what was passed; one the function stored into (state["h"] = h) is traced
-                held = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}
-                self.out_args = {k: name for k, name in held.items() if holds(out[k], *passed[name])}
-                if self.out_args:
-                    self.out_recipe, self.out_spec = _fold_arguments(out, self.out_args)
-            return out_leaves
-
-        t0 = time.perf_counter()
-        # batched inputs may come from the host but live on the device inside the program. A first call at bucket 1
-        # is traced with static shapes (a symbol traced at 1 would be specialised to it); later buckets, 1 included,
-        # reuse a symbolic trace whose guards they satisfy (Shapes.fits)
-        example = [
-            call.leaves[i]
-            if call.specs[i] is None
-            else torch.empty(call.sig.leaves[i].shape, dtype=call.leaves[i].dtype, device=device)
-            for i in tensor_ix
-        ]
-        symbolic = call.sig.bucket is not None and call.sig.bucket > 1
-        axes = [
-            (call.specs[i].axis, call.specs[i].extra) if symbolic and call.specs[i] is not None else None
-            for i in tensor_ix
-        ]
-        gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix])
-        self.gm = gm  # the whole program, unsplit (Jitted.lower)
-        self.grad_mode = gm.meta["grad_mode"]  # the grad mode the function branched on, else None (serves both)
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        ph_paths = {ph: self.paths[i] for ph, i in zip(placeholders, tensor_ix)}
-        donated_roots = set(jitted.donate)
-        check(fname, gm, ph_paths, lambda ph: root_of(ph_paths[ph]) in donated_roots, device)
-        self.random = random_draws(jitted, gm)
-        is_break = breaks_filter(jitted.breaks)
-        decode = call.statics.get(jitted.routine) == "decode"
-        self.mode, self.reason = resolve_mode(fname, jitted.mode, decode, gm, is_break)
-        self.program: Program = split(gm, is_break, {ph.name: ph_paths[ph] for ph in placeholders})
-        self.seconds = time.perf_counter() - t0
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        ph_pos = {ph: k for k, ph in enumerate(placeholders)}
-        self.outs = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in out_node.args[0]]
-        outs = [_self_of(o) for o in out_node.args[0]]  # `x.add_(1)` returned is the caller's own x, as in eager
-        self.out_passthrough = {
-            j: tensor_ix[ph_pos[o]] for j, o in enumerate(outs) if isinstance(o, fx.Node) and o in ph_pos
-        }
-        self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
-        self.bucket = call.sig.bucket
-        # the donated leaves the program writes (put back after warm-up and capture), and those declared scratch
-        writes = {base_of(t) for node in gm.graph.nodes for t in _write_targets(node)}
-        self.written = [i for ph, i in zip(placeholders, tensor_ix) if ph in writes and call.specs[i] is None]
-        # donated batched leaves it writes: the program writes fgraph's padded buffer, so the caller's rows are
-        # copied back after each call (as eager writes the caller's tensor), and their padding is written again
-        self.written_batched = {
-            i for ph, i in zip(placeholders, tensor_ix) if ph in writes and call.specs[i] is not None
-        }
-        self.scratch = {i for i in self.written if root_of(self.paths[i]) in jitted.scratch}
-        self._padding(jitted, call, gm, ph_paths)
-        self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
-        self._direct: dict[str, fx.GraphModule] = {}
-
-    def direct(self, piece) -> fx.GraphModule:
-        """The break piece as run between PIECEWISE graphs (see _direct); made once per trace, shared by every
-        signature (a break piece holds no state)."""
-        m = self._direct.get(piece.name)
-        if m is None:
-            m = self._direct[piece.name] = _direct(piece.module)
-        return m
-
-    def _padding(self, jitted, call: Call, gm: fx.GraphModule, ph_paths: dict) -> None:
-        """What padding can change (logged once per place), the leaves the trace ties to one batch size, and how
-        each output is cut back to the unpadded call's shape (symbolic traces only: see fgraph/_padding.py)."""
-        self.axes = self.mixing = None
-        self.tied = []
-        if self.shapes is None:
-            return
-        batched = [(self.paths[i], i, call.specs[i].axis, call.specs[i]) for i in self.batched_ix]
-        self.axes = BatchAxes(self.shapes, batched)
-        self.mixing = find_mixing(gm, self.axes, set(jitted.scratch), ph_paths, jitted.buckets)
-        self.tied = tied_lengths(self.axes)
-        O.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
-        for f in self.mixing:
-            if ("padding", f.op, f.line) not in jitted._logged:
-                jitted._logged.add(("padding", f.op, f.line))
-                log.warning(
-                    "fgraph.jit(%s): padding is visible: %s; calls padded to a bucket differ from the unpadded "
-                    "call (logged once). Fix: mask the padded rows, or declare Batched(mixes=True) if intended",
-                    jitted.name,
-                    f,
-                )
-
-    def fits(self, bucket: int | None) -> bool:
-        return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
-
-    def size_outputs(self) -> list[tuple]:
-        """(output, size(leaves)) per output that is a size computed from the batch (fgraph/_padding.py)."""
-        return [] if self.axes is None else O.output_sizes(self.axes, self.outs)
-
-    def batched_outputs(self, bucket: int | None) -> list[tuple]:
-        """(output, dim, size) per output dim cut back per call to size(leaves) (None: to N), the unpadded call's
-        size. Symbolic traces: every dim sized by a batch symbol; static ones (bucket 1): a first dim equal to the
-        bucket. The caller's own tensors never are."""
-        if bucket is None:
-            return []
-        rows = [] if self.axes is None else O.output_rows(self.axes, self.outs, set(self.out_passthrough))
-        if self.axes is not None and not self.axes.specialized:
-            return rows
-        cut = {j for j, _, _ in rows}  # a trace whose batch size a guard fixed (`if N == 8`) has static outputs
-        return rows + [
-            (j, 0, None)
-            for j, v in enumerate(self.outs)
-            if j not in self.out_passthrough
-            and j not in cut
-            and isinstance(v, torch.Tensor)
-            and v.dim() > 0
-            and isinstance(v.shape[0], int)
-            and v.shape[0] == bucket
-        ]
-
-
 class Entry:
     """One signature: a trace (shared across buckets), its own copy of the program's top level (so its piece
     runners are its own), its graphs, its input buffers and its counters."""
 
-    def __init__(self, traced: Traced, call: Call, device: str, new_trace: bool):
+    def __init__(self, traced, call: Call, device: str, new_trace: bool):
         self.traced, self.sig, self.stats, self.device = traced, call.sig, Stats(), device
         self.statics = dict(call.statics)  # the signature's static values (what plan hooks see)
         self.stats.traces = int(new_trace)
@@ -227,7 +68,7 @@ class Entry:
         self.write_back = [(k, i) for k, i in enumerate(self.batched_ix) if i in traced.written_batched]
         self.graphs: list = []
         self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
-        self.slots = None  # the inputs its graphs read by address: in place or copied (_dispatch.Slots)
+        self.slots = None  # the inputs its graphs read by address: in place or copied (Slots)
         self.full, self.buffers = None, None
         self.capture_seconds, self.pool_bytes = 0.0, 0
 
@@ -303,7 +144,9 @@ class Entry:
             for j, d, rows in self.out_batched:  # cut back to the unpadded call's size (Traced.batched_outputs)
                 size = n if rows is None else rows(leaves)
                 if outs[j].shape[d] != size:
-                    outs[j] = outs[j].narrow(d, 0, size) if 0 <= size <= outs[j].shape[d] else O.cut_error(self, j, d)
+                    outs[j] = (
+                        outs[j].narrow(d, 0, size) if 0 <= size <= outs[j].shape[d] else padding.cut_error(self, j, d)
+                    )
             for j, size in self.out_sizes:  # `x.shape[0]` returned: the call's, not the bucket's
                 outs[j] = size(leaves)
         if copy_outputs:
@@ -316,11 +159,21 @@ class Entry:
         return self.unflatten(iter([outs[x] if type(x) is int else bound[x] for x in self.out_recipe]))
 
     # -- capturing -------------------------------------------------------------------------------------------
-    def capture(self, call: Call, pool, warmups: int, compile: dict | None = None, inputs_in_graph: bool = False):
+    def capture(
+        self,
+        call: Call,
+        pool,
+        warmups: int,
+        compile: dict | None = None,
+        inputs_in_graph: bool = False,
+        donate: tuple = (),
+        batched: tuple = (),
+    ):
         """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
         With `compile` (Inductor config options; {}: the defaults), Inductor compiles each graph piece first
         (fusing norms, RoPE, activations, residuals); breaks stay as they are. inputs_in_graph (FULL): the graph
-        itself copies the batched inputs in (InputBuffers.copy_in_graph)."""
+        itself copies the batched inputs in (InputBuffers.copy_in_graph). donate, batched: the argument names whose
+        tensors are donated and batched, for the Slots of a first capture."""
         t0, mem0 = time.perf_counter(), G.pool_bytes(self.device)
         if compile is not None:
             for piece in self.program.pieces:
@@ -377,15 +230,18 @@ class Entry:
             torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - t0
         self.pool_bytes = G.pool_bytes(self.device) - mem0
+        if self.slots is None and self.graphs:
+            self.slots = Slots(self, call.leaves, donate, batched)
 
+    def uncapture(self) -> None:
+        """Let go of the graphs and buffers, for a capture again: the program's top level is made afresh."""
+        self.release()
+        self.module = _own_top_level(self.traced.program.module)
+        self.verified = None
 
-def _self_of(o):
-    """The tensor an output is, through in-place ops (aten's `op_` variants return their first argument)."""
-    while isinstance(o, fx.Node) and isinstance(o.target, torch._ops.OpOverload) and o.args:
-        if not (o.target._schema.name.endswith("_") and isinstance(o.args[0], fx.Node)):
-            break
-        o = o.args[0]
-    return o
+    def release(self) -> None:
+        """Let go of the graphs and input buffers (a dropped or recaptured signature)."""
+        self.graphs, self.full, self.buffers = [], None, None
 
 
 def _after(first: Callable[[], None], fn: Callable) -> Callable:
@@ -406,17 +262,6 @@ def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
     m.__dict__.update(gm.__dict__)
     m.__dict__["_modules"] = dict(gm._modules)
     return m
-
-
-def _fold_arguments(out: tuple, out_args: dict[int, str]):
-    """Outputs that are the caller's own arguments become one leaf each: (recipe, spec), where the recipe lists,
-    per leaf of the folded tree, the index of the graph output to use, or the argument name to hand back."""
-    recipe, base = [], 0
-    for k, o in enumerate(out):
-        n = len(pytree.tree_leaves(o))
-        recipe.extend([out_args[k]] if k in out_args else range(base, base + n))
-        base += n
-    return recipe, pytree.tree_flatten(tuple(None if k in out_args else o for k, o in enumerate(out)))[1]
 
 
 class PieceRunner(torch.nn.Module):
@@ -442,39 +287,3 @@ class PieceRunner(torch.nn.Module):
             self.graph = self._Graph(self._pool)
             return self.graph.capture(self.module, *args)
         return self.graph.replay()
-
-
-def _direct(module: fx.GraphModule) -> fx.GraphModule:
-    """A break piece that calls its primitives' eager rules as plain Python functions: the same call, minus the
-    dispatcher and torch.library's wrapper around it (tens of µs per break, paid by every eager break of every
-    PIECEWISE step). Only for running outside a graph: under capture the op goes through the dispatcher."""
-    graph = fx.Graph()
-    env = {}
-    for node in module.graph.nodes:
-        env[node] = new = graph.node_copy(node, lambda n: env[n])
-        p = P.primitive_of(node)
-        if p is not None:
-            new.target = P.eager_rules[p]
-    return fx.GraphModule(module, graph)
-
-
-def _plan_sites(gm, ph_pos, tensor_ix, specs):
-    """Plan hooks to run per call: one per distinct (primitive, constant args, batched inputs, tensor avals)."""
-    sites = {}
-    for node in gm.graph.nodes:
-        p = P.primitive_of(node)
-        if p is None or p not in P.plan_rules:
-            continue
-        args = P.constant_args(node)
-        if p in P.plan_filters and not P.plan_filters[p](args):
-            continue
-        tensors = {k: v for k, v in P.node_args(node).items() if isinstance(v, fx.Node)}
-        inputs = {
-            k: tensor_ix[ph_pos[v]]
-            for k, v in tensors.items()
-            if v in ph_pos and specs[tensor_ix[ph_pos[v]]] is not None
-        }
-        avals = {k: aval_of(v.meta["val"]) for k, v in tensors.items() if isinstance(v.meta.get("val"), torch.Tensor)}
-        key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())), tuple(avals.items()))
-        sites.setdefault(key, (p, args, inputs, avals))
-    return list(sites.values())

@@ -1,5 +1,5 @@
 """What index tensors hold, followed through a symbolic trace: the data flow behind the padding check's rules on
-indexing along a batch axis (fgraph/_padding.py).
+indexing along a batch axis (fgraph/padding/_mixing.py).
 
 Two facts per tensor, each only as far as it is cheap to follow and sound:
   - `low`, a lower bound of the values the trace itself makes in a call's rows (constants, aranges, fills and
@@ -22,32 +22,9 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
-from ._trace import _write_targets, base_of
+from .. import _fx
 
 INF = math.inf
-
-
-def _name(node: fx.Node) -> str:
-    return node.target._schema.name.split("::")[-1]  # aten.mean.dim -> "mean"
-
-
-def _arg(node: fx.Node, name: str, default=None):
-    schema = node.target._schema
-    for i, a in enumerate(schema.arguments):
-        if a.name == name:
-            if i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get(name, a.default_value if a.has_default_value() else default)
-    return default
-
-
-def _val(x):
-    v = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return v[0] if isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor) else v
-
-
-def _shape(v) -> tuple:
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
 
 
 def _num(x):
@@ -109,7 +86,7 @@ class Flow:
             n = _num(node)
             return Fact(n if n is not None else -INF, None)
         if self._written is None:
-            self._written = {base_of(t) for n in self.gm.graph.nodes for t in _write_targets(n)}
+            self._written = {_fx.base_of(t) for n in self.gm.graph.nodes for t in _fx.write_targets(n)}
         stack = [node]
         while stack:
             n = stack[-1]
@@ -126,7 +103,7 @@ class Flow:
 
     def _transfer(self, n: fx.Node) -> Fact:
         if n.op == "placeholder":
-            spec, v = self.specs.get(n), _val(n)
+            spec, v = self.specs.get(n), _fx.val(n)
             if spec is None or not isinstance(v, torch.Tensor):
                 return Fact(INF, None)
             if isinstance(spec.pad, str):  # "ramp"
@@ -142,18 +119,18 @@ class Flow:
         if n.target is operator.getitem:
             src, i = n.args[0], n.args[1]
             if isinstance(src, fx.Node) and isinstance(src.target, torch._ops.OpOverload):
-                if i == 1 and _name(src) in _INDICES_SECOND:
+                if i == 1 and _fx.op_name(src) in _INDICES_SECOND:
                     return Fact(0, None)
                 first = src.args[0] if src.args else None
-                if _name(src) in _GATHERS or _name(src) in _INDICES_SECOND:
+                if _fx.op_name(src) in _GATHERS or _fx.op_name(src) in _INDICES_SECOND:
                     return Fact(self.fact(first).low, None)
             return UNKNOWN
         if not isinstance(n.target, torch._ops.OpOverload):
             return UNKNOWN
-        out = _val(n)
+        out = _fx.val(n)
         if not isinstance(out, torch.Tensor):  # a size (non-negative), or a number computed from sizes
             return Fact(0, None) if n.target is torch.ops.aten.sym_size.int else UNKNOWN
-        return self._op(n, _name(n), out)
+        return self._op(n, _fx.op_name(n), out)
 
     def _op(self, n: fx.Node, name: str, out) -> Fact:
         args = n.args
@@ -161,11 +138,11 @@ class Flow:
         if name in _SAME:
             return Fact(x.low, self._cast(x.pad, out))
         if name in _MOVES or name in _RESHAPES:
-            return Fact(x.low, self._moved(x.pad, _val(args[0]), out, name in _RESHAPES))
+            return Fact(x.low, self._moved(x.pad, _fx.val(args[0]), out, name in _RESHAPES))
         if name == "slice":
             return Fact(x.low, self._sliced(n, x.pad))
         if name == "select":  # one row along a dim: the pad's dim moves down past it, or is gone
-            d, p = _arg(n, "dim") % _val(args[0]).dim(), x.pad
+            d, p = _fx.arg(n, "dim") % _fx.val(args[0]).dim(), x.pad
             return Fact(x.low, None if p is None or d == p.dim else p._replace(dim=p.dim - (d < p.dim)))
         if name in ("max", "min") and n.target._overloadname == "other":
             name = "maximum" if name == "max" else "minimum"  # elementwise, of two tensors
@@ -180,7 +157,7 @@ class Flow:
         if name == "arange":
             return self._arange(n, out)
         if name in _FILLS:
-            v = _num(_arg(n, _FILLS[name])) if isinstance(_FILLS[name], str) else _FILLS[name]
+            v = _num(_fx.arg(n, _FILLS[name])) if isinstance(_FILLS[name], str) else _FILLS[name]
             return Fact(v if v is not None else -INF, self._filled(v, out))
         if name in ("cat", "stack"):
             return Fact(min((self.fact(t).low for t in args[0]), default=INF), None)
@@ -193,7 +170,7 @@ class Flow:
         other = n.args[1] if len(n.args) > 1 else None
         c = _num(other) if not isinstance(other, fx.Node) else None
         y = self.fact(other) if isinstance(other, fx.Node) else None
-        alpha = _num(_arg(n, "alpha", 1)) or 0
+        alpha = _num(_fx.arg(n, "alpha", 1)) or 0
         if name in ("add", "sub") and c is not None:
             d = c * alpha if name == "add" else -c * alpha
             return Fact(x.low + d, _shifted(x.pad, d))
@@ -202,14 +179,14 @@ class Flow:
                 return Fact(INF if INF in (x.low, y.low) else x.low, None)
             return Fact(x.low + alpha * y.low if alpha > 0 else -INF, None)
         if name in _SCALED and c is not None:
-            f = functools.partial(_SCALED[name], c=c, rounding=_arg(n, "rounding_mode"))
+            f = functools.partial(_SCALED[name], c=c, rounding=_fx.arg(n, "rounding_mode"))
             return Fact(_scaled_low(name, x.low, c, f), _scaled_pad(name, x.pad, c, f))
         if name == "neg" or (name == "rsub" and c is not None):
             pad = _mapped(x.pad, (lambda v: -v) if name == "neg" else (lambda v: c - alpha * v))
             return Fact(INF if x.low == INF else -INF, pad)
         if name in ("clamp", "clamp_min", "clamp_max"):  # max(x, lo) >= lo; min(x, hi) >= the least hi
-            lo = _arg(n, "min") if name != "clamp_max" else None
-            hi = _arg(n, "max") if name != "clamp_min" else None
+            lo = _fx.arg(n, "min") if name != "clamp_max" else None
+            hi = _fx.arg(n, "max") if name != "clamp_min" else None
             low = max(x.low, self.fact(lo).low) if lo is not None else x.low
             low = min(low, self.fact(hi).low) if hi is not None else low
             lo, hi = (-INF if lo is None else _num(lo)), (INF if hi is None else _num(hi))
@@ -224,7 +201,7 @@ class Flow:
         return Fact(INF if inputs and all(v == INF for v in inputs) else -INF, None)
 
     def _arange(self, n: fx.Node, out) -> Fact:
-        start, end, step = _arg(n, "start", 0), _arg(n, "end"), _num(_arg(n, "step", 1))
+        start, end, step = _fx.arg(n, "start", 0), _fx.arg(n, "end"), _num(_fx.arg(n, "step", 1))
         s = _num(start)
         if step is None or s is None:
             return UNKNOWN  # a start computed from the batch size is reported by its own rule
@@ -262,12 +239,13 @@ class Flow:
         when the slice runs to the end, and take its last real rows when the end is short of it by a few."""
         if pad is None:
             return None
-        x, dim = _val(n.args[0]), _arg(n, "dim", 0) % _val(n.args[0]).dim()
+        x, dim = _fx.val(n.args[0]), _fx.arg(n, "dim", 0) % _fx.val(n.args[0]).dim()
         if dim != pad.dim:
             return pad
         # (bounds computed from sizes are nodes of the trace: their traced values are SymInts)
         start, end, step = (
-            _val(a) if isinstance(a, fx.Node) else a for a in (_arg(n, "start"), _arg(n, "end"), _arg(n, "step", 1))
+            _fx.val(a) if isinstance(a, fx.Node) else a
+            for a in (_fx.arg(n, "start"), _fx.arg(n, "end"), _fx.arg(n, "step", 1))
         )
         start = 0 if start is None else start
         if step != 1 or not isinstance(start, int) or start < 0:  # (a start from the batch size is reported)
@@ -291,7 +269,7 @@ class Flow:
 def _root(n: fx.Node):
     """The tensor a node's memory belongs to, through views and in-place ops (`x[1:].add_(1)` -> x)."""
     while True:
-        b = base_of(n)
+        b = _fx.base_of(n)
         t = getattr(b, "target", None)
         rets = t._schema.returns if isinstance(t, torch._ops.OpOverload) else ()
         if rets and rets[0].alias_info is not None and rets[0].alias_info.is_write and b.args:

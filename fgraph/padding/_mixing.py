@@ -6,9 +6,9 @@ softmax/sort along the axis, matmuls contracting it, negative indexing and indic
 concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
 without it, layouts that put padded rows before real ones, windows sliding along it, Python branches on its size
 that some call padded to a bucket would take differently; index tensors holding negative values along it, and
-scatters into it by index rows the padding points at real rows: fgraph/_index_rules.py), and the per-call checks
+scatters into it by index rows the padding points at real rows: fgraph/padding/_index_rules.py), and the per-call checks
 of batched leaves (tied lengths, memory shared with written state). Outputs are cut back to the unpadded call's in
-fgraph/_outputs.py.
+fgraph/padding/_outputs.py.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
@@ -24,13 +24,13 @@ import sympy
 import torch
 import torch.fx as fx
 
-from . import _primitives as P
-from ._errors import SignatureError
-from ._index_flow import Flow, _arg, _name, _shape, _static_numel, _val
+from .. import _fx
+from .. import _primitives as P
+from .._errors import SignatureError
+from .._state import root_of
+from ._index_flow import Flow, _static_numel
 from ._index_rules import index_finding
-from ._mixing_ops import _ALONG, _BATCH_STATS, _CONTRACT, _INDEXES, _READS, _SCATTERS, _SPANS, _VALUES, _VIEWS, _WINDOWS
-from ._state import root_of
-from ._trace import _LIB_DIRS, Shapes, base_of
+from ._ops import _ALONG, _BATCH_STATS, _CONTRACT, _INDEXES, _READS, _SCATTERS, _SPANS, _VALUES, _VIEWS, _WINDOWS
 
 
 class Finding(NamedTuple):
@@ -49,7 +49,7 @@ class BatchAxes:
     canonicalised through the trace's replacements (tokens and positions traced as s0 and s1 become one symbol
     once an op ties them), with the leaves each stands for."""
 
-    def __init__(self, shapes: Shapes, leaves: list[tuple[str, int, int, object]]):
+    def __init__(self, shapes, leaves: list[tuple[str, int, int, object]]):
         # leaves: per batched tensor leaf, in the order of shapes.syms: (key path, leaf index, axis, Batched)
         self.shapes, self.env, self._syms = shapes, shapes.shape_env, {}
         self.raw = {sym: (i, axis) for (sym, _), (_, i, axis, _) in zip(shapes.syms, leaves)}
@@ -133,7 +133,7 @@ def find_mixing(
         line = node.meta.get("line", "<unknown>")
         if axes.intended(syms) or any(f.line == line for f in found.values()):
             return
-        f = Finding(f"aten.{_name(node)}", line, what)
+        f = Finding(f"aten.{_fx.op_name(node)}", line, what)
         found.setdefault((f.op, f.line), f)
 
     specs = {leaf[0]: leaf[3] for leaf in axes.leaves}
@@ -143,7 +143,7 @@ def find_mixing(
             continue
         if P.primitive_of(node) is not None:
             continue
-        name = _name(node)
+        name = _fx.op_name(node)
         if name in _INDEXES:  # negative indices along the batch axis, scatters by padded index rows into it
             hit = index_finding(node, name, flow)
             if hit is not None:
@@ -151,14 +151,14 @@ def find_mixing(
                 continue
         ins = [a for a in node.args if isinstance(a, fx.Node)]
         ins += [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, fx.Node)]
-        first = _val(ins[0]) if ins else None
+        first = _fx.val(ins[0]) if ins else None
         first = first if isinstance(first, torch.Tensor) else None
         dims = axes.dims(first)
         syms = set().union(*(axes.syms_of(first.shape[d]) for d in dims)) if dims else set()
         if (name in _ALONG or name in _BATCH_STATS) and first is not None:
-            if name in _BATCH_STATS and not _arg(node, "training", True):
+            if name in _BATCH_STATS and not _fx.arg(node, "training", True):
                 continue
-            dim = _arg(node, "dims", None) if name in ("flip", "roll") else _arg(node, "dim", None)
+            dim = _fx.arg(node, "dims", None) if name in ("flip", "roll") else _fx.arg(node, "dim", None)
             along = [dim] if isinstance(dim, int) else list(dim) if dim else list(range(first.dim()))
             along = [d % first.dim() for d in along] if first is not None and first.dim() else along
             if name in _BATCH_STATS:  # statistics over every dim but the channels
@@ -167,14 +167,14 @@ def find_mixing(
                 add(node, syms, f"{name} along the batch axis: padded rows take part")
             continue
         if name.startswith("_scaled_dot_product") and first is not None and first.dim() - 2 in dims:
-            if not _arg(node, "is_causal", False):  # causal: real queries never see the padded keys after them
+            if not _fx.arg(node, "is_causal", False):  # causal: real queries never see the padded keys after them
                 add(node, syms, "attends over the batch axis: padded rows are keys of real ones")
             continue
         if name in _SPANS and first is not None and dims & _SPANS[name](node, first.dim()):
             add(node, syms, f"{name} mixes rows along the batch axis: padded rows take part")
             continue
         if name in _VALUES:
-            sized = [_val(a) for a in (*node.args, *node.kwargs.values())]
+            sized = [_fx.val(a) for a in (*node.args, *node.kwargs.values())]
             sized = [v.node.expr for v in sized if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))]
             sized = [e for e in sized if axes.syms_of_expr(e)]
             if sized:
@@ -186,20 +186,20 @@ def find_mixing(
                 continue
         if name in _CONTRACT:
             k, d = _CONTRACT[name]
-            v = _val(node.args[k]) if k < len(node.args) else None
+            v = _fx.val(node.args[k]) if k < len(node.args) else None
             if v is not None and d in axes.dims(v):
                 add(node, axes.syms_of(v.shape[d]), "contracts the batch axis (a sum over rows): padded rows add in")
             continue
         if name in ("select", "slice") and not dims:
             # rows of a tensor without the batch axis from a start computed from the batch size (`w[x.shape[0]:]`):
             # the padded size's rows, not the call's (an end alone, `w[: x.shape[0]]`, keeps rows aligned)
-            start = _val(_arg(node, "index" if name == "select" else "start"))
+            start = _fx.val(_fx.arg(node, "index" if name == "select" else "start"))
             if axes.syms_of(start):
                 add(node, axes.syms_of(start), f"starts at {axes.name(start)}, computed from the padded batch size")
             continue
         if name in ("select", "slice") and dims:
-            d = _arg(node, "dim", 0) % first.dim()
-            ends = [_arg(node, "index")] if name == "select" else [_arg(node, "start"), _arg(node, "end")]
+            d = _fx.arg(node, "dim", 0) % first.dim()
+            ends = [_fx.arg(node, "index")] if name == "select" else [_fx.arg(node, "start"), _fx.arg(node, "end")]
             if d not in dims:
                 continue
             # a negative index or start reads from the padded end; a negative end alone (`offsets[:-1]`) keeps a
@@ -210,44 +210,44 @@ def find_mixing(
             # an index or start computed from the batch size (`x[x.shape[0] - 1]`, `x[n - 2:]`): the padded size,
             # not the call's; an end computed from it (`x[: n - 1]`, `narrow`) keeps a prefix, as above
             whole = axes.canon(first.shape[d])
-            sized = [e for e in map(_val, ends[:1]) if axes.syms_of(e) and axes.canon(e) != whole]
+            sized = [e for e in map(_fx.val, ends[:1]) if axes.syms_of(e) and axes.canon(e) != whole]
             if sized:
                 add(node, syms, f"index {axes.name(sized[0])} is computed from the padded batch size (a padded row)")
             continue
         if name == "arange":  # values counted from the batch size (`arange(n - 1, -1, -1)`): from the padded one
-            start = _val(_arg(node, "start"))
+            start = _fx.val(_fx.arg(node, "start"))
             if axes.syms_of(start):
                 add(node, axes.syms_of(start), f"counts from {axes.name(start)}, the padded batch size")
             continue
         if name == "cat":
-            tensors = [_val(t) for t in node.args[0]]
-            d = _arg(node, "dim", 0)
+            tensors = [_fx.val(t) for t in node.args[0]]
+            d = _fx.arg(node, "dim", 0)
             d = d % first.dim() if first is not None and first.dim() else d
             if any(d in axes.dims(t) for t in tensors[:-1]):
                 add(node, syms, "concatenates along the batch axis: padded rows land between real ones")
             continue
         if name in _SCATTERS:
-            src = [_val(a) for a in ins[1:]]
+            src = [_fx.val(a) for a in ins[1:]]
             if any(axes.dims(v) for v in src) and not axes.dims(first):
-                target = paths.get(base_of(node.args[0]), "a tensor without the batch axis")
+                target = paths.get(_fx.base_of(node.args[0]), "a tensor without the batch axis")
                 if root_of(target) not in scratch:
                     s = set().union(*(axes.syms_of(v.shape[d]) for v in src for d in axes.dims(v)))
                     add(node, s, f"writes rows of the batch axis into {target}: padded rows write too")
             continue
         if dims and name in _VIEWS:  # (2, N) -> (2N): the second copy's real rows come after the first's padded
-            out = _val(node)
+            out = _fx.val(node)
             p, q = min(dims), min(axes.dims(out), default=None)
-            before_in, before_out = _static_numel(first.shape[:p]), _static_numel(_shape(out)[:q] if q else ())
+            before_in, before_out = _static_numel(first.shape[:p]), _static_numel(_fx.shape(out)[:q] if q else ())
             if q is not None and None not in (before_in, before_out) and before_in != before_out:
                 add(node, syms, f"merges the batch axis under {before_in} outer rows: padded rows land among real ones")
             continue
         if dims and name == "repeat":
-            reps = list(_arg(node, "repeats", []))[-first.dim() :]
+            reps = list(_fx.arg(node, "repeats", []))[-first.dim() :]
             if any(d < len(reps) and reps[d] != 1 for d in dims):
                 add(node, syms, "repeats along the batch axis: padded rows land among real ones")
             continue
         if dims and name == "constant_pad_nd":
-            pads = list(_arg(node, "pad", []))  # (last dim's left, right, the one before's left, right, ...)
+            pads = list(_fx.arg(node, "pad", []))  # (last dim's left, right, the one before's left, right, ...)
             if any(2 * (first.dim() - 1 - d) + 1 < len(pads) and pads[2 * (first.dim() - 1 - d) + 1] for d in dims):
                 add(node, syms, "appends after the batch axis's rows: they land after the padded rows")
             continue
@@ -257,17 +257,17 @@ def find_mixing(
         if dims and _writes_into_first(node):
             # an in-place write into a batch-sized view of a tensor without the batch axis (`state[: x.shape[0]] =
             # x`, `buf[:n].add_(x)`): the view spans the bucket's rows, so padded rows land in rows eager leaves
-            base = base_of(node.args[0])
-            if not axes.dims(_val(base)):
+            base = _fx.base_of(node.args[0])
+            if not axes.dims(_fx.val(base)):
                 target = paths.get(base, "a tensor without the batch axis")
                 if root_of(target) not in scratch:
                     add(node, syms, f"writes a slice as long as the batch into {target}: padded rows write too")
                 continue
         if name in _READS or name.startswith("new_") or name.startswith("sym_"):
             continue
-        out, most = _val(node), max((len(axes.dims(_val(a))) for a in ins), default=0)
+        out, most = _fx.val(node), max((len(axes.dims(_fx.val(a))) for a in ins), default=0)
         if isinstance(out, torch.Tensor) and len(axes.dims(out)) < most:
-            syms = set().union(*(axes.syms_of(s) for a in ins for s in _shape(_val(a))))
+            syms = set().union(*(axes.syms_of(s) for a in ins for s in _fx.shape(_fx.val(a))))
             add(node, syms, "reduces over the batch axis: padded rows take part")
     for g in axes.env.guards:
         expr = g.expr
@@ -332,7 +332,7 @@ def _guard_line(guard) -> str | None:
     """The user's file:line that took a guard, or None when torch or fgraph took it."""
     loc = getattr(guard, "sloc", None)
     frame = getattr(loc, "framework_loc", None)
-    if isinstance(frame, traceback.FrameSummary) and not frame.filename.startswith(_LIB_DIRS):
+    if isinstance(frame, traceback.FrameSummary) and not frame.filename.startswith(_fx.FRAMEWORK_DIRS):
         return f"{os.path.relpath(frame.filename)}:{frame.lineno}"
     return getattr(loc, "maybe_user_loc", None)
 

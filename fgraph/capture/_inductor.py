@@ -8,7 +8,7 @@ import copy
 import torch
 import torch.fx as fx
 
-from ._errors import SignatureError
+from .._errors import SignatureError
 
 
 def inductor_options(fname: str, compile) -> dict | None:

@@ -1,4 +1,4 @@
-"""The aten ops the padding check (fgraph/_padding.py) treats by kind, keyed by schema name (`aten.mean.dim` ->
+"""The aten ops the padding check (fgraph/padding/_mixing.py) treats by kind, keyed by schema name (`aten.mean.dim` ->
 "mean"): the rules are in find_mixing, the tables here."""
 
 # ops that combine rows along their `dim` / `dims` argument (the axis keeps its size). Running ones (cumsum, cummax,
@@ -34,7 +34,7 @@ _WINDOWS |= {"max_pool2d_with_indices", "max_pool3d_with_indices", "_adaptive_av
 _SCATTERS = {"index_put", "index_put_", "index_copy", "index_copy_", "index_add", "index_add_", "scatter", "scatter_"}
 _SCATTERS |= {"scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "_unsafe_index_put"}
 _SCATTERS |= {"index_fill", "index_fill_"}
-# ops indexing a tensor by index tensors, whose values fgraph/_index_rules.py checks along the batch axis
+# ops indexing a tensor by index tensors, whose values fgraph/padding/_index_rules.py checks along the batch axis
 _INDEXES = _SCATTERS | {"index", "_unsafe_index", "take"}
 
 

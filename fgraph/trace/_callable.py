@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
-import sysconfig
 import types
 
 import torch
@@ -22,23 +20,16 @@ import torch.utils._pytree as pytree
 from torch._C import _functorch
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ._errors import FgraphError, SignatureError
-from ._options import names
-from ._signature import path_str, torch_state
-
-_PATHS = sysconfig.get_paths()  # where the standard library and installed packages live (not sys.prefix itself)
-_LIB_DIRS = tuple(
-    os.path.join(d, "")
-    for d in {os.path.dirname(torch.__file__), os.path.dirname(__file__)}
-    | {_PATHS.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    if d
-)
+from .._errors import FgraphError, SignatureError
+from .._fx import user_code
+from .._signature import path_str, torch_state
 
 
-def _user_code(fn) -> bool:
-    """A Python function of the user's (not torch's, fgraph's, the standard library's or an installed package's)."""
-    code = getattr(fn, "__code__", None)
-    return code is not None and not code.co_filename.startswith(_LIB_DIRS)
+class Inlined:
+    """A callable that fgraph inlines when it is called while a trace runs (fgraph.Jitted): its `fn` is traced as
+    part of the caller's program, so the tensors `fn` reads are read by the caller too."""
+
+    fn: object
 
 
 def describe(fn) -> tuple[str, inspect.Signature]:
@@ -54,31 +45,6 @@ def describe(fn) -> tuple[str, inspect.Signature]:
             "jit a Python function, method or nn.Module"
             + ("" if callable(fn) else "; options go by keyword: fgraph.jit(f, static=[...]) or @fgraph.jit(...)"),
         ) from None
-
-
-def setup(jitted, fn, options: dict) -> tuple[tuple, tuple]:
-    """Jitted.__init__'s view of `fn`: its name and signature, the tensors it reads without taking them as
-    arguments, whether the replay path can bind its calls; returns static= and donate= with jax's spellings
-    (static_argnames=, donate_argnames=) merged in."""
-    jitted._options = options  # to make the same Jitted per instance of a method's class
-    jitted.fn, (jitted.name, jitted.signature) = fn, describe(fn)
-    if not isinstance(fn, torch.nn.Module):  # (a module's __dict__ is its state, not function metadata)
-        functools.update_wrapper(jitted, fn)
-    jitted._lifted = Lifted(fn, set(jitted.signature.parameters))
-    jitted._plain = plain_signature(jitted.signature) and not jitted._lifted
-    static, donate = (
-        (*names(jitted.name, a, options.pop(a)), *names(jitted.name, f"{a}_argnames", options.pop(f"{a}_argnames")))
-        for a in ("static", "donate")
-    )
-    both = [a for a in static if a in donate]
-    if both:
-        raise SignatureError(
-            f"fgraph.jit({jitted.name}): {both[0]!r} is named in both static= and donate=",
-            "keep it in one: static= is for hashable Python values frozen into the signature, donate= for tensors "
-            "the function updates in place",
-        )
-    options.update(static=static, donate=donate, static_argnames=(), donate_argnames=())
-    return static, donate
 
 
 def plain_signature(sig: inspect.Signature) -> bool:
@@ -118,7 +84,7 @@ class Lifted:
                 self._value(names[i] if i < len(names) else f"args[{i}]", a, "parg", fn, i, 1)
             self._callable(fn.func)
         else:
-            self._function(getattr(fn, "__wrapped__", fn) if not _user_code(fn) else fn, 0)
+            self._function(getattr(fn, "__wrapped__", fn) if not user_code(fn) else fn, 0)
 
     def __bool__(self):
         return bool(self.modules or self.slots)
@@ -167,18 +133,16 @@ class Lifted:
             self._value(f"{name}.{k}", getattr(obj, k), "attr", obj, k, 1)
 
     def _value(self, name, v, kind, holder, key, depth):
-        from ._jit import Jitted
-
         if isinstance(v, torch.Tensor):
             self.slots.append((self._name(name), kind, holder, key))
         elif isinstance(v, torch.nn.Module):
             self._module(name, v)
-        elif isinstance(v, Jitted):  # called while this traces, it is inlined: what it reads is read here
+        elif isinstance(v, Inlined):  # called while this traces, it is inlined: what it reads is read here
             self._value(name, v.fn, kind, holder, key, depth)
-        elif isinstance(v, types.MethodType) and _user_code(v.__func__):
+        elif isinstance(v, types.MethodType) and user_code(v.__func__):
             self._holder(name, v.__self__)
             self._function(v.__func__, depth + 1)
-        elif isinstance(v, types.FunctionType) and _user_code(v):
+        elif isinstance(v, types.FunctionType) and user_code(v):
             self._function(v, depth + 1)
         elif isinstance(v, (dict, list)) and depth <= 3 and len(v) <= 4096:  # CONFIG["w"]: swapped in the container
             for k, x in v.items() if isinstance(v, dict) else enumerate(v):
@@ -277,7 +241,7 @@ def _global_names(code) -> list[str]:
 def invoke(jitted, dynamic: dict, statics: dict):
     """Call the jitted callable with its arguments by name (positional-only, *args and **kwargs spread back) and
     its lifted tensors installed from `dynamic` (the leaves named in Lifted.values)."""
-    lifted = jitted._lifted
+    lifted = jitted.lifted
     swap = {k: dynamic[k] for k in lifted.names if k in dynamic} if lifted else {}
     merged = {**{k: v for k, v in dynamic.items() if k not in swap}, **statics}
     # required parameters by position (torch.func.grad's argnums count them), those with defaults by keyword: a
@@ -303,47 +267,13 @@ def invoke(jitted, dynamic: dict, statics: dict):
         return jitted.fn(*args, **kwargs)
 
 
-def method(jitted, obj):
-    """`obj.f` for a jitted function defined in a class body: a Jitted of the bound method, one per instance (two
-    instances hold different tensors: each has its own signatures and graphs). Kept in the instance's __dict__
-    (it lives and dies with the instance; a copy of the instance binds its own)."""
-    d = getattr(obj, "__dict__", None)
-    if d is None:  # __slots__: kept by id for the process's life
-        d = jitted.__dict__.setdefault("_per_id", {}).setdefault(id(obj), {})
-    methods = d.get("_fgraph_methods")
-    bound = methods.get(jitted) if methods is not None else None
-    if bound is None or bound.fn.__self__ is not obj:  # (copy.copy shares the __dict__'s values: not its graphs)
-        if methods is None or bound is not None:
-            methods = d["_fgraph_methods"] = _Methods()
-        bound = methods[jitted] = type(jitted)(types.MethodType(jitted.fn, obj), **jitted._options)
-    return bound
-
-
-class _Methods(dict):
-    """An instance's jitted methods: never copied or pickled with the instance (a copy binds its own)."""
-
-    def __copy__(self):
-        return _Methods()
-
-    def __deepcopy__(self, memo):
-        return _Methods()
-
-    def __reduce__(self):
-        return _Methods, ()
-
-
-def get(jitted, obj, objtype=None):
-    """Jitted.__get__: the function itself from the class, a Jitted of the bound method from an instance."""
-    return jitted if obj is None else method(jitted, obj)
-
-
-def check_call(jitted, statics: dict, dynamic: dict) -> dict:
+def check_call(fname: str, lifted: Lifted, statics: dict, dynamic: dict) -> dict:
     """The slow path's checks of a call (a tensor passed as a static, gradients wanted through it); returns the
     dynamic arguments plus the lifted tensors' current values."""
     for k, v in statics.items():
         if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v)):
             raise SignatureError(
-                f"fgraph.jit({jitted.name}): static argument {k!r} is (or holds) a tensor; a static is frozen into "
+                f"fgraph.jit({fname}): static argument {k!r} is (or holds) a tensor; a static is frozen into "
                 "the signature by value, which a tensor does not have",
                 f"remove {k!r} from static= (tensors are inputs), or pass a Python value (int(t), tuple(t.tolist()))",
             )
@@ -351,38 +281,36 @@ def check_call(jitted, statics: dict, dynamic: dict) -> dict:
         for path, x in pytree.tree_flatten_with_path(dynamic)[0]:
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 raise FgraphError(
-                    f"fgraph.jit({jitted.name}): {path_str(path)} requires grad and grad mode is on, but a "
+                    f"fgraph.jit({fname}): {path_str(path)} requires grad and grad mode is on, but a "
                     "jitted call is inference only: its outputs live in graph memory and carry no autograd history",
                     "call it under torch.no_grad() or torch.inference_mode(), pass x.detach(), or train with the "
                     "plain function (fgraph.disable_jit())",
                 )
-    lifted = jitted._lifted
     if not lifted.rescanned:  # the first call: what the function reads now (globals assigned after the decorator)
         lifted.rescanned = True
         lifted.scan()
-        jitted._plain = jitted._plain and not lifted  # lifted tensors are read per call: no replay-path binding
     return {**dynamic, **lifted.values()} if lifted else dynamic
 
 
-def context(jitted) -> tuple:
+def context(lifted: Lifted) -> tuple:
     """A call's signature entries for what its trace depends on beyond the arguments: torch's global settings when
     not at torch's defaults (autocast, default dtype, matmul precision), and the lifted modules in training mode."""
-    state, training = torch_state(), jitted._lifted.training() if jitted._lifted else ()
+    state, training = torch_state(), lifted.training() if lifted else ()
     return ((("<torch>", state),) if state else ()) + ((("<training>", training),) if training else ())
 
 
-def check_transforms(jitted) -> None:
+def check_transforms(fname: str) -> None:
     """vmap / grad / jacrev (torch.func) over a jitted call: its inputs are functorch wrappers that a captured
     graph cannot see through."""
     if _functorch.peek_interpreter_stack() is not None:
         if torch.compiler.is_compiling():  # dynamo tracing into fgraph's own code (it sets up transforms too)
             raise FgraphError(
-                f"fgraph.jit({jitted.name}): called inside torch.compile, which traces into fgraph's call itself",
+                f"fgraph.jit({fname}): called inside torch.compile, which traces into fgraph's call itself",
                 "torch.compile the plain function, or keep the jitted call out of the compiled region (wrap it in "
                 "torch.compiler.disable)",
             )
         raise FgraphError(
-            f"fgraph.jit({jitted.name}): called under a torch.func transform (vmap, grad, jacrev, ...); a jitted "
+            f"fgraph.jit({fname}): called under a torch.func transform (vmap, grad, jacrev, ...); a jitted "
             "call replays captured graphs, which a transform cannot batch or differentiate",
             "jit the transformed plain function instead (fgraph.jit(torch.func.vmap(f)) for the f you jitted), or "
             "call the plain function under the transform",

@@ -1,0 +1,276 @@
+"""Cache: what one jitted function keeps per signature, and the only code that changes it.
+
+Its signatures' entries, the traces they share (one per routine, structure and non-batch shapes, serving every
+bucket its symbols fit), the graph pool every signature captures into, fgraph's buffers for inputs copied per call,
+and the graphs a caller still holds outputs of. `make` traces and captures a new signature (nothing of it is kept
+when that fails), `recapture` captures one again for new tensors, `drop` forgets one, `reset` forgets all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._config import config
+from ._errors import CaptureError, FgraphError, SignatureError
+from ._fastpath import FastPath
+from ._modes import Mode
+from ._pytree import check_static_fields
+from ._signature import Call, Signature, device_of, path_str
+from .capture import Entry, new_pool
+from .trace import Traced
+
+log = logging.getLogger("fgraph")
+
+GRAD_MODE = "<grad mode>"  # the signature entry naming the grad mode, for traces that branched on it
+
+
+class Cache:
+    """Per jitted function: its entries by signature, traces by family, the graph pool, copied-input buffers."""
+
+    def __init__(self, jitted, fastpath: FastPath):
+        self.jitted, self.fastpath = jitted, fastpath
+        self.entries: dict[Signature, Entry] = {}
+        self.traces: dict[tuple, list[Traced]] = {}  # (statics, structure, non-batch shapes) -> traces
+        self.pool = None
+        self.retired: list = []  # entries (or graphs) replaced while a caller still held their outputs
+        self.owned: dict = {}  # fgraph's buffers for inputs copied per call (Slots.move), shared by signatures
+        self.made = 0  # signatures made by calls (not capture()): bounded by config.max_signatures
+
+    # -- finding -----------------------------------------------------------------------------------------------
+    def for_grad_mode(self, call: Call) -> Call:
+        """A trace that branched on torch.is_grad_enabled() serves only the grad mode it was traced in: under the
+        other, the call's signature names the grad mode too (a trace of its own). Functions that never read it are
+        not keyed by it, so a capture under torch.no_grad() still serves calls made with grad on."""
+        entry, now = self.entries.get(call.sig), torch.is_grad_enabled()
+        if entry is None or entry.traced.grad_mode in (None, now):
+            return call
+        return call._replace(sig=call.sig._replace(statics=call.sig.statics + ((GRAD_MODE, now),)))
+
+    def closest(self, sig: Signature) -> str:
+        """The nearest known signature and the first thing that differs (JAX's explain_cache_misses)."""
+        return closest(self.entries, sig)
+
+    def probe(self, call: Call) -> Entry:
+        """The entry serving `call`, traced now if new but neither captured nor kept (explain, lower)."""
+        e = self.entries.get(call.sig)
+        if e is None:
+            device = device_of(self.jitted.name, call)
+            e = Entry(Traced(self.jitted, call, device), call, device, True)
+        return e
+
+    # -- making ------------------------------------------------------------------------------------------------
+    def make(self, call: Call, capture_call: Call) -> Entry | None:
+        """A new signature's entry, traced and captured; nothing of it is kept when that fails or is interrupted
+        (KeyboardInterrupt included): the next call makes it again. Returns None when the capture ran out of device
+        memory (what it made is freed; the caller runs the call eagerly)."""
+        try:
+            entry = self._new_entry(call)  # tracing: its errors are the trace's own (TraceError, the function's)
+        except BaseException:
+            self.drop(call.sig, None)
+            raise
+        try:
+            self.capture(entry, capture_call)
+            return entry
+        except BaseException as e:
+            self.drop(call.sig, entry)
+            if isinstance(e, torch.OutOfMemoryError):
+                return None
+            if isinstance(e, FgraphError) or not isinstance(e, Exception):
+                raise
+            raise CaptureError(
+                f"fgraph.jit({self.jitted.name}): the warm-up or capture of signature {call.sig.describe()} failed: "
+                f"{type(e).__name__}: {e}",
+                "the eager function fails the same way on these inputs (fgraph.disable_jit() to see it there); the "
+                "signature was dropped and the next call tries again",
+            ) from e
+
+    def _new_entry(self, call: Call) -> Entry:
+        """An entry for a new signature, on an existing trace when one fits its bucket (one trace per routine
+        and structure serves every bucket >= 2), else on a new trace."""
+        jitted = self.jitted
+        for k, v in pytree.tree_unflatten(call.leaves, call.sig.treespec).items():
+            check_static_fields(v, f"fgraph.jit({jitted.name}): {k}")
+        if config.explain_cache_misses and self.entries:
+            log.warning("fgraph.jit(%s): new signature %s%s", jitted.name, call.sig.describe(), self.closest(call.sig))
+        device = device_of(jitted.name, call)
+        family = (  # grad mode apart: a trace that branched on it serves its own mode (below), any other both
+            tuple(kv for kv in call.sig.statics if kv[0] != GRAD_MODE),
+            call.sig.treespec,
+            tuple(
+                leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape))
+                for leaf, s in zip(call.sig.leaves, call.specs)
+            ),
+        )
+        now = torch.is_grad_enabled()
+        fits = (t for t in self.traces.get(family, ()) if t.fits(call.sig.bucket) and t.grad_mode in (None, now))
+        traced = next(fits, None)
+        new = traced is None
+        if new:
+            traced = Traced(jitted, call, device)
+            self.traces.setdefault(family, []).append(traced)
+            opts = jitted.options
+            want = opts.mode.for_routine(call.statics.get(opts.routine) == "decode")
+            if traced.mode is not want:
+                jitted.log_once(("downgrade", call.sig.statics), "%s: %s", call.sig.describe(), traced.reason)
+        entry = Entry(traced, call, device, new)
+        self.entries[call.sig] = entry
+        return entry
+
+    def capture(self, entry: Entry, call: Call) -> None:
+        """Warm up and capture `entry` on `call` (a graphless mode only runs it), into the function's pool."""
+        opts = self.jitted.options
+        graphed = entry.mode is not Mode.NONE
+        entry.capture(
+            call,
+            self._pool(entry.device) if graphed else None,
+            opts.warmups if graphed else 0,
+            opts.compile if graphed else None,
+            config.inputs_in_graph,
+            donate=opts.donate,
+            batched=tuple(opts.batch),
+        )
+        if config.log_captures and graphed:
+            log.warning(
+                "fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB",
+                self.jitted.name,
+                len(entry.graphs),
+                entry.mode.name,
+                entry.sig.describe(),
+                entry.capture_seconds,
+                entry.pool_bytes / 2**30,
+            )
+
+    def _pool(self, device):
+        if self.pool is None:
+            self.pool = new_pool(device)
+        return self.pool
+
+    def recapture(self, entry: Entry, call: Call, moved: list[int]) -> None:
+        """Positions `moved` of the entry's address inputs got new tensors: capture the signature again, reading them
+        in place or from fgraph's buffers (Slots.move). Counted in stats() as captures."""
+        jitted = self.jitted
+        if jitted.options.strict:
+            paths = [entry.paths[entry.slots.ix[k]] for k in moved]
+            raise SignatureError(
+                f"fgraph.jit({jitted.name}, strict=True): {', '.join(paths)} is not the tensor the graphs of "
+                f"signature {entry.sig.describe()} read (strict: no input copies)",
+                "pass the same tensors each call (update them in place), or call .reset() after replacing them",
+            )
+        old = entry.graphs
+        entry.slots.move(moved, self.owned, call.leaves)
+        c = call._replace(leaves=entry.slots.args(call.leaves))
+        entry.uncapture()
+        # warm-up and capture run the function: Entry.capture puts back the donated tensors they write
+        try:
+            self.capture(entry, c.padding_only(c.sig.bucket) if c.n is not None else c)
+        except BaseException:
+            self.drop(call.sig, entry)
+            raise
+        self.retired.extend([_Held(g) for g in old if g.in_use()])
+
+    def drop(self, sig: Signature, entry: Entry | None) -> None:
+        """Forget a signature and anything half made for it: its entry, a trace made for it, replay keys, graphs."""
+        self.entries.pop(sig, None)
+        if entry is None:
+            return
+        self.fastpath.forget(entry)
+        if entry.stats.traces:  # the trace was made for this entry: drop it too (it may be half warmed)
+            for family in self.traces.values():
+                if entry.traced in family:
+                    family.remove(entry.traced)
+        entry.release()
+        if entry.device.startswith("cuda"):
+            with contextlib.suppress(Exception):  # the error being handled is the one to report
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+
+    def reset(self) -> None:
+        """Drop every trace and graph. Graphs whose outputs the caller still holds keep their memory (retired, not
+        freed) until a later reset finds them unused."""
+        self.retired = [e for e in [*self.retired, *self.entries.values()] if any(g.in_use() for g in e.graphs)]
+        self.entries.clear()
+        self.traces.clear()
+        self.owned.clear()
+        self.fastpath.clear()
+        self.made, self.pool = 0, None
+
+    # -- reporting ---------------------------------------------------------------------------------------------
+    def warn_retraces(self, call: Call) -> None:
+        """Once a function has made config.warn_signatures signatures by itself, say so once, with what differs."""
+        if self.made != config.warn_signatures + 1:
+            return
+        scalars = [
+            f"{path_str(p)}={x!r}"
+            for p, x in zip(call.paths, call.leaves)
+            if isinstance(x, (int, float, bool)) and not isinstance(x, torch.Tensor)
+        ]
+        log.warning(
+            "fgraph.jit(%s): %d signatures made by calls%s%s (logged once; past fgraph.config.max_signatures=%d new "
+            "ones run eagerly). Fix: %s",
+            self.jitted.name,
+            self.made,
+            closest({k: e for k, e in self.entries.items() if k != call.sig}, call.sig),
+            f"; Python scalars are part of the signature, by value: {', '.join(scalars)}" if scalars else "",
+            config.max_signatures,
+            "pass values that change per call as tensors (torch.tensor(step)), or declare them static= and capture() "
+            "the ones you need",
+        )
+
+    def stats(self) -> dict[str, dict]:
+        """Counters per signature, keyed by its description (plus the leaves that tell apart ones described alike)."""
+        return {k: e.stats.as_dict() for k, e in stats_keys(self.entries.values())}
+
+
+class _Held:
+    """Graphs replaced by a recapture whose outputs a caller still holds (kept, like reset()'s retired entries)."""
+
+    def __init__(self, graph):
+        self.graphs = [graph]
+
+
+def closest(entries: dict, sig) -> str:
+    """The nearest known signature and the first thing that differs (JAX's explain_cache_misses)."""
+    if not entries:
+        return ""
+
+    def diff(a: Signature, b: Signature):
+        if a.statics != b.statics:
+            return 3, f"static arguments {dict(b.statics)} vs {dict(a.statics)}"
+        if a.treespec != b.treespec:
+            return 2, "the tree structure of the arguments"
+        if a.bucket != b.bucket:
+            return 1, f"bucket {b.bucket} vs {a.bucket}"
+        some = next(((i, x, y) for i, (x, y) in enumerate(zip(a.leaves, b.leaves)) if x != y), None)
+        return 0, f"leaf #{some[0]}: {some[2]} vs {some[1]}" if some else "nothing"
+
+    entry = min(entries.values(), key=lambda e: diff(sig, e.sig)[0])
+    what = diff(sig, entry.sig)[1]
+    if what.startswith("leaf #"):
+        i = int(what[6 : what.index(":")])
+        what = f"{entry.paths[i]}: {sig.leaves[i]} (captured {entry.sig.leaves[i]})"
+    return f"; closest captured signature {entry.sig.describe()} differs in {what}"
+
+
+def stats_keys(entries) -> list[tuple[str, Any]]:
+    """(key, entry) per signature: its description, plus, where signatures share one, the leaves that differ."""
+    groups: dict[str, list] = {}
+    for e in entries:
+        groups.setdefault(e.sig.describe(), []).append(e)
+    out = []
+    for d, es in groups.items():
+        if len(es) == 1:
+            out.append((d, es[0]))
+            continue
+        for e in es:
+            if any(o.sig.treespec != e.sig.treespec or len(o.sig.leaves) != len(e.sig.leaves) for o in es):
+                diff = [f"structure #{es.index(e)}"]
+            else:
+                differ = [i for i in range(len(e.sig.leaves)) if len({o.sig.leaves[i] for o in es}) > 1]
+                diff = [f"{e.paths[i]}: {e.sig.leaves[i]}" for i in differ]
+            out.append((f"{d} {{{', '.join(diff)}}}", e))
+    return out

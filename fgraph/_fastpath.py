@@ -1,0 +1,293 @@
+"""The replay path: what it proves unchanged, so that a call passing the same containers again skips the slow path.
+
+Inputs are values (jax.jit's contract): any non-static tensor leaf may be a new tensor on any call. An argument
+passed again (the same object) is not flattened again only when what it holds is proven the same. Immutable
+containers (tuples, NamedTuples, frozen attrs classes and dataclasses) need no proof beyond their identity; every
+mutable node (dict, list, mutable record, other registered node types) is re-read per call and its children
+compared by identity with what the last flatten saw (`guard_for`). Batched arguments are flattened afresh by a
+reader generated per structure (`reader`). The tensors a graph reads by address are checked by its Slots.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+import torch.utils._pytree as pytree
+
+from ._pytree import _RECORDS, _children, flattener
+from ._signature import Call, batch_specs, bucket_for, leaf_of, torch_state
+
+
+class Layout(NamedTuple):
+    """A non-batched argument's flat layout as the last slow call saw it, cached by the container's identity."""
+
+    tree: Any  # the argument itself
+    leaves: list
+    key: _Key  # layout_key(structure, leaves)
+    guard: Callable[[], bool] | None  # guard_for(tree): None when the tree is immutable
+
+
+class Hit(NamedTuple):
+    """A call the replay path serves: its entry, flat leaves, real token count, bound arguments, and the
+    identity-cached containers that vouch for the entry's address inputs."""
+
+    entry: Any
+    leaves: list
+    n: int | None
+    bound: dict
+    held: list
+
+
+class FastPath:
+    """Per jitted function: the argument layouts (by container identity), the batched arguments' readers (per
+    structure) and the entries by (statics, torch state, grad mode, bucket, layouts). `find` serves a call from
+    them or says it is the slow path's; `remember` teaches them a call the slow path ran."""
+
+    def __init__(self, fname: str, signature: inspect.Signature, static: tuple, batch: dict, buckets: tuple):
+        params = signature.parameters
+        self.fname, self.batch, self.buckets = fname, batch, buckets
+        self.names = list(params)
+        self.defaults = {k: p.default for k, p in params.items()}
+        self.static_sorted = tuple(sorted(static))
+        # bound -> the statics tuple, in one C call (itemgetter returns a bare value for a single name)
+        get = operator.itemgetter(*self.static_sorted) if self.static_sorted else (lambda b: ())
+        self.statics_of = get if len(self.static_sorted) != 1 else (lambda b, g=get: (g(b),))
+        self.dynamic = [k for k in params if k not in static]
+        self.layouts: dict[str, Layout] = {}
+        self.readers: dict[str, list[Callable]] = {}
+        self.entries: dict[tuple, Any] = {}
+
+    def find(self, args: tuple, kwargs: dict) -> Hit | None:
+        """The entry that serves this call with what the last calls proved, or None (first sight of anything,
+        errors and fallbacks are the slow path's)."""
+        names, defaults = self.names, self.defaults
+        if len(args) > len(names):
+            return None
+        bound = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k in bound or k not in defaults:
+                return None
+            bound[k] = v
+        if len(bound) < len(names):
+            for k in names:
+                if k not in bound:
+                    d = defaults[k]
+                    if d is inspect.Parameter.empty:
+                        return None
+                    bound[k] = d
+        try:
+            statics = self.statics_of(bound)
+            hash(statics)
+        except TypeError:
+            return None
+        parts, leaves, held, n = [], [], [], None
+        for name in self.dynamic:
+            v = bound[name]
+            if name in self.batch:
+                for read in self.readers.get(name, ()):  # known structures of this argument
+                    got = read(v)
+                    if got is not None:
+                        break
+                else:
+                    return None
+                lv, key, m = got
+                if m is not None and (n is None or m > n):
+                    n = m
+                parts.append(key)
+                leaves.extend(lv)
+            else:
+                c = self.layouts.get(name)
+                if c is None or c.tree is not v or (c.guard is not None and not c.guard()):
+                    return None
+                parts.append(c.key)
+                held.append(c.key)  # the identity-cached containers (not the batched args)
+                leaves.extend(c.leaves)
+        bucket = bucket_for(self.buckets, n) if n else None
+        if n is not None and bucket is None:  # past the largest bucket, or an empty batch
+            return None
+        entry = self.entries.get(fast_key(statics, bucket, parts))
+        if entry is None:
+            return None
+        # a new tensor where the graphs read another: the slow path copies it. Containers passed again vouch for
+        # theirs by identity; tensors inside batched arguments (slots.loose) are flattened afresh and checked
+        slots, seen = entry.slots, entry.verified
+        if slots is not None:
+            same = seen is not None and len(held) == len(seen) and all(map(operator.is_, held, seen))
+            if (slots.loose or not same) and slots.diverged(leaves, slots.loose if same else None):
+                return None
+        return Hit(entry, leaves, n, bound, held)
+
+    def remember(self, call: Call, entry) -> None:
+        """Teach the replay path this call's layout: per argument, its flat leaves (by container identity) or,
+        for batched arguments, the Batched spec of each leaf."""
+        parts = []
+        for name in self.dynamic:
+            v = call.bound[name]
+            lv, spec = pytree.tree_flatten(v)
+            if name in self.batch:
+                readers = self.readers.setdefault(name, [])
+                got = next((g for r in readers if (g := r(v)) is not None), None)  # the reader find() picks
+                if got is None:
+                    specs = batch_specs(
+                        self.fname, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1], lv
+                    )
+                    nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
+                    spec_id = sum(map(len, self.readers.values()))  # unique among this function's readers
+                    readers.append(reader(flattener(spec), specs, spec_id, nones))
+                    got = readers[-1](v)
+                parts.append(got[1])
+            else:
+                key = layout_key(spec, lv)
+                c = self.layouts.get(name)
+                if c is None or c.tree is not v or c.key != key or (c.guard is not None and not c.guard()):
+                    self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec))
+                parts.append(c.key)
+        statics = tuple(call.bound[k] for k in self.static_sorted)
+        self.entries[fast_key(statics, call.sig.bucket, parts)] = entry
+
+    def forget(self, entry) -> None:
+        """Drop every key that leads to `entry` (its signature is being dropped)."""
+        for key in [k for k, e in self.entries.items() if e is entry]:
+            del self.entries[key]
+
+    def clear(self) -> None:
+        self.layouts.clear(), self.readers.clear(), self.entries.clear()
+
+
+# -- guards ----------------------------------------------------------------------------------------------------
+def _immutable(x) -> bool:
+    t = type(x)
+    if t is tuple or pytree.is_namedtuple_class(t) or x is None:
+        return True
+    if attrs.has(t):
+        return bool(getattr(t, "__attrs_attrs__", None)) and _attrs_frozen(t)
+    params = getattr(t, "__dataclass_params__", None)
+    return params is not None and params.frozen
+
+
+def _attrs_frozen(t) -> bool:
+    # attrs marks frozen classes by their __setattr__ (attrs has no public "is frozen" query)
+    return getattr(t.__setattr__, "__name__", "") == "_frozen_setattrs"
+
+
+def _node_children(x, spec) -> tuple[Callable[[Any], Any], tuple]:
+    """(read, snapshot): read(x) returns what x holds now (children and anything in its tree structure) for an
+    identity comparison with the snapshot."""
+    typ = spec.type
+    if typ is dict or isinstance(x, dict):
+
+        def read(d):
+            return (*d, *d.values())
+
+    elif typ is list:
+        read = tuple
+    elif typ in _RECORDS:
+        dynamic, static = _RECORDS[typ]
+        names = [*dynamic, *static]
+        get = operator.attrgetter(*names) if names else (lambda o: ())
+        read = get if len(names) != 1 else (lambda o, g=get: (g(o),))
+    else:
+        flatten = pytree.SUPPORTED_NODES[typ].flatten_fn
+
+        def read(o):
+            children, ctx = flatten(o)
+            return (*children, ctx)
+
+    return read, tuple(read(x))
+
+
+def guard_for(tree, spec: pytree.TreeSpec) -> Callable[[], bool] | None:
+    """A check that `tree` (flattened to `spec` just now) still holds what it holds now: () -> bool. None when its
+    whole structure is immutable (its identity is the proof). Each mutable node is re-read and compared by identity
+    (a container replaced inside it, a longer list, a changed static field of a mutable record all fail it)."""
+    checks = []
+
+    def visit(x, sp):
+        if sp.is_leaf():
+            return
+        if not _immutable(x):
+            read, snap = _node_children(x, sp)
+            checks.append((read, x, snap))
+        kids = _children(sp)
+        values = pytree.SUPPORTED_NODES[sp.type].flatten_fn(x)[0]
+        for v, k in zip(values, kids):
+            visit(v, k)
+
+    visit(tree, spec)
+    if not checks:
+        return None
+    is_ = operator.is_
+
+    def guard() -> bool:
+        for read, node, snap in checks:
+            now = read(node)
+            if len(now) != len(snap) or not all(map(is_, now, snap)):
+                return False
+        return True
+
+    return guard
+
+
+# -- keys -----------------------------------------------------------------------------------------------------
+def fast_key(statics: tuple, bucket: int | None, parts: list) -> tuple:
+    """The replay path's key of a call: its statics, bucket and argument layouts (layout_key, reader's keys).
+
+    With torch's settings (not all of the slow path's context: functions with lifted modules, training modes, are
+    not _plain) and grad mode (a trace that branched on it serves one, Cache.for_grad_mode; a call under it with a
+    tensor that requires grad is the slow path's to refuse)."""
+    return statics, torch_state(), torch._C.is_grad_enabled(), bucket, tuple(parts)
+
+
+def layout_key(spec: pytree.TreeSpec, leaves: list) -> _Key:
+    """An argument's layout as the replay path keys it: its structure, each leaf's aval, and whether any of its
+    tensors requires grad (the slow path refuses those under grad mode)."""
+    grads = any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+    return _Key((spec, tuple(leaf_of(x) for x in leaves), grads))
+
+
+class _Key:
+    """A hashable layout key that hashes once: a params tree of hundreds of leaves is looked up per call."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key):
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, _Key) and self.hash == other.hash and self.key == other.key)
+
+
+def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
+    """A batched argument's reader for the fast path: `tree -> (leaves, key, n)`, or None for another structure.
+    key: the structure's id and each leaf's (dtype, device, shape, requires_grad) as passed (unpadded: each token
+    count met gets its own key, after one call down the slow path; requires_grad: the slow path refuses one under grad
+    mode; Python leaves by value); n: the largest real token count among its
+    Batched leaves (None if none). Generated per structure as one tuple display (a loop of small tuples cost ~2 us).
+    nones: which leaves are None (an absent optional input): torch's pytrees make None a leaf, so the structure alone
+    does not tell such a call from one passing a tensor there. A value where None was, or None (or any non-tensor)
+    where a Batched tensor was, is another reader's: read returns None."""
+    env = {"flatten": flatten, "_T": torch.Tensor, "_leaf": leaf_of}
+    names = [f"a{i}" for i in range(len(specs))]
+    key = "".join(
+        f"({a}.dtype, {a}.device, {a}.shape, {a}.requires_grad) if isinstance({a}, _T) else _leaf({a}), " for a in names
+    )
+    rows = [f"{a}.shape[{s.axis}] - {s.extra}" for a, s in zip(names, specs) if s is not None]
+    n = "None" if not rows else rows[0] if len(rows) == 1 else f"max({', '.join(rows)})"
+    unpack = f"  {''.join(a + ', ' for a in names)}= lv\n" if names else ""
+    if any(nones):
+        unpack += f"  if {' or '.join(f'{a} is not None' for a, none in zip(names, nones) if none)}:\n    return None\n"
+    src = (
+        f"def read(x):\n  lv = flatten(x)\n  if lv is None:\n    return None\n{unpack}"
+        f"  try:\n    return lv, ({spec_id}, {key}), {n}\n"
+        "  except AttributeError:\n    return None\n"  # no .shape: not a tensor where a Batched one was
+    )
+    exec(compile(src, "<fgraph batched reader>", "exec"), env)
+    return env["read"]

@@ -1,0 +1,105 @@
+"""Helpers over fgraph's one IR, torch.fx graphs of aten ops: op names, arguments, write targets, views' bases,
+and where library code lives (a user's line is the first frame outside it)."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+_PATHS = sysconfig.get_paths()  # where the standard library and installed packages live (not sys.prefix itself)
+# torch's and fgraph's own code: a frame in neither is the user's line in an error or a finding
+FRAMEWORK_DIRS = (os.path.dirname(torch.__file__), os.path.join(os.path.dirname(__file__), ""))
+# every library, the standard library and installed packages too: a function here is not user code to scan for
+# the tensors it reads (fgraph.trace's lifting)
+LIBRARY_DIRS = tuple(
+    os.path.join(d, "")
+    for d in {*FRAMEWORK_DIRS} | {_PATHS.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    if d
+)
+
+
+def in_framework(filename: str) -> bool:
+    """Whether a frame's file is torch's or fgraph's (or frozen importlib's) rather than the user's."""
+    return filename.startswith(FRAMEWORK_DIRS) or "<frozen" in filename
+
+
+def user_code(fn) -> bool:
+    """A Python function of the user's (not torch's, fgraph's, the standard library's or an installed package's)."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and not code.co_filename.startswith(LIBRARY_DIRS)
+
+
+def op_name(node: fx.Node) -> str:
+    """An op's short name: aten.mean.dim -> "mean", fgraph.attention.default -> "attention", operator.getitem ->
+    "getitem"."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def arg(node: fx.Node, name: str, default=None):
+    """An aten node's argument by its schema name, passed by position or keyword, else the schema's default."""
+    schema = node.target._schema
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            return node.kwargs.get(name, a.default_value if a.has_default_value() else default)
+    return default
+
+
+def val(x):
+    """The traced value of a node (of a multi-output op: its first tensor), else None."""
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return v[0] if isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor) else v
+
+
+def shape(v) -> tuple:
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _batch_norm_writes(node: fx.Node) -> list:
+    # (input, weight, bias, running_mean, running_var, training, ...): the running stats, when training
+    return [node.args[3], node.args[4]] if len(node.args) > 5 and node.args[5] else []
+
+
+# ops that write arguments their schemas do not annotate as written (`Tensor? running_mean`, not `Tensor(a!)`):
+# op -> the argument nodes a call writes. Without this, BatchNorm's running statistics in training were updated
+# unseen: by the warm-up and the capture too, and with no donate= asked for.
+_UNANNOTATED_WRITES = {
+    op: _batch_norm_writes
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")
+    if (op := getattr(getattr(torch.ops.aten, name, None), "default", None)) is not None
+}
+
+
+def write_targets(node: fx.Node) -> list[fx.Node]:
+    """The argument nodes an op writes in place (from its schema's alias annotations, and _UNANNOTATED_WRITES)."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return []
+    rule = _UNANNOTATED_WRITES.get(t)
+    out = [x for x in rule(node) if isinstance(x, fx.Node)] if rule is not None else []
+    for i, a in enumerate(t._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            for x in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(x, fx.Node):
+                    out.append(x)
+    return out
+
+
+def base_of(node: Any) -> Any:
+    """Follow view ops back to the tensor they view (a placeholder, or the node that allocated it)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        rets = node.target._schema.returns
+        if rets and rets[0].alias_info is not None and not rets[0].alias_info.is_write and node.args:
+            node = node.args[0]
+        else:
+            break
+    return node

@@ -1,0 +1,121 @@
+"""Slots: the non-batched tensor inputs a captured graph reads by address, read in place or copied.
+
+A call passing the captured tensor (or one at the same address and strides) is read in place, for free. The first
+time a call passes another tensor there, the signature is captured again to read the new one in place (a reloaded
+checkpoint costs one capture per signature, no copies, and fgraph lets go of the old tensors). The second time
+(state fed back as new tensors each call, or two params sets in turn) the slot becomes a copied one: fgraph allocates
+its own buffer for it (shared by the function's signatures), captures the signature to read that, and from then on
+copies the caller's tensor in before each replay, and back out after it for donated state (the function wrote into
+it; eager would have written into the caller's tensor). Captured tensors are never written into by a call that did
+not pass them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .._state import root_of
+
+log = logging.getLogger("fgraph")
+
+COPY_LOG_BYTES = 4 << 20  # a call copying more than this logs one line per function and set of key paths
+
+
+def _same_memory(x, t) -> bool:
+    return x is t or (x.data_ptr() == t.data_ptr() and x.stride() == t.stride())
+
+
+class Slots:
+    """A captured entry's non-batched tensor inputs: what its graphs read (`targets`, one per address_ix), which of
+    them are fgraph's own buffers, copied into per call (`copied`), and the last call's plan."""
+
+    def __init__(self, entry, leaves: list, donate: tuple, batched: tuple = ()):
+        self.entry = entry
+        self.ix = list(entry.address_ix)
+        self.targets = [leaves[i] for i in self.ix]  # held: the graphs read their memory
+        self.copied: list[int] = []  # positions into ix whose targets are fgraph's buffers
+        self.moved = [0] * len(self.ix)  # per position: how many times a call passed another tensor
+        root = [root_of(entry.paths[i]) for i in self.ix]
+        donate, batched = set(donate), set(batched)
+        self.donated = [r in donate for r in root]
+        # positions inside batched arguments (a tensor without a batch axis next to batched ones): those arguments
+        # are flattened afresh every call, so no container identity vouches for these tensors (_fast_call)
+        self.loose = [k for k, r in enumerate(root) if r in batched]
+        self.logged = False
+
+    def diverged(self, leaves: list, positions: list[int] | None = None) -> list[int]:
+        """Positions (of `positions`, default all) whose tensor is neither at its captured address nor copied
+        already: the graphs would read another tensor's memory."""
+        copied = set(self.copied)
+        return [
+            k
+            for k in (range(len(self.ix)) if positions is None else positions)
+            if k not in copied and not _same_memory(leaves[self.ix[k]], self.targets[k])
+        ]
+
+    def move(self, positions: list[int], store: dict, leaves: list) -> None:
+        """New tensors at these positions: read the caller's in place the first time a position moves, copy into
+        fgraph's buffers (from `store`, shared by the function's signatures: one per key path and aval) after."""
+        own = []
+        for k in positions:
+            self.moved[k] += 1
+            if self.moved[k] == 1:
+                self.targets[k] = leaves[self.ix[k]]
+            else:
+                own.append(k)
+        for k in own:
+            x = leaves[self.ix[k]]
+            key = (self.entry.paths[self.ix[k]], tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device))
+            buf = store.get(key)
+            if buf is None:
+                buf = store[key] = torch.empty_like(x, memory_format=torch.preserve_format)
+            buf.copy_(x)
+            self.targets[k] = buf
+        self.copied = sorted({*self.copied, *own})
+
+    def args(self, leaves: list) -> list:
+        """The leaves with fgraph's buffers in place of the caller's tensors at copied positions."""
+        if not self.copied:
+            return leaves
+        leaves = list(leaves)
+        for k in self.copied:
+            leaves[self.ix[k]] = self.targets[k]
+        return leaves
+
+    def copy_in(self, leaves: list, stats, fname: str) -> None:
+        n = 0
+        for k in self.copied:
+            x, t = leaves[self.ix[k]], self.targets[k]
+            if x is not t:
+                t.copy_(x)
+                n += t.numel() * t.element_size()
+        if n:
+            stats.copies += 1
+            stats.copied_bytes += n
+            if n > COPY_LOG_BYTES and not self.logged:
+                self.logged = True
+                paths = [self.entry.paths[self.ix[k]] for k in self.copied]
+                log.warning(
+                    "fgraph.jit(%s): %s: copies %.1f MiB of inputs per call (%s%s are not the tensors it was captured "
+                    "with). Fix: pass the same tensors each call, or call .reset() after replacing them so the graphs "
+                    "read the new ones in place",
+                    fname,
+                    self.entry.sig.describe(),
+                    n / 2**20,
+                    ", ".join(paths[:4]),
+                    f" and {len(paths) - 4} more" if len(paths) > 4 else "",
+                )
+
+    def copy_back(self, leaves: list) -> None:
+        """Donated state the graph wrote into fgraph's buffer goes back into the caller's tensor."""
+        for k in self.copied:
+            if self.donated[k]:
+                x, t = leaves[self.ix[k]], self.targets[k]
+                if x is not t:
+                    x.copy_(t)
+
+    def describe(self) -> list[str]:
+        copied = set(self.copied)
+        return [f"{self.entry.paths[i]}: {'copied' if k in copied else 'read in place'}" for k, i in enumerate(self.ix)]

@@ -1,0 +1,22 @@
+"""The trace stage: a call becomes a checked program.
+
+make_fx with the batch axis traced as a symbol (`trace`), the checks a trace must pass (host syncs, writes into
+arguments not donated: `check`), errors that name the user's line and key paths, `repeated`, the callable and the
+tensors it reads without taking them (`Lifted`, `invoke`), the split at break primitives (`split`, `Program`), and
+`Traced`: one trace, checked and split, shared by the signatures it fits.
+"""
+
+from ._callable import Inlined as Inlined
+from ._callable import Lifted as Lifted
+from ._callable import check_call as check_call
+from ._callable import check_transforms as check_transforms
+from ._callable import context as context
+from ._callable import describe as describe
+from ._callable import invoke as invoke
+from ._callable import plain_signature as plain_signature
+from ._make import tracing as tracing
+from ._repeated import repeated as repeated
+from ._split import Piece as Piece
+from ._split import Program as Program
+from ._split import op_summary as op_summary
+from ._traced import Traced as Traced
