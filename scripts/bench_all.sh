@@ -14,7 +14,7 @@
 # Extra arguments after PART go to the benchmark (e.g. grid8b --peers eager graph: no torch.compile).
 # Then, on the machine holding the fetched results:  python3 -m benchmarks.summarize RESULTS_DIR [...]
 # Without $OUT, parts write to benchmarks/results/PART/, which git ignores: a run to publish replaces
-# benchmarks/results/latest/ (with a RUNS.md of its commands; see the README's Contributing section).
+# benchmarks/results/latest/ (with a RUNS.md of its commands; see docs/performance.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:?usage: bash scripts/bench_all.sh grid05|grid8b|serve|inductor|attention|smoke}"
