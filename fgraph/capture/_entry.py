@@ -86,20 +86,20 @@ class Entry:
         host = dict(zip(self.batched_ix, host))
         return all(
             [
-                P.plan_rules[p](
+                P.plan_rules[site.primitive](
                     P.PlanCall(
-                        p,
-                        args,
-                        {k: host[i] for k, i in inputs.items()},
+                        site.primitive,
+                        site.args,
+                        {k: host[i] for k, i in site.inputs.items()},
                         self.sig.bucket,
                         n or 0,
                         statics,
                         capturing,
-                        avals,
+                        site.avals,
                     )
                 )
                 is True
-                for p, args, inputs, avals in self.plans
+                for site in self.plans
             ]
         )
 

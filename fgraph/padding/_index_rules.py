@@ -1,4 +1,4 @@
-"""The padding check's rules on indexing along a batch axis (fgraph/padding/_mixing.py), over what fgraph/padding/_index_flow.py
+"""The padding check's rules on indexing along a batch axis (fgraph/padding/_mixing.py), over what _index_flow.py
 follows of index tensors: an index that can be negative reads or writes from the end of the padded axis (a padded
 row); a scatter by an index whose padded rows point at real rows writes padded rows' values into them (a pad of 0
 writes row 0). A scatter is silent where every padded index row is shown to land in a padded row: row numbers

@@ -4,6 +4,7 @@ dims fit: its program, its mode and why, what padding changes in it, how its out
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -198,7 +199,16 @@ def _direct(module: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(module, graph)
 
 
-def _plan_sites(gm, ph_pos, tensor_ix, specs):
+class PlanSite(NamedTuple):
+    """One plan hook to run per call: a call site of a primitive that has a plan rule."""
+
+    primitive: P.Primitive
+    args: dict  # its non-tensor arguments
+    inputs: dict[str, int]  # argument name -> index of the batched leaf passed there
+    avals: dict  # argument name -> Aval, as traced
+
+
+def _plan_sites(gm, ph_pos, tensor_ix, specs) -> list[PlanSite]:
     """Plan hooks to run per call: one per distinct (primitive, constant args, batched inputs, tensor avals)."""
     sites = {}
     for node in gm.graph.nodes:
@@ -216,5 +226,5 @@ def _plan_sites(gm, ph_pos, tensor_ix, specs):
         }
         avals = {k: aval_of(v.meta["val"]) for k, v in tensors.items() if isinstance(v.meta.get("val"), torch.Tensor)}
         key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())), tuple(avals.items()))
-        sites.setdefault(key, (p, args, inputs, avals))
+        sites.setdefault(key, PlanSite(p, args, inputs, avals))
     return list(sites.values())
