@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import attrs
+import torch
 import torch.utils._pytree as pytree
 
 from ._errors import FgraphError
@@ -191,7 +192,6 @@ def unflattener(spec: pytree.TreeSpec):
 
 def check_static_fields(tree: Any, where: str) -> None:
     """Static fields must be hashable and must not hold tensors (a frozen tensor is a silent wrong answer)."""
-    import torch
 
     def visit(x, path):
         if type(x) in pytree.SUPPORTED_NODES and _is_record(x):

@@ -6,9 +6,9 @@ softmax/sort along the axis, matmuls contracting it, negative indexing and indic
 concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
 without it, layouts that put padded rows before real ones, windows sliding along it, Python branches on its size
 that some call padded to a bucket would take differently; index tensors holding negative values along it, and
-scatters into it by index rows the padding points at real rows: fgraph/padding/_index_rules.py), and the per-call checks
+scatters into it by index rows the padding points at real rows: fgraph/_index_rules.py), and the per-call checks
 of batched leaves (tied lengths, memory shared with written state). Outputs are cut back to the unpadded call's in
-fgraph/padding/_outputs.py.
+fgraph/_outputs.py.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
@@ -27,10 +27,8 @@ import torch.fx as fx
 from .. import _fx
 from .. import _primitives as P
 from .._errors import SignatureError
-from .._state import root_of
-from ._index_flow import Flow, _static_numel
-from ._index_rules import index_finding
-from ._ops import _ALONG, _BATCH_STATS, _CONTRACT, _INDEXES, _READS, _SCATTERS, _SPANS, _VALUES, _VIEWS, _WINDOWS
+from ._index_flow import Flow
+from ._ops import Ctx, rule_of
 
 
 class Finding(NamedTuple):
@@ -124,7 +122,8 @@ def find_mixing(
 ) -> list[Finding]:
     """The ops of a symbolic trace that combine rows along a batch axis (so padded rows change real results),
     and the guards the trace took on a batch size. Break primitives (attention, MoE) are excluded: they own their
-    padding contract. scratch: the key paths whose scatters from padded rows are declared to land in scratch."""
+    padding contract. scratch: the key paths whose scatters from padded rows are declared to land in scratch. Each
+    op's rule is in fgraph/padding/_ops.py (RULES), by its kind."""
     found: dict[tuple, Finding] = {}
 
     def add(node, syms, what):
@@ -144,131 +143,15 @@ def find_mixing(
         if P.primitive_of(node) is not None:
             continue
         name = _fx.op_name(node)
-        if name in _INDEXES:  # negative indices along the batch axis, scatters by padded index rows into it
-            hit = index_finding(node, name, flow)
-            if hit is not None:
-                add(node, *hit)
-                continue
         ins = [a for a in node.args if isinstance(a, fx.Node)]
         ins += [x for a in node.args if isinstance(a, (list, tuple)) for x in a if isinstance(x, fx.Node)]
         first = _fx.val(ins[0]) if ins else None
         first = first if isinstance(first, torch.Tensor) else None
         dims = axes.dims(first)
         syms = set().union(*(axes.syms_of(first.shape[d]) for d in dims)) if dims else set()
-        if (name in _ALONG or name in _BATCH_STATS) and first is not None:
-            if name in _BATCH_STATS and not _fx.arg(node, "training", True):
-                continue
-            dim = _fx.arg(node, "dims", None) if name in ("flip", "roll") else _fx.arg(node, "dim", None)
-            along = [dim] if isinstance(dim, int) else list(dim) if dim else list(range(first.dim()))
-            along = [d % first.dim() for d in along] if first is not None and first.dim() else along
-            if name in _BATCH_STATS:  # statistics over every dim but the channels
-                along = [d for d in range(first.dim()) if d != 1]
-            if any(d in dims for d in along):
-                add(node, syms, f"{name} along the batch axis: padded rows take part")
-            continue
-        if name.startswith("_scaled_dot_product") and first is not None and first.dim() - 2 in dims:
-            if not _fx.arg(node, "is_causal", False):  # causal: real queries never see the padded keys after them
-                add(node, syms, "attends over the batch axis: padded rows are keys of real ones")
-            continue
-        if name in _SPANS and first is not None and dims & _SPANS[name](node, first.dim()):
-            add(node, syms, f"{name} mixes rows along the batch axis: padded rows take part")
-            continue
-        if name in _VALUES:
-            sized = [_fx.val(a) for a in (*node.args, *node.kwargs.values())]
-            sized = [v.node.expr for v in sized if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool))]
-            sized = [e for e in sized if axes.syms_of_expr(e)]
-            if sized:
-                add(
-                    node,
-                    axes.syms_of_expr(sized[0]),
-                    f"uses {axes.name(sized[0])} as a value: the bucket's, not the call's",
-                )
-                continue
-        if name in _CONTRACT:
-            k, d = _CONTRACT[name]
-            v = _fx.val(node.args[k]) if k < len(node.args) else None
-            if v is not None and d in axes.dims(v):
-                add(node, axes.syms_of(v.shape[d]), "contracts the batch axis (a sum over rows): padded rows add in")
-            continue
-        if name in ("select", "slice") and not dims:
-            # rows of a tensor without the batch axis from a start computed from the batch size (`w[x.shape[0]:]`):
-            # the padded size's rows, not the call's (an end alone, `w[: x.shape[0]]`, keeps rows aligned)
-            start = _fx.val(_fx.arg(node, "index" if name == "select" else "start"))
-            if axes.syms_of(start):
-                add(node, axes.syms_of(start), f"starts at {axes.name(start)}, computed from the padded batch size")
-            continue
-        if name in ("select", "slice") and dims:
-            d = _fx.arg(node, "dim", 0) % first.dim()
-            ends = [_fx.arg(node, "index")] if name == "select" else [_fx.arg(node, "start"), _fx.arg(node, "end")]
-            if d not in dims:
-                continue
-            # a negative index or start reads from the padded end; a negative end alone (`offsets[:-1]`) keeps a
-            # prefix, whose rows are the call's own once the output is cut back
-            neg = [e for e in ends[:1] if isinstance(e, int) and 0 > e]
-            if neg:
-                add(node, syms, f"index {neg[0]} counts from the end of the padded batch axis (a padded row)")
-            # an index or start computed from the batch size (`x[x.shape[0] - 1]`, `x[n - 2:]`): the padded size,
-            # not the call's; an end computed from it (`x[: n - 1]`, `narrow`) keeps a prefix, as above
-            whole = axes.canon(first.shape[d])
-            sized = [e for e in map(_fx.val, ends[:1]) if axes.syms_of(e) and axes.canon(e) != whole]
-            if sized:
-                add(node, syms, f"index {axes.name(sized[0])} is computed from the padded batch size (a padded row)")
-            continue
-        if name == "arange":  # values counted from the batch size (`arange(n - 1, -1, -1)`): from the padded one
-            start = _fx.val(_fx.arg(node, "start"))
-            if axes.syms_of(start):
-                add(node, axes.syms_of(start), f"counts from {axes.name(start)}, the padded batch size")
-            continue
-        if name == "cat":
-            tensors = [_fx.val(t) for t in node.args[0]]
-            d = _fx.arg(node, "dim", 0)
-            d = d % first.dim() if first is not None and first.dim() else d
-            if any(d in axes.dims(t) for t in tensors[:-1]):
-                add(node, syms, "concatenates along the batch axis: padded rows land between real ones")
-            continue
-        if name in _SCATTERS:
-            src = [_fx.val(a) for a in ins[1:]]
-            if any(axes.dims(v) for v in src) and not axes.dims(first):
-                target = paths.get(_fx.base_of(node.args[0]), "a tensor without the batch axis")
-                if root_of(target) not in scratch:
-                    s = set().union(*(axes.syms_of(v.shape[d]) for v in src for d in axes.dims(v)))
-                    add(node, s, f"writes rows of the batch axis into {target}: padded rows write too")
-            continue
-        if dims and name in _VIEWS:  # (2, N) -> (2N): the second copy's real rows come after the first's padded
-            out = _fx.val(node)
-            p, q = min(dims), min(axes.dims(out), default=None)
-            before_in, before_out = _static_numel(first.shape[:p]), _static_numel(_fx.shape(out)[:q] if q else ())
-            if q is not None and None not in (before_in, before_out) and before_in != before_out:
-                add(node, syms, f"merges the batch axis under {before_in} outer rows: padded rows land among real ones")
-            continue
-        if dims and name == "repeat":
-            reps = list(_fx.arg(node, "repeats", []))[-first.dim() :]
-            if any(d < len(reps) and reps[d] != 1 for d in dims):
-                add(node, syms, "repeats along the batch axis: padded rows land among real ones")
-            continue
-        if dims and name == "constant_pad_nd":
-            pads = list(_fx.arg(node, "pad", []))  # (last dim's left, right, the one before's left, right, ...)
-            if any(2 * (first.dim() - 1 - d) + 1 < len(pads) and pads[2 * (first.dim() - 1 - d) + 1] for d in dims):
-                add(node, syms, "appends after the batch axis's rows: they land after the padded rows")
-            continue
-        if name in _WINDOWS and any(d >= 2 for d in dims):
-            add(node, syms, f"{name} slides along the batch axis: padded rows reach real ones")
-            continue
-        if dims and _writes_into_first(node):
-            # an in-place write into a batch-sized view of a tensor without the batch axis (`state[: x.shape[0]] =
-            # x`, `buf[:n].add_(x)`): the view spans the bucket's rows, so padded rows land in rows eager leaves
-            base = _fx.base_of(node.args[0])
-            if not axes.dims(_fx.val(base)):
-                target = paths.get(base, "a tensor without the batch axis")
-                if root_of(target) not in scratch:
-                    add(node, syms, f"writes a slice as long as the batch into {target}: padded rows write too")
-                continue
-        if name in _READS or name.startswith("new_") or name.startswith("sym_"):
-            continue
-        out, most = _fx.val(node), max((len(axes.dims(_fx.val(a))) for a in ins), default=0)
-        if isinstance(out, torch.Tensor) and len(axes.dims(out)) < most:
-            syms = set().union(*(axes.syms_of(s) for a in ins for s in _fx.shape(_fx.val(a))))
-            add(node, syms, "reduces over the batch axis: padded rows take part")
+        hit = rule_of(name)(node, Ctx(name, axes, flow, paths, scratch, ins, first, dims, syms))
+        if hit is not None:
+            add(node, *hit)
     for g in axes.env.guards:
         expr = g.expr
         if isinstance(expr, sympy.Eq) and all(side.free_symbols for side in expr.args):
@@ -303,12 +186,6 @@ def _same_for_every_call(expr, axes: BatchAxes, buckets) -> bool:
             return False
         prev = b
     return bool(buckets)
-
-
-def _writes_into_first(node: fx.Node) -> bool:
-    """Whether an op writes into its first operand (copy_, add_, ...: `Tensor(a!) self`)."""
-    args = node.target._schema.arguments
-    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
 def _fixes_a_size(expr, axes: BatchAxes) -> bool:
