@@ -43,9 +43,10 @@ class Cache:
 
     # -- finding -----------------------------------------------------------------------------------------------
     def for_grad_mode(self, call: Call) -> Call:
-        """A trace that branched on torch.is_grad_enabled() serves only the grad mode it was traced in: under the
-        other, the call's signature names the grad mode too (a trace of its own). Functions that never read it are
-        not keyed by it, so a capture under torch.no_grad() still serves calls made with grad on."""
+        """A trace that branched on torch.is_grad_enabled() serves only the grad mode it was traced in.
+
+        Under the other, the call's signature names the grad mode too (a trace of its own). Functions that never
+        read it are not keyed by it, so a capture under torch.no_grad() still serves calls made with grad on."""
         entry, now = self.entries.get(call.sig), torch.is_grad_enabled()
         if entry is None or entry.traced.grad_mode in (None, now):
             return call
@@ -65,9 +66,11 @@ class Cache:
 
     # -- making ------------------------------------------------------------------------------------------------
     def make(self, call: Call, capture_call: Call) -> Entry | None:
-        """A new signature's entry, traced and captured; nothing of it is kept when that fails or is interrupted
-        (KeyboardInterrupt included): the next call makes it again. Returns None when the capture ran out of device
-        memory (what it made is freed; the caller runs the call eagerly)."""
+        """A new signature's entry, traced and captured.
+
+        Nothing of it is kept when that fails or is interrupted (KeyboardInterrupt included): the next call
+        makes it again. Returns None when the capture ran out of device memory (what it made is freed; the
+        caller runs the call eagerly)."""
         try:
             entry = self._new_entry(call)  # tracing: its errors are the trace's own (TraceError, the function's)
         except BaseException:
@@ -90,8 +93,9 @@ class Cache:
             ) from e
 
     def _new_entry(self, call: Call) -> Entry:
-        """An entry for a new signature, on an existing trace when one fits its bucket (one trace per routine
-        and structure serves every bucket >= 2), else on a new trace."""
+        """An entry for a new signature, on an existing trace when one fits its bucket, else on a new trace.
+
+        One trace per routine and structure serves every bucket >= 2."""
         jitted = self.jitted
         for k, v in pytree.tree_unflatten(call.leaves, call.sig.treespec).items():
             check_static_fields(v, f"fgraph.jit({jitted.name}): {k}")
@@ -151,8 +155,9 @@ class Cache:
         return self.pool
 
     def recapture(self, entry: Entry, call: Call, moved: list[int]) -> None:
-        """Positions `moved` of the entry's address inputs got new tensors: capture the signature again, reading them
-        in place or from fgraph's buffers (Slots.move). Counted in stats() as captures."""
+        """Capture the signature again because positions `moved` of the entry's address inputs got new tensors.
+
+        The new tensors are read in place or from fgraph's buffers (Slots.move). Counted in stats() as captures."""
         jitted = self.jitted
         if jitted.options.strict:
             paths = [entry.paths[entry.slots.ix[k]] for k in moved]
@@ -190,8 +195,10 @@ class Cache:
                 torch.cuda.empty_cache()
 
     def reset(self) -> None:
-        """Drop every trace and graph. Graphs whose outputs the caller still holds keep their memory (retired, not
-        freed) until a later reset finds them unused."""
+        """Drop every trace and graph.
+
+        Graphs whose outputs the caller still holds keep their memory (retired, not freed) until a later reset
+        finds them unused."""
         self.retired = [e for e in [*self.retired, *self.entries.values()] if any(g.in_use() for g in e.graphs)]
         self.entries.clear()
         self.traces.clear()

@@ -4,8 +4,10 @@ from ._errors import FgraphError
 
 
 class _Checked(type):
-    """Setting a switch checks its name and kind: a misspelt name would otherwise set nothing, and a string where a
-    count goes would be a TypeError inside some later call."""
+    """Setting a switch checks its name and kind.
+
+    A misspelt name would otherwise set nothing, and a string where a count goes would be a TypeError inside some
+    later call."""
 
     def __setattr__(cls, name, value):
         now = cls.__dict__.get(name)
@@ -30,8 +32,8 @@ class config(metaclass=_Checked):
     explain_cache_misses = False  # log, for each new signature, the closest previous one and what differs
     log_captures = False  # log every graph captured
     # FULL graphs copy their batched inputs in themselves (InputBuffers.copy_in_graph): a call pads into pinned
-    # memory and replays, with no copy or event of its own: two CUDA calls fewer per call, tens of us of host time
-    # each on a busy GPU (docs/performance.md). False: each call copies its inputs and records an event.
+    # memory and replays, with no copy or event of its own: two CUDA calls fewer per call, each costly in host
+    # time on a busy GPU (docs/performance.md). False: each call copies its inputs and records an event.
     inputs_in_graph = True
     # retraces are bounded and loud (torch's recompile limit is the model): a warning once a function has made this
     # many signatures on its own (capture() not counted), and past max_signatures new ones run eagerly

@@ -55,8 +55,10 @@ def _entry_text(name: str, e, n: int | None) -> str:
 
 
 def _inputs_text(e) -> str:
-    """Per input: padded into the input buffers (batched), read in place or copied (what the graphs read by address:
-    _dispatch.Slots), or read as passed (no graphs yet)."""
+    """How each input reaches the graphs.
+
+    Per input: padded into the input buffers (batched), read in place or copied (what the graphs read by address:
+    Slots in fgraph/capture/_slots.py), or read as passed (no graphs yet)."""
     if e.slots is not None:
         each = e.slots.describe()
     else:
@@ -79,8 +81,10 @@ def _listed(how: str, paths: list[str], most: int = 6) -> str:
 
 
 def explain(fn, *args, **kwargs) -> Explanation:
-    """Per signature: requested -> effective mode and why, bucket, pieces (ops, inputs, outputs, the break
-    ending each and its capture support), and after capture the time and pool bytes.
+    """A report per signature of how fgraph runs it.
+
+    Per signature: requested -> effective mode and why, bucket, pieces (ops, inputs, outputs, the break ending each
+    and its capture support), and after capture the time and pool bytes.
 
     explain(step) covers every signature seen so far; explain(step, *args, **kwargs) the signature of that call
     (traced on the spot, without capturing, if it is new).

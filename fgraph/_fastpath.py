@@ -33,8 +33,10 @@ class Layout(NamedTuple):
 
 
 class Hit(NamedTuple):
-    """A call the replay path serves: its entry, flat leaves, real token count, bound arguments, and the
-    identity-cached containers that vouch for the entry's address inputs."""
+    """A call the replay path serves.
+
+    Its entry, flat leaves, real token count, bound arguments, and the identity-cached containers that vouch for the
+    entry's address inputs."""
 
     entry: Any
     leaves: list
@@ -44,9 +46,11 @@ class Hit(NamedTuple):
 
 
 class FastPath:
-    """Per jitted function: the argument layouts (by container identity), the batched arguments' readers (per
-    structure) and the entries by (statics, torch state, grad mode, bucket, layouts). `find` serves a call from
-    them or says it is the slow path's; `remember` teaches them a call the slow path ran."""
+    """The replay path's state for one jitted function.
+
+    Per jitted function: the argument layouts (by container identity), the batched arguments' readers (per
+    structure) and the entries by (statics, torch state, grad mode, bucket, layouts). `find` serves a call from them
+    or says it is the slow path's; `remember` teaches them a call the slow path ran."""
 
     def __init__(self, fname: str, signature: inspect.Signature, static: tuple, batch: dict, buckets: tuple):
         params = signature.parameters
@@ -63,8 +67,9 @@ class FastPath:
         self.entries: dict[tuple, Any] = {}
 
     def find(self, args: tuple, kwargs: dict) -> Hit | None:
-        """The entry that serves this call with what the last calls proved, or None (first sight of anything,
-        errors and fallbacks are the slow path's)."""
+        """The entry that serves this call with what the last calls proved, or None.
+
+        First sight of anything, errors and fallbacks are the slow path's."""
         names, defaults = self.names, self.defaults
         if len(args) > len(names):
             return None
@@ -123,8 +128,10 @@ class FastPath:
         return Hit(entry, leaves, n, bound, held)
 
     def remember(self, call: Call, entry) -> None:
-        """Teach the replay path this call's layout: per argument, its flat leaves (by container identity) or,
-        for batched arguments, the Batched spec of each leaf."""
+        """Teach the replay path this call's layout.
+
+        Per argument, its flat leaves (by container identity) or, for batched arguments, the Batched spec of
+        each leaf."""
         parts = []
         for name in self.dynamic:
             v = call.bound[name]
@@ -176,7 +183,9 @@ def _attrs_frozen(t) -> bool:
 
 
 def _node_children(x, spec) -> tuple[Callable[[Any], Any], tuple]:
-    """(read, snapshot): read(x) returns what x holds now (children and anything in its tree structure) for an
+    """A reader of a node's contents and a snapshot of them, for identity checks.
+
+    Returns (read, snapshot): read(x) returns what x holds now (children and anything in its tree structure) for an
     identity comparison with the snapshot."""
     typ = spec.type
     if typ is dict or isinstance(x, dict):
@@ -202,9 +211,11 @@ def _node_children(x, spec) -> tuple[Callable[[Any], Any], tuple]:
 
 
 def guard_for(tree, spec: pytree.TreeSpec) -> Callable[[], bool] | None:
-    """A check that `tree` (flattened to `spec` just now) still holds what it holds now: () -> bool. None when its
-    whole structure is immutable (its identity is the proof). Each mutable node is re-read and compared by identity
-    (a container replaced inside it, a longer list, a changed static field of a mutable record all fail it)."""
+    """A check that `tree` (flattened to `spec` just now) still holds what it holds now: () -> bool.
+
+    None when its whole structure is immutable (its identity is the proof). Each mutable node is re-read and
+    compared by identity (a container replaced inside it, a longer list, a changed static field of a mutable record
+    all fail it)."""
     checks = []
 
     def visit(x, sp):
@@ -244,8 +255,10 @@ def fast_key(statics: tuple, bucket: int | None, parts: list) -> tuple:
 
 
 def layout_key(spec: pytree.TreeSpec, leaves: list) -> _Key:
-    """An argument's layout as the replay path keys it: its structure, each leaf's aval, and whether any of its
-    tensors requires grad (the slow path refuses those under grad mode)."""
+    """An argument's layout as the replay path keys it.
+
+    Its structure, each leaf's aval, and whether any of its tensors requires grad (the slow path refuses those under
+    grad mode)."""
     grads = any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
     return _Key((spec, tuple(leaf_of(x) for x in leaves), grads))
 
@@ -267,13 +280,14 @@ class _Key:
 
 def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
     """A batched argument's reader for the fast path: `tree -> (leaves, key, n)`, or None for another structure.
+
     key: the structure's id and each leaf's (dtype, device, shape, requires_grad) as passed (unpadded: each token
-    count met gets its own key, after one call down the slow path; requires_grad: the slow path refuses one under grad
-    mode; Python leaves by value); n: the largest real token count among its
-    Batched leaves (None if none). Generated per structure as one tuple display (a loop of small tuples cost ~2 us).
-    nones: which leaves are None (an absent optional input): torch's pytrees make None a leaf, so the structure alone
-    does not tell such a call from one passing a tensor there. A value where None was, or None (or any non-tensor)
-    where a Batched tensor was, is another reader's: read returns None."""
+    count met gets its own key, after one call down the slow path; requires_grad: the slow path refuses one under
+    grad mode; Python leaves by value); n: the largest real token count among its Batched leaves (None if none).
+    Generated per structure as one tuple display (a loop of small tuples costs more: docs/performance.md). nones:
+    which leaves are None (an absent optional input): torch's pytrees make None a leaf, so the structure alone does
+    not tell such a call from one passing a tensor there. A value where None was, or None (or any non-tensor) where
+    a Batched tensor was, is another reader's: read returns None."""
     env = {"flatten": flatten, "_T": torch.Tensor, "_leaf": leaf_of}
     names = [f"a{i}" for i in range(len(specs))]
     key = "".join(

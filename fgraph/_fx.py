@@ -1,5 +1,7 @@
-"""Helpers over fgraph's one IR, torch.fx graphs of aten ops: op names, arguments, write targets, views' bases,
-and where library code lives (a user's line is the first frame outside it)."""
+"""Helpers over fgraph's one IR, torch.fx graphs of aten ops.
+
+Op names, arguments, write targets, views' bases, and where library code lives (a user's line is the first frame outside
+it)."""
 
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ def user_code(fn) -> bool:
 
 
 def op_name(node: fx.Node) -> str:
-    """An op's short name: aten.mean.dim -> "mean", fgraph.attention.default -> "attention", operator.getitem ->
-    "getitem"."""
+    """An op's short name.
+
+    aten.mean.dim -> "mean", fgraph.attention.default -> "attention", operator.getitem -> "getitem"."""
     t = node.target
     if isinstance(t, torch._ops.OpOverload):
         return t._schema.name.split("::")[-1]

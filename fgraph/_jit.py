@@ -91,14 +91,16 @@ class Jitted(T.Inlined):
         self._lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
 
     def __get__(self, obj, objtype=None):
-        """The function itself from the class; from an instance, a Jitted of the bound method, one per instance
-        (two instances hold different tensors: each has its own signatures and graphs)."""
+        """The function itself from the class; from an instance, a Jitted of the bound method, one per instance.
+
+        Two instances hold different tensors: each has its own signatures and graphs."""
         return self if obj is None else _method(self, obj)
 
     @property
     def entries(self) -> Mapping[Signature, Entry]:
-        """The signatures made so far, read-only: Signature -> Entry (its sig, mode, reason, graphs, paths, stats,
-        program, pool_bytes, capture_seconds)."""
+        """The signatures made so far, read-only.
+
+        Signature -> Entry (its sig, mode, reason, graphs, paths, stats, program, pool_bytes, capture_seconds)."""
         return types.MappingProxyType(self.cache.entries)
 
     def log_once(self, key, fmt: str, *args) -> None:
@@ -255,22 +257,27 @@ class Jitted(T.Inlined):
     lower = lower  # jax.jit(f).lower(*args): this call's signature traced, .as_text() its program
 
     def stats(self) -> dict:
-        """Counters (Stats: traces, captures, warm-ups, replays, eager, calls, padded, copies, copied bytes) per
+        """Counters per signature.
+
+        Counters (Stats: traces, captures, warm-ups, replays, eager, calls, padded, copies, copied bytes) per
         signature (keyed by its description, plus the leaves that tell apart signatures described alike)."""
         per = self.cache.stats()
         total = {k: sum(d[k] for d in per.values()) for k in Stats.__slots__}
         return {"signatures": per, "total": total, "fallbacks": dict(self.fallbacks)}
 
     def reset(self):
-        """Drop every trace and graph (after replacing params or state with new tensors). Graphs whose outputs the
-        caller still holds keep their memory (retired, not freed) until a later reset finds them unused."""
+        """Drop every trace and graph (after replacing params or state with new tensors).
+
+        Graphs whose outputs the caller still holds keep their memory (retired, not freed) until a later reset
+        finds them unused."""
         self.cache.reset()
         self.sealed = False
 
 
 def _method(jitted: Jitted, obj) -> Jitted:
-    """`obj.f` for a jitted function defined in a class body, kept in the instance's __dict__ (it lives and dies with
-    the instance; a copy of the instance binds its own)."""
+    """`obj.f` for a jitted function defined in a class body, kept in the instance's __dict__.
+
+    It lives and dies with the instance; a copy of the instance binds its own."""
     d = getattr(obj, "__dict__", None)
     if d is None:  # __slots__: kept by id for the process's life
         d = jitted.__dict__.setdefault("_per_id", {}).setdefault(id(obj), {})

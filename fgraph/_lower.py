@@ -1,5 +1,6 @@
-"""What a JAX user inspects: a signature's input and output avals, and its traced program as code
-(`jax.jit(f).lower(*args).as_text()` is the model)."""
+"""What a JAX user inspects: a signature's input and output avals, and its traced program as code.
+
+`jax.jit(f).lower(*args).as_text()` is the model."""
 
 from __future__ import annotations
 
@@ -60,8 +61,10 @@ def _ident(path: str, taken: set) -> str:
 
 
 class Lowered:
-    """One signature's traced program, before capture: `.as_text()` is its FX code with the inputs named by key
-    path, `.avals()` its input and output avals, `.graph_module` the program itself (a copy)."""
+    """One signature's traced program, before capture.
+
+    `.as_text()` is its FX code with the inputs named by key path, `.avals()` its input and output avals,
+    `.graph_module` the program itself (a copy)."""
 
     def __init__(self, jitted, entry):
         self.jitted, self.entry = jitted, entry

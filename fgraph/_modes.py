@@ -1,5 +1,7 @@
-"""Modes: what a jitted function asks to capture (NONE, PIECEWISE, FULL, ...), and how each signature's effective
-mode follows from it, limited by the weakest capture support of the signature's breaks."""
+"""Modes: what a jitted function asks to capture, and how each signature's effective mode follows from it.
+
+The modes are NONE, PIECEWISE, FULL, ...; a signature's effective mode is limited by the weakest capture support of the
+signature's breaks."""
 
 from __future__ import annotations
 

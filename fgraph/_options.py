@@ -1,5 +1,7 @@
-"""fgraph.jit's options, checked when jit is called: a value of the wrong kind is a SignatureError naming the option
-and what it takes, not a TypeError from deep inside a first call, nor a truthy string read as True."""
+"""fgraph.jit's options, checked when jit is called.
+
+A value of the wrong kind is a SignatureError naming the option and what it takes, not a TypeError from deep inside a
+first call, nor a truthy string read as True."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from .capture import inductor_options
 @attrs.frozen
 class Options:
     """fgraph.jit's options for one function, checked once where jit is called (see `jit` for what each means).
+
     `given`: the options as passed, to make the same jitted function for each instance of a method's class."""
 
     static: tuple[str, ...]
@@ -38,8 +41,9 @@ class Options:
 
 
 def check_names(options: dict, known) -> None:
-    """jit(**options): every option is one Jitted takes (a misspelt one would otherwise be a TypeError naming
-    Jitted.__init__, and only once the decorator is applied)."""
+    """Check that every option given to jit(**options) is one Jitted takes.
+
+    A misspelt one would otherwise be a TypeError naming Jitted.__init__, and only once the decorator is applied."""
     for k in options:
         if k not in known:
             close = difflib.get_close_matches(k, known, n=1)
@@ -102,8 +106,10 @@ def bucket_sizes(where: str, buckets) -> tuple[int, ...]:
 
 
 def capture_plan(jitted, args: tuple, kwargs: dict, buckets) -> tuple[dict, dict, list[int]]:
-    """capture(...)'s static choices (a list per static keyword: each of its values), the other keyword arguments,
-    and the buckets to capture, largest first: ones calls are padded to (a capture of any other would be unused)."""
+    """What capture(...) captures: its static choices, the other keyword arguments, and the buckets.
+
+    capture(...)'s static choices (a list per static keyword: each of its values), the other keyword arguments, and
+    the buckets to capture, largest first: ones calls are padded to (a capture of any other would be unused)."""
     where = f"fgraph.jit({jitted.name}).capture"
     try:
         positional = jitted.signature.bind_partial(*args).arguments
@@ -143,8 +149,10 @@ def flag(fname: str, option: str, x) -> bool:
 
 
 def make(fname: str, signature, lifted_roots: set[str], given: dict) -> Options:
-    """Jitted's options, checked: jax's spellings (static_argnames=, donate_argnames=) merged in, names that are
-    parameters, values of the right kind."""
+    """Jitted's options, checked.
+
+    jax's spellings (static_argnames=, donate_argnames=) merged in, names that are parameters, values of the right
+    kind."""
     opts = dict(given)
     static, donate = (
         (*names(fname, a, opts.pop(a)), *names(fname, f"{a}_argnames", opts.pop(f"{a}_argnames")))

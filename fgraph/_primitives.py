@@ -87,17 +87,20 @@ _executing = _Executing()  # per thread: one thread's execution never lends its 
 
 
 def executing():
-    """A token for the execution of a jitted signature in progress (None outside one). fgraph sets it before the
-    plan hooks run and keeps it through the execution, so a break can tell whether host state its plan hook
-    made belongs to this very execution or is left over from an earlier one (then it must not be trusted)."""
+    """A token for the execution of a jitted signature in progress (None outside one).
+
+    fgraph sets it before the plan hooks run and keeps it through the execution, so a break can tell whether host
+    state its plan hook made belongs to this very execution or is left over from an earlier one (then it must not be
+    trusted)."""
     return _executing.token
 
 
 def once_per_execution(key, compute: Callable[[], Any]):
-    """compute() once per execution of a jitted signature and key, shared by the breaks of that execution (every
-    layer's attention deriving the same tensor from the same metadata: one kernel a step, not one a layer).
-    Outside an execution it is computed each time. Under CUDA graph capture it is computed again (the warm-up,
-    which shares the capture's token, ran eagerly), so the graph holds its own computation at the first use."""
+    """compute() once per execution of a jitted signature and key, shared by the breaks of that execution.
+
+    Every layer's attention derives the same tensor from the same metadata: one kernel a step, not one a layer.
+    Outside an execution it is computed each time. Under CUDA graph capture it is computed again (the warm-up, which
+    shares the capture's token, ran eagerly), so the graph holds its own computation at the first use."""
     token = _executing.token
     if token is None:
         return compute()
@@ -109,10 +112,12 @@ def once_per_execution(key, compute: Callable[[], Any]):
 
 
 class Token:
-    """One execution of a jitted signature. in_graph: it is a replay (or the capture) of a graph that copies its
-    per-call inputs in itself (fgraph.config.inputs_in_graph): a plan hook then stages host data for such a graph
-    to copy at its start, and a break captures that copy, instead of each copying on its own (a copy and an
-    event record per call, 25-35 us each on a busy GPU's host)."""
+    """One execution of a jitted signature.
+
+    in_graph: it is a replay (or the capture) of a graph that copies its per-call inputs in itself
+    (fgraph.config.inputs_in_graph): a plan hook then stages host data for such a graph to copy at its start, and a
+    break captures that copy, instead of each copying on its own (a copy and an event record per call, each costly
+    on a busy GPU's host: docs/performance.md)."""
 
     __slots__ = ("in_graph", "memo")
 

@@ -90,8 +90,10 @@ def flatten_with_paths(tree: Any) -> tuple[list[tuple[KeyPath, Any]], pytree.Tre
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
-    """pytree.tree_flatten, registering attrs/dataclass types met on the way: outputs and a repeated function's
-    values are records as much as arguments are (unregistered, one would be an opaque leaf hiding its tensors)."""
+    """pytree.tree_flatten, registering attrs/dataclass types met on the way.
+
+    Outputs and a repeated function's values are records as much as arguments are (unregistered, one would be an
+    opaque leaf hiding its tensors)."""
     leaves, spec = flatten_with_paths(tree)
     return [v for _, v in leaves], spec
 
@@ -103,11 +105,13 @@ def holds(tree: Any, leaves: list, spec: pytree.TreeSpec) -> bool:
 
 
 def flattener(spec: pytree.TreeSpec):
-    """`tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and
-    contexts: dict keys, attrs static fields, sequence lengths). torch's tree_flatten minus building a TreeSpec:
-    the replay path flattens the batch argument on every call. Generated as straight-line Python per structure
-    (one attribute or item read and one type check per node, no recursion): ~1 us for a batch of 6 leaves, a
-    third of a recursive walk."""
+    """A generated `tree -> its leaves` for one structure, or None when `tree` does not have it.
+
+    `tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and contexts:
+    dict keys, attrs static fields, sequence lengths). torch's tree_flatten minus building a TreeSpec: the replay
+    path flattens the batch argument on every call. Generated as straight-line Python per structure (one attribute
+    or item read and one type check per node, no recursion), much cheaper than a recursive walk
+    (docs/performance.md)."""
     env, lines, leaves = {"_nodes": pytree.SUPPORTED_NODES, "_tuple": tuple}, [], []
 
     def const(v):

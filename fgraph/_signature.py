@@ -1,5 +1,7 @@
-"""Signatures: what one trace and one graph set are specialised to, and the batch padding that maps a call
-with N tokens onto its bucket.
+"""Signatures, and the batch padding that maps a call with N tokens onto its bucket.
+
+Signatures: what one trace and one graph set are specialised to, and the batch padding that maps a call with N tokens
+onto its bucket.
 
 A signature is  static values × bucket × tree structure × (shape, dtype, device) of every leaf,
 where batched leaves are counted at their padded size, so every N in a bucket shares one signature, and the
@@ -105,9 +107,11 @@ class Batched:
                 tail.fill_(self.pad)
 
     def pad_into_numpy(self, x, dst, tail_valid: bool) -> bool:
-        """pad_into through numpy views (the replay path: a few small rows cost far less than torch ops). With
-        tail_valid, the pad rows already in dst are right for this length and only scalar pads may skip them.
-        Returns whether dst's pad rows stay valid for a next call of the same length ("ramp" depends on data)."""
+        """pad_into through numpy views (the replay path: a few small rows cost far less than torch ops).
+
+        With tail_valid, the pad rows already in dst are right for this length and only scalar pads may skip
+        them. Returns whether dst's pad rows stay valid for a next call of the same length ("ramp" depends on
+        data)."""
         have = x.shape[self.axis]
         if self.axis:  # a view with the batch axis first: the slicing below is then plain (and cheapest)
             dst, x = np.moveaxis(dst, self.axis, 0), np.moveaxis(x, self.axis, 0)
@@ -168,8 +172,9 @@ def bucket_for(buckets: tuple[int, ...], n: int) -> int | None:
 
 
 class Aval(NamedTuple):
-    """An abstract value (JAX's aval): a tensor's (shape, dtype, device), or a Python value (by value). Of a leaf
-    (leaf_of: what signatures are made of), or of a tensor in a trace (aval_of: what plan hooks see)."""
+    """An abstract value (JAX's aval): a tensor's (shape, dtype, device), or a Python value (by value).
+
+    Of a leaf (leaf_of: what signatures are made of), or of a tensor in a trace (aval_of: what plan hooks see)."""
 
     shape: tuple[int | None, ...] | None  # None: a Python value; a None dim: symbolic in a trace
     dtype: torch.dtype | type | None  # a Python value's type
@@ -186,6 +191,7 @@ class Aval(NamedTuple):
 
 def leaf_of(x: Any, spec: Batched | None = None, bucket: int | None = None) -> Aval:
     """A leaf's abstract value; a batched leaf counts at its padded shape (its device is where it came from).
+
     A leaf without the batch axis is traced and read in its own layout, and strides change what a trace records
     (reshape is a view of a contiguous tensor, a copy of a transposed one): a non-contiguous one is keyed by its
     strides. Batched leaves are padded into contiguous buffers, so theirs never matter."""
@@ -205,9 +211,10 @@ def aval_of(t: torch.Tensor) -> Aval:
 
 
 class TorchState(NamedTuple):
-    """Torch's global settings that a trace, or the kernels its graphs captured, depend on (the ones torch.compile
-    guards too): the default dtype (`torch.zeros(3)`), the autocast contexts in force (the dtype of every matmul
-    under them), and float32 matmul precision (TF32 kernels or not)."""
+    """Torch's global settings that a trace, or the kernels its graphs captured, depend on.
+
+    The ones torch.compile guards too: the default dtype (`torch.zeros(3)`), the autocast contexts in force (the
+    dtype of every matmul under them), and float32 matmul precision (TF32 kernels or not)."""
 
     default_dtype: torch.dtype
     autocast: tuple  # (device type, dtype) of each autocast context in force
@@ -223,8 +230,9 @@ class TorchState(NamedTuple):
 
 
 def torch_state() -> TorchState | None:
-    """The settings in force, or None at torch's defaults (the usual case: signatures then do not show them). On
-    every call's fast path: ~0.4 us at the defaults (three reads), the tuple only when one differs."""
+    """The settings in force, or None at torch's defaults (the usual case: signatures then do not show them).
+
+    On every call's fast path: three reads at the defaults, the tuple only when one differs."""
     dtype, precision = torch.get_default_dtype(), torch.get_float32_matmul_precision()
     if dtype is torch.float32 and precision == "highest" and not _any_autocast():
         return None
@@ -251,8 +259,9 @@ class Signature(NamedTuple):
 
 
 class Call(NamedTuple):
-    """One call, flattened, with its bucket found (batched leaves stay unpadded: the entry pads them into its
-    input buffers): everything dispatch needs."""
+    """One call, flattened, with its bucket found: everything dispatch needs.
+
+    Batched leaves stay unpadded: the entry pads them into its input buffers."""
 
     sig: Signature
     statics: dict[str, Any]
@@ -280,7 +289,9 @@ def path_str(path) -> str:
 
 
 def check_leaves(fname: str, flat: list) -> None:
-    """What a signature can be made of: dense tensors (graphs read them by address and strides), and Python values,
+    """Check that a call's leaves are what a signature can be made of.
+
+    What a signature can be made of: dense tensors (graphs read them by address and strides), and Python values,
     which are keyed by value, so hashable."""
     for p, x in flat:
         if isinstance(x, torch.Tensor):
@@ -301,8 +312,10 @@ def check_leaves(fname: str, flat: list) -> None:
 def batch_specs(
     fname: str, batch: dict[str, Any], dynamic: dict[str, Any], treespec: pytree.TreeSpec, leaves: list
 ) -> list[Batched | None]:
-    """Broadcast the user's per-argument prefix trees of `Batched` onto the flat leaves of the call. A None leaf
-    is an absent input (an optional mask), as an empty subtree under jax.jit: no batch axis, whatever is declared."""
+    """Broadcast the user's per-argument prefix trees of `Batched` onto the flat leaves of the call.
+
+    A None leaf is an absent input (an optional mask), as an empty subtree under jax.jit: no batch axis, whatever is
+    declared."""
     full = {k: batch.get(k) for k in dynamic}
     flat = pytree._broadcast_to_and_flatten(full, treespec, is_leaf=lambda x: isinstance(x, Batched) or x is None)
     if flat is None:

@@ -1,5 +1,6 @@
-"""Capture leaves no trace: the donated state that warm-up and capture write is put back afterwards, so after a
-jitted call the caller's state is what one eager call leaves (JAX's contract: tracing runs nothing).
+"""Capture leaves no trace: the donated state that warm-up and capture write is put back afterwards.
+
+So after a jitted call the caller's state is what one eager call leaves (JAX's contract: tracing runs nothing).
 
 Warm-up runs the program eagerly; capture runs it too on the CPU (HostGraph) and runs breaks eagerly between
 PIECEWISE pieces on the GPU. Both write whatever the program writes in place. The donated leaves it writes are

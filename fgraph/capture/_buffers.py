@@ -1,5 +1,7 @@
-"""Input buffers: the static device memory a signature's graphs read their per-call (batched) inputs from, the
-pinned host mirrors a call pads its inputs into, and the padding writes themselves."""
+"""Input buffers: where a signature's graphs read their per-call (batched) inputs from.
+
+Input buffers: the static device memory a signature's graphs read their per-call (batched) inputs from, the pinned host
+mirrors a call pads its inputs into, and the padding writes themselves."""
 
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ _NUMPY_DTYPES = {
 
 
 class InputBuffers:
-    """Static buffers for the per-call (batched) inputs: one device allocation viewed per leaf, and on CUDA two
-    pinned host mirrors used in turn, so a call's host inputs reach the device in one copy instead of one per leaf,
-    and a call never waits for the previous call's copy (only for the one before it, long done)."""
+    """Static buffers for the per-call (batched) inputs.
+
+    One device allocation viewed per leaf, and on CUDA two pinned host mirrors used in turn, so a call's host inputs
+    reach the device in one copy instead of one per leaf, and a call never waits for the previous call's copy (only
+    for the one before it, long done)."""
 
     ALIGN = 64
 
@@ -57,12 +61,13 @@ class InputBuffers:
         return self.last_host
 
     def copy_in_graph(self) -> Callable[[], None]:
-        """The host -> device copy as the first step of a graph (call it inside the capture): a third mirror, which
-        the graph copies in full on every replay and then marks done with an external event. A call then only pads
-        its inputs into that mirror (write(..., in_graph=True)) and replays: no copy_ and no event record of its
-        own, two CUDA calls that cost 25-35 us each on the H200's host when the GPU is busy
-        (scripts/diagnose_gpu.py h2d), against ~9 us for the replay itself. On the CPU (the HostGraph stand-in
-        reruns the copy on replay) the same path runs, so CPU tests cover it; only the event is a stand-in."""
+        """The host -> device copy as the first step of a graph (call it inside the capture).
+
+        A third mirror, which the graph copies in full on every replay and then marks done with an external
+        event. A call then only pads its inputs into that mirror (write(..., in_graph=True)) and replays: no
+        copy_ and no event record of its own, two CUDA calls that each cost more host time than the replay
+        itself when the GPU is busy (docs/performance.md). On the CPU (the HostGraph stand-in reruns the copy on
+        replay) the same path runs, so CPU tests cover it; only the event is a stand-in."""
         m = self.graph_mirror = _Mirror(*self.layout, pinned=self.cuda)
         last = self.mirrors[self.turn ^ 1] if self.cuda else None  # it holds the inputs written for this capture
         m.bytes.copy_(last.bytes if last is not None else self.dev_bytes)
@@ -80,10 +85,11 @@ class InputBuffers:
         return copy_in
 
     def write(self, leaves: list[torch.Tensor], specs, in_graph: bool = False) -> list[torch.Tensor]:
-        """Pad the leaves straight into the buffers; returns the padded views on the caller's side of the copy
-        (the host mirror for host inputs: what plan hooks read without a device sync). in_graph: the graph about to
-        replay copies its own mirror (copy_in_graph); device leaves are then copied into that host mirror, which
-        waits for the device (keep batched inputs on the host)."""
+        """Pad the leaves straight into the buffers; returns the padded views on the caller's side of the copy.
+
+        For host inputs that is the host mirror: what plan hooks read without a device sync. in_graph: the graph
+        about to replay copies its own mirror (copy_in_graph); device leaves are then copied into that host
+        mirror, which waits for the device (keep batched inputs on the host)."""
         if in_graph and self.graph_mirror is not None:
             m = self.graph_mirror
             m.copied.synchronize()  # the last replay's copy must be done reading the mirror (a no-op before the first)
@@ -139,12 +145,14 @@ def _numpy(t: torch.Tensor):
 
 
 def _pad_all(targets, targets_np, real, leaves, specs, heads: dict) -> None:
-    """Pad each leaf into its target; `real` holds the rows last written per target (-1: unknown), so padding
-    still in place from the previous call is not written again. The usual call (every leaf as long as the last
-    call's, or filling its target) is one `_foreach_copy_` into cached views of the targets' heads: a single C++
-    call for all leaves (~4 us for 6 leaves on a slow CPU, against ~9 us for a loop of numpy slice writes).
-    heads[None] remembers such a call (leaf shapes, views, rows): a call with the same shapes, whose targets
-    nobody wrote since, goes straight to that copy (a decode loop at a fixed batch size)."""
+    """Pad each leaf into its target, skipping padding still in place from the previous call.
+
+    Pad each leaf into its target; `real` holds the rows last written per target (-1: unknown), so padding still in
+    place from the previous call is not written again. The usual call (every leaf as long as the last call's, or
+    filling its target) is one `_foreach_copy_` into cached views of the targets' heads: a single C++ call for all
+    leaves (cheaper than a loop of numpy slice writes: docs/performance.md). heads[None] remembers such a call (leaf
+    shapes, views, rows): a call with the same shapes, whose targets nobody wrote since, goes straight to that copy
+    (a decode loop at a fixed batch size)."""
     last = heads.get(None)
     if last is not None and real == last[2] and [x.shape for x in leaves] == last[0]:
         torch._foreach_copy_(last[1], leaves)
@@ -161,7 +169,7 @@ def _pad_all(targets, targets_np, real, leaves, specs, heads: dict) -> None:
             src.append(x)
             real[k] = have
             continue
-        tn = targets_np[k] if x.is_cpu and not x.requires_grad else None  # (is_cpu: 0.1 us, device.type: 0.4)
+        tn = targets_np[k] if x.is_cpu and not x.requires_grad else None  # (is_cpu: cheaper than device.type)
         if callable(s.pad) or tn is None or x.dtype != t.dtype:
             if have == real[k] and s.fixed_tail:  # the padding already there is still right
                 t.narrow(s.axis, 0, have).copy_(x)

@@ -1,5 +1,7 @@
-"""Entry: what fgraph keeps per signature (trace, program, mode, graphs, input buffers, counters), and how a
-call runs through it: copy inputs in, plan, replay (or run the program), hand outputs back."""
+"""Entry: what fgraph keeps per signature, and how a call runs through it.
+
+Entry: what fgraph keeps per signature (trace, program, mode, graphs, input buffers, counters), and how a call runs
+through it: copy inputs in, plan, replay (or run the program), hand outputs back."""
 
 from __future__ import annotations
 
@@ -37,8 +39,10 @@ class Stats:
 
 
 class Entry:
-    """One signature: a trace (shared across buckets), its own copy of the program's top level (so its piece
-    runners are its own), its graphs, its input buffers and its counters."""
+    """One signature: its trace, program, graphs, input buffers and counters.
+
+    One signature: a trace (shared across buckets), its own copy of the program's top level (so its piece runners
+    are its own), its graphs, its input buffers and its counters."""
 
     def __init__(self, traced, call: Call, device: str, new_trace: bool):
         self.traced, self.sig, self.stats, self.device = traced, call.sig, Stats(), device
@@ -81,8 +85,9 @@ class Entry:
         return [args[i] for i in self.tensor_ix]
 
     def _plan(self, host: list[torch.Tensor], n: int | None, statics, capturing: bool) -> bool:
-        """Run the plan hooks; host: the padded host-side views of the batched leaves (InputBuffers.write). True
-        when every hook said the host state its break needs is made (PlanCall): no eager warm-up needed."""
+        """Run the plan hooks; host: the padded host-side views of the batched leaves (InputBuffers.write).
+
+        True when every hook said the host state its break needs is made (PlanCall): no eager warm-up needed."""
         host = dict(zip(self.batched_ix, host))
         return all(
             [
@@ -104,8 +109,10 @@ class Entry:
         )
 
     def run(self, leaves: list, n: int | None, bound: dict, copy_outputs: bool, check: bool = False):
-        """One call: inputs in, plan, replay (or run the program), outputs out. Dispatch has made sure every
-        non-batched tensor is read in place or copied (Slots.diverged is empty); `check` re-verifies that."""
+        """One call: inputs in, plan, replay (or run the program), outputs out.
+
+        Dispatch has made sure every non-batched tensor is read in place or copied (Slots.diverged is empty);
+        `check` re-verifies that."""
         st = self.stats
         st.calls += 1
         if n is not None:
@@ -170,10 +177,11 @@ class Entry:
         batched: tuple = (),
     ):
         """Warm up, then record this signature's graphs: the pieces (PIECEWISE) or the whole program (FULL).
+
         With `compile` (Inductor config options; {}: the defaults), Inductor compiles each graph piece first
         (fusing norms, RoPE, activations, residuals); breaks stay as they are. inputs_in_graph (FULL): the graph
-        itself copies the batched inputs in (InputBuffers.copy_in_graph). donate, batched: the argument names whose
-        tensors are donated and batched, for the Slots of a first capture."""
+        itself copies the batched inputs in (InputBuffers.copy_in_graph). donate, batched: the argument names
+        whose tensors are donated and batched, for the Slots of a first capture."""
         t0, mem0 = time.perf_counter(), G.pool_bytes(self.device)
         if compile is not None:
             for piece in self.program.pieces:
@@ -255,9 +263,10 @@ def _after(first: Callable[[], None], fn: Callable) -> Callable:
 
 
 def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of the program's top level with its own submodule table (piece runners are set per signature) that
-    shares the generated code: fx.GraphModule(gm, graph) would regenerate and recompile every piece's Python,
-    which was half of capture time (~0.2 s per signature on 0.5B)."""
+    """A copy of the program's top level with its own submodule table that shares the generated code.
+
+    Piece runners are set per signature. fx.GraphModule(gm, graph) would regenerate and recompile every piece's
+    Python, which would dominate capture time (docs/performance.md)."""
     m = object.__new__(type(gm))
     m.__dict__.update(gm.__dict__)
     m.__dict__["_modules"] = dict(gm._modules)
@@ -265,8 +274,10 @@ def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class PieceRunner(torch.nn.Module):
-    """Stands in for one piece of the program: captures a graph piece on its first call and replays it after;
-    a break piece runs eagerly every time and copies any tensors it returns into stable buffers."""
+    """Stands in for one piece of the program: captures it on its first call and replays it after.
+
+    Stands in for one piece of the program: captures a graph piece on its first call and replays it after; a break
+    piece runs eagerly every time and copies any tensors it returns into stable buffers."""
 
     def __init__(self, piece, module, Graph, pool):
         super().__init__()

@@ -24,10 +24,12 @@ class CudaGraph:
         self.graph, self.pool, self.out, self.uses = torch.cuda.CUDAGraph(), pool, None, ()
 
     def weaken(self) -> None:
-        """Stop owning the outputs (after the signature's capture). Their pool blocks go back to the pool, so the
-        next signature captured reuses them: the pool holds about one signature's outputs, not the sum over all
-        (vLLM's weak_ref_tensors, Inductor's cudagraph trees). A replay still writes there, so outputs stay valid
-        until the next call of the function, which may replay another signature over the same memory."""
+        """Stop owning the outputs (after the signature's capture).
+
+        Their pool blocks go back to the pool, so the next signature captured reuses them: the pool holds about
+        one signature's outputs, not the sum over all (vLLM's weak_ref_tensors, Inductor's cudagraph trees). A
+        replay still writes there, so outputs stay valid until the next call of the function, which may replay
+        another signature over the same memory."""
         self.out = pytree.tree_map(_weak, self.out)
         self.uses = self._uses()
 
@@ -37,7 +39,9 @@ class CudaGraph:
         return [(_uses(t), sys.getrefcount(t)) for t in pytree.tree_leaves(self.out) if isinstance(t, torch.Tensor)]
 
     def in_use(self) -> bool:
-        """Does anyone besides this graph hold its outputs or views of them? (then its pool must outlive a reset)"""
+        """Whether anyone besides this graph holds its outputs or views of them.
+
+        If so, its pool must outlive a reset."""
         return any(a[0] > b[0] or a[1] > b[1] for a, b in zip(self._uses(), self.uses))
 
     def capture(self, fn: Callable, *args) -> Any:
@@ -102,8 +106,10 @@ def _uses(t: torch.Tensor) -> int:
 
 
 class HostGraph:
-    """The CPU stand-in: replay reruns `fn` on the captured arguments and writes into the captured outputs,
-    which reproduces a CUDA graph's observable behaviour (stable input and output addresses)."""
+    """The CPU stand-in for a CUDA graph.
+
+    Replay reruns `fn` on the captured arguments and writes into the captured outputs, which reproduces a CUDA
+    graph's observable behaviour (stable input and output addresses)."""
 
     def __init__(self, pool=None):
         self.fn, self.args, self.out = None, (), None
@@ -139,8 +145,10 @@ def new_pool(device: str):
 
 @contextlib.contextmanager
 def capture_session(device: str):
-    """Freeze the GC for the whole capture: torch.cuda.graph collects and empties the cache on every entry,
-    which made capturing one graph per piece slow in vLLM; one collection up front is enough."""
+    """Freeze the GC for the whole capture.
+
+    Each torch.cuda.graph collects and empties the cache on every entry, which made capturing one graph per piece
+    slow in vLLM; one collection up front is enough."""
     gc.collect()
     gc.freeze()
     collect, empty = gc.collect, torch.cuda.empty_cache

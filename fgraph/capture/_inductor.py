@@ -1,5 +1,7 @@
-"""Inductor: the graph pieces between breaks compiled before capture (norms, RoPE, activations and residual adds
-fused; breaks untouched), and the jit(compile=...) options that configure it."""
+"""Inductor: the graph pieces between breaks compiled before capture, and the jit(compile=...) options.
+
+Inductor: the graph pieces between breaks compiled before capture (norms, RoPE, activations and residual adds fused;
+breaks untouched), and the jit(compile=...) options that configure it."""
 
 from __future__ import annotations
 
@@ -75,12 +77,14 @@ class Compiled(torch.nn.Module):
 
 
 def _residual_adds_out_of_gemms():
-    """An Inductor post-grad pass for the pieces. Inductor folds `x + a @ b` into addmm(x, a, b) when the sum
-    has a non-pointwise user, and a piece's residual stream always has one: the piece's output (the next piece's
-    input, across a break). cuBLAS's addmm then first copies x into its output: a device copy per residual add,
-    2 per layer (46 copies, ~4 % of a 0.5B decode step on the H200), which torch.compile of the whole step, having
-    no boundary there, does not make. Undone here for full-size addends (biases keep their GEMM epilogue): a plain
-    mm, and the add as a pointwise op Inductor fuses into the neighbouring norm kernel."""
+    """An Inductor post-grad pass for the pieces.
+
+    Inductor folds `x + a @ b` into addmm(x, a, b) when the sum has a non-pointwise user, and a piece's residual
+    stream always has one: the piece's output (the next piece's input, across a break). cuBLAS's addmm then first
+    copies x into its output: a device copy per residual add, 2 per layer (a measurable share of a decode step:
+    docs/performance.md), which torch.compile of the whole step, having no boundary there, does not make. Undone
+    here for full-size addends (biases keep their GEMM epilogue): a plain mm, and the add as a pointwise op Inductor
+    fuses into the neighbouring norm kernel."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     aten = torch.ops.aten

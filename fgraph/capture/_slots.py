@@ -28,8 +28,10 @@ def _same_memory(x, t) -> bool:
 
 
 class Slots:
-    """A captured entry's non-batched tensor inputs: what its graphs read (`targets`, one per address_ix), which of
-    them are fgraph's own buffers, copied into per call (`copied`), and the last call's plan."""
+    """A captured entry's non-batched tensor inputs.
+
+    What its graphs read (`targets`, one per address_ix), which of them are fgraph's own buffers, copied into per
+    call (`copied`), and the last call's plan."""
 
     def __init__(self, entry, leaves: list, donate: tuple, batched: tuple = ()):
         self.entry = entry
@@ -46,7 +48,9 @@ class Slots:
         self.logged = False
 
     def diverged(self, leaves: list, positions: list[int] | None = None) -> list[int]:
-        """Positions (of `positions`, default all) whose tensor is neither at its captured address nor copied
+        """Positions whose tensor is neither at its captured address nor copied already.
+
+        Positions (of `positions`, default all) whose tensor is neither at its captured address nor copied
         already: the graphs would read another tensor's memory."""
         copied = set(self.copied)
         return [
@@ -56,7 +60,9 @@ class Slots:
         ]
 
     def move(self, positions: list[int], store: dict, leaves: list) -> None:
-        """New tensors at these positions: read the caller's in place the first time a position moves, copy into
+        """Take new tensors at these positions: read in place the first time, copied into fgraph's buffers after.
+
+        New tensors at these positions: read the caller's in place the first time a position moves, copy into
         fgraph's buffers (from `store`, shared by the function's signatures: one per key path and aval) after."""
         own = []
         for k in positions:

@@ -1,5 +1,6 @@
-"""Break primitives: fgraph's own (`attention`, `moe`), and the op-author API to write one (`fgraph.extend`,
-re-exported here)."""
+"""Break primitives: fgraph's own (`attention`, `moe`), and the op-author API to write one.
+
+The op-author API is `fgraph.extend`, re-exported here."""
 
 from fgraph.extend import Aval as Aval
 from fgraph.extend import Batched as Batched

@@ -40,8 +40,7 @@ from fgraph.ops._kv_write import write_kv
 
 MAX_SPLITS = 128  # flash-attn's limit
 # The cap in a graph (vLLM's for FA under CUDA graphs too): past 16 splits the combine kernel costs more than the
-# wider split kernel saves (docs/performance.md, "FA2 split count": 8B, one sequence of 4096 keys, 17.1 us a call
-# at 16 splits against 19.4 at the 32 flash-attn's heuristic picks).
+# wider split kernel saves (docs/performance.md, "Why the code is shaped this way").
 GRAPH_MAX_SPLITS = 16
 
 
@@ -95,8 +94,10 @@ def decode_num_splits(batch: int, num_kv_heads: int, group: int, head_dim: int, 
 def forward(
     out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine, scale, max_seq_len
 ):
-    """out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (page % 256 == 0); block_table:
-    [S, max_pages]. Writes k/v into their slots, then out."""
+    """The flash-attn backend's eager rule: write k/v into their cache slots, then attend.
+
+    out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (page % 256 == 0); block_table: [S,
+    max_pages]. Writes k/v into their slots, then out."""
     fa = _api()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # as flash_attn's functions do
     N, Hq, D = q.shape

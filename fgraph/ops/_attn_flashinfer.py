@@ -18,10 +18,10 @@ shared device buffers once (one pinned non-blocking copy), then, per decode wrap
   - skips flashinfer's plan when the host indptr equals the one the wrapper's last plan was made from (the
     schedule depends on nothing else; lengths +1 a step change it only when a sequence enters a new page);
   - else calls the wrapper's JIT module `plan` directly with an argument list recorded from one
-    fast_decode_plan call (_ModulePlan): the C++ DecodePlan/PrefillPlan (a few us) plus FFI argument passing;
+    fast_decode_plan call (_ModulePlan): the C++ DecodePlan/PrefillPlan (cheap) plus FFI argument passing;
   - the first plan goes through flashinfer's plan(), the second through fast_decode_plan (recorded); where a
     flashinfer lacks fast_decode_plan or the recording cannot be matched, every plan keeps that API path.
-The stock plan() costs tens to hundreds of us of host time per step, growing with the batch;
+The stock plan() costs far more host time per step, growing with the batch (docs/performance.md);
 benchmarks/attention_bench.py (plan_step_us, plan_skip_us) measures both paths.
 
 Freshness. All layers of one step share one plan. The eager rule treats the plan as current when the hook made
@@ -60,14 +60,18 @@ def _fi():
 
 # ------------------------------------------------------------------------------------------- wrappers
 def _fast_decode_plan():
-    """flashinfer.decode.fast_decode_plan (what vLLM and sglang replan CUDA-graph decode wrappers with): plan()
-    minus the buffer copies (`upload` made them) and minus plan's O(batch) Python work. None if absent."""
+    """flashinfer.decode.fast_decode_plan, or None if absent.
+
+    flashinfer.decode.fast_decode_plan (what vLLM and sglang replan CUDA-graph decode wrappers with): plan() minus
+    the buffer copies (`upload` made them) and minus plan's O(batch) Python work. None if absent."""
     return getattr(getattr(_fi(), "decode", None), "fast_decode_plan", None)
 
 
 class _Recorder:
-    """Stands in for a flashinfer wrapper's `_cached_module` during one fast_decode_plan call: records the
-    arguments of its module-level `plan` call (and forwards it), so later plans can make that call directly."""
+    """Stands in for a flashinfer wrapper's `_cached_module` during one fast_decode_plan call.
+
+    Records the arguments of its module-level `plan` call (and forwards it), so later plans can make that call
+    directly."""
 
     def __init__(self, inner):
         self.inner, self.call = inner, None
@@ -81,12 +85,14 @@ class _Recorder:
 
 
 class _ModulePlan:
-    """A decode wrapper's replan as one call of its JIT module's `plan` (C++: DecodePlan, or PrefillPlan for the
-    tensor-core decode), with the argument list fast_decode_plan built on the first replan, in which only the
-    host indptr (and, tensor cores, the host kv lengths) change: they are persistent CPU tensors refilled in
-    place. What fast_decode_plan does per call besides this one call is constant for a wrapper of fixed
-    bucket and head config: dtype strings, two empty device tensors (dtype carriers), a range buffer, the
-    kv-length torch ops, a device context, the same attributes set again (~40-80 us of Python and torch ops).
+    """A decode wrapper's replan as one call of its JIT module's `plan`.
+
+    C++: DecodePlan, or PrefillPlan for the tensor-core decode. It makes the call with the argument list
+    fast_decode_plan built on the first replan, in which only the host indptr (and, tensor cores, the host kv
+    lengths) change: they are persistent CPU tensors refilled in place. What fast_decode_plan does per call besides
+    this one call is constant for a wrapper of fixed bucket and head config: dtype strings, two empty device tensors
+    (dtype carriers), a range buffer, the kv-length torch ops, a device context, the same attributes set again
+    (Python and torch ops, most of its host time: docs/performance.md).
 
     What the plan computes, read from flashinfer's source (include/flashinfer/attention/scheduler.cuh
     DecodePlan / PrefillPlan, csrc batch_decode.cu / batch_prefill.cu, flashinfer/decode.py): from the host
@@ -167,10 +173,11 @@ class _Wrapper:
         self.gen = gen
 
     def _plan_decode(self, host: HostPlan, gen: int, in_graph: bool = False) -> None:
-        """Upload the metadata (once per generation), then re-plan only if the host indptr changed since this
-        wrapper's last plan (its schedule depends on nothing else: see _ModulePlan): decode lengths grow by one a
-        step, so the page counts, hence the indptr, change only when a sequence crosses into a new page (every
-        page_size steps per sequence), or when the batch changes."""
+        """Upload the metadata (once per generation), then re-plan only if the host indptr changed.
+
+        Since this wrapper's last plan (its schedule depends on nothing else: see _ModulePlan): decode lengths
+        grow by one a step, so the page counts, hence the indptr, change only when a sequence crosses into a new
+        page (every page_size steps per sequence), or when the batch changes."""
         if in_graph:
             self.bufs.stage_for_graph(host, gen)
         else:
@@ -182,7 +189,7 @@ class _Wrapper:
             self.replay = False
             self._plan_decode_api(host)
             return
-        key = host.indptr.tobytes()  # ~0.2 us at batch 256; np.array_equal is ~2 us
+        key = host.indptr.tobytes()  # far cheaper than np.array_equal (docs/performance.md)
         if key == self.planned:
             self.counts["skip"] += 1
         elif isinstance(self.replay, _ModulePlan):
@@ -193,7 +200,9 @@ class _Wrapper:
         self.planned = key
 
     def _plan_decode_api(self, host: HostPlan) -> None:
-        """flashinfer's own entry points: plan() the first time (it sets the wrapper up), fast_decode_plan after,
+        """Plan through flashinfer's own entry points.
+
+        flashinfer's own entry points: plan() the first time (it sets the wrapper up), fast_decode_plan after,
         whose module call the second plan records for _ModulePlan (kept on fast_decode_plan if that fails).
         `indices` is the uploaded page-id slice: it makes plan()'s own copy of them a no-op (same memory)."""
         hq, hkv, d, page, qdt, kvdt, scale = self.cfg
@@ -254,8 +263,10 @@ def _workspace(device) -> torch.Tensor:
 
 
 def _buffers(batch: int, max_pages: int, device) -> _DecodeBuffers:
-    """Shared buffers large enough for `batch` rows; a larger bucket gets a new, larger set (fgraph captures
-    largest first, so in practice one set serves every bucket)."""
+    """Shared buffers large enough for `batch` rows.
+
+    A larger bucket gets a new, larger set (fgraph captures largest first, so in practice one set serves every
+    bucket)."""
     key, need = str(device), batch * max_pages
     b = _decode_bufs.get(key)
     if b is None or b.batch < batch or b.indices.numel() < need:
@@ -264,10 +275,12 @@ def _buffers(batch: int, max_pages: int, device) -> _DecodeBuffers:
 
 
 def _config(q, k_cache, scale: float) -> tuple[str, tuple]:
-    """(device, _Wrapper.cfg) of an attention call, from its tensors (the eager rule) or their avals (the plan hook
-    before a capture): one construction, so the hook makes the very wrapper the graph's capture will look up.
-    q: [B, Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and .device (a tensor's torch.device or an
-    aval's str of one: both name the index, "cuda:0")."""
+    """(device, _Wrapper.cfg) of an attention call, from its tensors or their avals.
+
+    (device, _Wrapper.cfg) of an attention call, from its tensors (the eager rule) or their avals (the plan hook
+    before a capture): one construction, so the hook makes the very wrapper the graph's capture will look up. q: [B,
+    Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and .device (a tensor's torch.device or an aval's
+    str of one: both name the index, "cuda:0")."""
     _, hq, d = q.shape
     return str(q.device), (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, float(scale))
 
@@ -304,11 +317,13 @@ def _wrapper_for(routine: str, B: int, device: str, cfg: tuple, width: int) -> _
 
 
 def _decode_wrapper_of(avals, bucket: int, scale: float, width: int) -> bool:
-    """Before a decode capture: make this call site's wrapper for the bucket from the avals of its q and k_cache
-    (fgraph.PlanCall.avals), exactly the one its eager rule would make from the tensors, so the FULL graph is
-    captured without an eager warm-up run of the whole model first (~15-30 ms each on 0.5B, 51 buckets), and
-    only this model's wrappers are made (each holds flashinfer's pinned buffers). False where the avals do not
-    tell (a hook called by hand; a head count or size not static in the trace): wrappers come from a warm-up."""
+    """Before a decode capture: make this call site's wrapper for the bucket from the avals.
+
+    Of its q and k_cache (fgraph.PlanCall.avals), exactly the one its eager rule would make from the tensors, so the
+    FULL graph is captured without an eager warm-up run of the whole model first (one per bucket, each as long as a
+    model step: docs/performance.md), and only this model's wrappers are made (each holds flashinfer's pinned
+    buffers). False where the avals do not tell (a hook called by hand; a head count or size not static in the
+    trace): wrappers come from a warm-up."""
     q, k_cache = avals.get("q"), avals.get("k_cache")
     if q is None or k_cache is None:
         return False
@@ -325,7 +340,9 @@ def _group_key(routine: str, bucket: int | None, page_size: int, scale: float) -
 
 def _group(routine: str, bucket: int, page_size: int, scale: float) -> list:
     """The wrappers one plan serves: decode wrappers of this bucket, or every prefill wrapper (not bucketed).
-    A dict lookup: scanning every wrapper (a bucket each: ~100 with 51 buckets x 2 configs) was ~10 us a step."""
+
+    A dict lookup: scanning every wrapper (one per bucket and config) costs host time every step
+    (docs/performance.md)."""
     return _groups.get(_group_key(routine, bucket, page_size, scale), ())
 
 
@@ -336,8 +353,10 @@ def reset() -> None:
 
 
 def stats() -> dict:
-    """How each decode and prefill wrapper got its plans, summed: flashinfer's plan() ("plan"), its
-    fast_decode_plan ("fast"), the direct module call ("module"), skipped as unchanged ("skip")."""
+    """How each decode and prefill wrapper got its plans, summed.
+
+    flashinfer's plan() ("plan"), its fast_decode_plan ("fast"), the direct module call ("module"), skipped as
+    unchanged ("skip")."""
     out = {"plan": 0, "fast": 0, "module": 0, "skip": 0}
     for w in _wrappers.values():
         for k, v in w.counts.items():
@@ -350,6 +369,7 @@ def on_plan(
     routine: str, bucket: int, page_size: int, scale: float, inputs, capturing: bool = False, avals=None
 ) -> bool:
     """fgraph's plan hook for this backend: host metadata -> plan every wrapper of the group this call uses.
+
     Before a decode capture with the call site's avals (fgraph.PlanCall.avals), it first makes the site's wrapper
     for this bucket (_decode_wrapper_of) and returns True: this signature's capture then needs no eager warm-up."""
     missing = [k for k in ("query_start_loc", "seq_lens", "block_table") if k not in inputs]
@@ -403,6 +423,7 @@ def forward(
     out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine, scale, max_seq_len
 ):
     """out, q: [B, Hq, D]; k/v: [B, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D]; metadata padded to B sequences.
+
     Writes k/v into their slots, then out."""
     del max_seq_len  # flashinfer sizes its grid in plan(), from the actual lengths
     # not flashinfer's append_paged_kv_cache: that needs batch indices and positions per token (more device

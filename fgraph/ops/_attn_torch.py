@@ -42,6 +42,7 @@ def forward(
     out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine, scale, max_seq_len
 ):
     """out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D]; block_table: [S, max_pages].
+
     Writes k/v into their slots, then out."""
     del routine, max_seq_len  # one path for both routines; the block table's width bounds the keys
     write_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -1,5 +1,7 @@
-"""flashinfer's paged-KV metadata on the host (HostPlan, host_plan) and the persistent device buffers decode
-wrappers and their graphs read (_DecodeBuffers): the data half of the flashinfer backend (_attn_flashinfer)."""
+"""flashinfer's paged-KV metadata on the host and the persistent device buffers its decode wrappers read.
+
+flashinfer's paged-KV metadata on the host (HostPlan, host_plan) and the persistent device buffers decode wrappers and
+their graphs read (_DecodeBuffers): the data half of the flashinfer backend (_attn_flashinfer)."""
 
 from __future__ import annotations
 
@@ -47,14 +49,15 @@ def host_plan(
     with_qo: bool = True,
     prev: HostPlan | None = None,
 ) -> HostPlan:
-    """Vectorized (no loop per sequence; numpy, ~10x cheaper than torch CPU ops at these sizes; about a dozen
-    numpy calls, ~1 us each: 10-25 us on a slow 2-core CPU at batch 1-256). Device inputs are copied to the
-    host first (a sync: only for calls outside fgraph.jit). with_qo=False (decode: its query offsets are a
-    constant range) leaves qo_indptr None.
+    """flashinfer's paged-KV metadata for a call, built on the host.
+
+    Vectorized (no loop per sequence; numpy, far cheaper than torch CPU ops at these sizes; about a dozen numpy
+    calls: docs/performance.md). Device inputs are copied to the host first (a sync: only for calls outside
+    fgraph.jit). with_qo=False (decode: its query offsets are a constant range) leaves qo_indptr None.
 
     `prev`, the last plan of the same signature: when the page counts and the pages in use are the same as its
     (a decode step within the sequences' last pages, page_size - 1 steps in page_size), its indptr and page ids
-    are reused (the same arrays: `upload` then sends only the last-page lengths); ~5 numpy calls instead of ~12.
+    are reused (the same arrays: `upload` then sends only the last-page lengths), in fewer numpy calls.
     The pages in use are compared only after equal page counts, and kept for the next step's check when small:
     a large batch where some sequence enters a new page every step pays nothing for the check."""
     sl, bt = _np(seq_lens), _np(block_table)
@@ -83,11 +86,12 @@ def _arange(n: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------- device buffers
 class _DecodeBuffers:
-    """The persistent device metadata that decode wrappers (and their graphs) read: one int32 array
-    [indptr (batch+1) | last (batch) | indices], wrappers of smaller buckets use the heads of its parts. `owner`:
-    the plan generation whose metadata it holds (uploaded once per generation, whatever the number of wrappers).
-    A plan fills it with one non-blocking copy from a pinned mirror (two, alternating, written through numpy
-    views: ~0.3 us a part instead of ~3 us a torch copy_); flashinfer's own plan() copies page ids from pageable
+    """The persistent device metadata that decode wrappers (and their graphs) read.
+
+    One int32 array [indptr (batch+1) | last (batch) | indices], wrappers of smaller buckets use the heads of its
+    parts. `owner`: the plan generation whose metadata it holds (uploaded once per generation, whatever the number
+    of wrappers). A plan fills it with one non-blocking copy from a pinned mirror (two, alternating, written through
+    numpy views, far cheaper than a torch copy_ a part); flashinfer's own plan() copies page ids from pageable
     memory with a blocking copy, which synchronizes the stream every step."""
 
     def __init__(self, batch: int, num_indices: int, device):
@@ -123,9 +127,10 @@ class _DecodeBuffers:
             self.g_event.record()  # created outside any capture (torch creates events on first record)
 
     def upload(self, host: HostPlan, gen: int) -> None:
-        """indptr, last-page lengths and page ids -> the device, stream-ordered, no host sync; a no-op when this
-        generation is already here, only the last-page lengths when its indptr and page ids are (host_plan's
-        `prev` reuse: the same arrays)."""
+        """Send indptr, last-page lengths and page ids to the device, stream-ordered, with no host sync.
+
+        A no-op when this generation is already here, only the last-page lengths when its indptr and page ids
+        are (host_plan's `prev` reuse: the same arrays)."""
         if self.owner == gen:
             return
         self._check_fits(host)
@@ -148,9 +153,10 @@ class _DecodeBuffers:
         self.uploads["lengths" if same else "full"] += 1
 
     def stage_for_graph(self, host: HostPlan, gen: int, capturing: bool = False) -> None:
-        """upload's work for a graph that copies the stage in itself (copy_in): the same writes into the graph
-        stage, no copy and no event record. The device buffers hold this generation once that graph's copy runs,
-        which the very next replay does (`owner` says so already)."""
+        """upload's work for a graph that copies the stage in itself (copy_in).
+
+        The same writes into the graph stage, no copy and no event record. The device buffers hold this
+        generation once that graph's copy runs, which the very next replay does (`owner` says so already)."""
         if self.g_owner == gen:
             return
         self._check_fits(host)
@@ -165,7 +171,9 @@ class _DecodeBuffers:
 
     @staticmethod
     def _holds(layout, host: HostPlan) -> bool:
-        """Does a buffer holding `layout` (indptr and page-id arrays) already hold host's? (host_plan reuses them)"""
+        """Whether a buffer holding `layout` (indptr and page-id arrays) already holds host's.
+
+        host_plan reuses them."""
         return layout is not None and layout[0] is host.indptr and layout[1] is host.indices
 
     def _check_fits(self, host: HostPlan) -> None:
@@ -177,8 +185,10 @@ class _DecodeBuffers:
             )
 
     def _fill(self, st: np.ndarray, host: HostPlan, same: bool) -> int:
-        """Write host's metadata into `st`, laid out like `flat`: the last-page lengths, and unless `same` (st holds
-        its indptr and page ids already) those too. Returns the end of the page ids."""
+        """Write host's metadata into `st`, laid out like `flat`.
+
+        The last-page lengths, and unless `same` (st holds its indptr and page ids already) those too. Returns
+        the end of the page ids."""
         B, nnz, o = host.last.shape[0], host.indices.shape[0], self.batch
         st[o + 1 : o + 1 + B] = host.last
         if not same:
@@ -187,9 +197,10 @@ class _DecodeBuffers:
         return 2 * o + 1 + nnz
 
     def copy_in(self, n_indices: int) -> None:
-        """The graph's own copy of the stage (captured at a decode graph's first layer; on the CPU the stand-in
-        graph reruns it): indptr, last-page lengths and n_indices page ids (the bucket's block table), then the
-        event the next staging waits for."""
+        """The graph's own copy of the stage.
+
+        Captured at a decode graph's first layer (on the CPU the stand-in graph reruns it): indptr, last-page
+        lengths and n_indices page ids (the bucket's block table), then the event the next staging waits for."""
         end = 2 * self.batch + 1 + min(n_indices, self.indices.numel())
         self.flat[:end].copy_(self.gstage[:end], non_blocking=True)
         self.g_event.record()

@@ -4,12 +4,12 @@
     meta = build_metadata(query_lens, seq_lens, block_tables, page_size, max_pages)   # host, per step
     out = attention(q, k, v, cache.k[i], cache.v[i], meta, backend=..., routine=..., max_seq_len=...)
 
-`attention` calls the break `torch.ops.fgraph.attention(out, q, k, v, k_cache, v_cache, query_start_loc,
-seq_lens, block_table, slot_mapping, backend, routine, scale, max_seq_len, page_size)`, which writes the new
-keys/values into their slots, then `out`, and dispatches on `backend`. The KV write lives inside the break (the
-op declares k_cache and v_cache mutated): as ordinary ops in the piece before it, an in-place write into a graph
-input, Inductor (`jit(compile=True)`) functionalized it into a copy of the whole cache layer per layer and step
-(Llama-3-8B decode 6.8 -> 13.7 ms). The pieces between breaks now never touch the cache.
+`attention` calls the break `torch.ops.fgraph.attention(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
+block_table, slot_mapping, backend, routine, scale, max_seq_len, page_size)`, which writes the new keys/values into
+their slots, then `out`, and dispatches on `backend`. The KV write lives inside the break (the op declares k_cache and
+v_cache mutated): as ordinary ops in the piece before it, an in-place write into a graph input, Inductor
+(`jit(compile=True)`) functionalized it into a copy of the whole cache layer per layer and step (a much slower decode
+step: docs/performance.md). The pieces between breaks now never touch the cache.
 
   torch       the reference: CPU and GPU, any page size, static shapes (capturable: Support.ALWAYS)
   flash_attn  FlashAttention-2: decode via flash_attn_with_kvcache, which appends k/v itself (one kernel);
@@ -56,8 +56,10 @@ _PACKAGES = {"flash_attn": "flash_attn", "flashinfer": "flashinfer"}
 @register
 @attrs.frozen
 class KVCache:
-    """Paged KV cache (donated state, updated in place). k[i], v[i]: [num_pages, page_size, kv_heads, head_dim].
-    Page 0 is the scratch page: padded rows read and write only there, so never give it to a request."""
+    """Paged KV cache (donated state, updated in place).
+
+    k[i], v[i]: [num_pages, page_size, kv_heads, head_dim]. Page 0 is the scratch page: padded rows read and write
+    only there, so never give it to a request."""
 
     k: tuple = attrs.field(converter=tuple)
     v: tuple = attrs.field(converter=tuple)
@@ -115,9 +117,11 @@ class AttentionMetadata:
 
 
 def build_metadata(query_lens, seq_lens, block_tables, page_size: int, max_pages: int) -> AttentionMetadata:
-    """Host metadata for S sequences: sequence s has query_lens[s] new tokens, the last of its seq_lens[s] KV
-    positions, stored in pages block_tables[s] (a list of page ids, at least ceil(seq_len / page_size) long).
-    Vectorized in numpy (a serving loop builds one per step: ~10x cheaper than a loop of torch ops per sequence)."""
+    """Host metadata for S sequences.
+
+    Sequence s has query_lens[s] new tokens, the last of its seq_lens[s] KV positions, stored in pages
+    block_tables[s] (a list of page ids, at least ceil(seq_len / page_size) long). Vectorized in numpy (a serving
+    loop builds one per step: far cheaper than a loop of torch ops per sequence)."""
     ql, sl = np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
     if ql.shape != sl.shape or len(sl) != len(block_tables):
         raise FgraphError(
@@ -243,8 +247,9 @@ def _support(args) -> tuple[Support, str]:
 
 def _plan(call: PlanCall) -> bool:
     """Before every execution: flashinfer plans its kernels from the call's host metadata (others: nothing).
-    True when its wrappers for this call exist and are planned (see fgraph.primitive): before a decode capture
-    it makes them from the traced q and k_cache (call.avals), which a call by hand (plan_attention) lacks."""
+
+    True when its wrappers for this call exist and are planned (see fgraph.primitive): before a decode capture it
+    makes them from the traced q and k_cache (call.avals), which a call by hand (plan_attention) lacks."""
     if call.args.get("backend") != "flashinfer":
         return True
     bucket = call.bucket if call.bucket is not None else int(call.inputs["query_start_loc"][-1])
@@ -283,8 +288,10 @@ def attention_p(
     max_seq_len: int,
     page_size: int,
 ) -> None:
-    """Write k/v [N, Hkv, D] (cache dtype, any row stride, unit stride in D) into their slots of k_cache/v_cache,
-    then out [N, Hq, D] = causal paged attention of q [N, Hq, D] over the cache."""
+    """The attention break primitive: write k/v into the paged cache, then causal paged attention.
+
+    Write k/v [N, Hkv, D] (cache dtype, any row stride, unit stride in D) into their slots of k_cache/v_cache, then
+    out [N, Hq, D] = causal paged attention of q [N, Hq, D] over the cache."""
     assert k_cache.shape[1] == page_size, (k_cache.shape, page_size)
     q = q.contiguous()  # (at run time, inside the break: a no-op for the usual q, fresh from RoPE)
     _module(backend).forward(
@@ -308,8 +315,9 @@ def plan_attention(
     meta: AttentionMetadata, *, backend: str, routine: str, page_size: int, scale: float, capturing: bool = False
 ) -> None:
     """Run the plan hook by hand, as fgraph.jit does before each execution (for driving CUDA graphs yourself).
-    meta: this call's padded host metadata; scale: the one attention() gets (default head_dim ** -0.5). Knowing
-    no shapes or dtypes of q and the cache, it makes no flashinfer wrapper: run one eager call before capturing."""
+
+    meta: this call's padded host metadata; scale: the one attention() gets (default head_dim ** -0.5). Knowing no
+    shapes or dtypes of q and the cache, it makes no flashinfer wrapper: run one eager call before capturing."""
     bucket = meta.seq_lens.shape[0]
     inputs = {
         "query_start_loc": meta.query_start_loc,
@@ -388,6 +396,7 @@ def attention(
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Write k/v [N, Hkv, D] into their slots of cache_k/cache_v, then attend: q [N, Hq, D] -> out [N, Hq, D].
+
     Both happen inside the one break `attention_p` (the cache is the break's in-place output, never a piece's).
 
     max_seq_len: a static bound on every seq_len (sizes flash_attn's mixed grid); default and cap: the block

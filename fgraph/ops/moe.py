@@ -121,8 +121,10 @@ class MoEWeights:
 
 # ----------------------------------------------------------------------------------------------- routing
 def route(hidden, router_w, top_k: int, scoring: str, renormalize: bool):
-    """hidden [N, dim] -> (weights [N, k] in hidden's dtype, ids [N, k] int64). HF Qwen2-MoE/Mixtral order:
-    logits in the hidden dtype, scores in >= fp32, top-k, optional renormalisation, cast back."""
+    """hidden [N, dim] -> (weights [N, k] in hidden's dtype, ids [N, k] int64).
+
+    HF Qwen2-MoE/Mixtral order: logits in the hidden dtype, scores in >= fp32, top-k, optional renormalisation, cast
+    back."""
     logits = hidden @ router_w.t()  # [N, E]
     sdt = torch.promote_types(hidden.dtype, torch.float32)
     scores = logits.to(sdt).softmax(-1) if scoring == "softmax" else logits.to(sdt).sigmoid()
@@ -195,7 +197,9 @@ LAYOUTS = {"grouped": _grouped, "dense": _dense, "gather": _gather, "loop": _loo
 
 
 def grouped_ok(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Can torch._grouped_mm run this dtype/device/shape? (CUDA kernels: bf16, 16-byte aligned rows, sm80+.)"""
+    """Whether torch._grouped_mm can run this dtype/device/shape.
+
+    The CUDA kernels need bf16, 16-byte aligned rows and sm80+."""
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
@@ -226,8 +230,10 @@ def experts(x, ids, w, w13, w2, layout: str | None = None):
 
 # ----------------------------------------------------------------------------------------------- backends
 def _world():
-    """(rank, world, communicate): with no process group the EP backends run alone (world 1, no collectives);
-    with one, they always communicate, even at world size 1, so one GPU exercises the NCCL path."""
+    """(rank, world, communicate) for the EP backends.
+
+    (rank, world, communicate): with no process group the EP backends run alone (world 1, no collectives); with one,
+    they always communicate, even at world size 1, so one GPU exercises the NCCL path."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), True
     return 0, 1, False

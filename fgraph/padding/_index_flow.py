@@ -1,5 +1,6 @@
-"""What index tensors hold, followed through a symbolic trace: the data flow behind the padding check's rules on
-indexing along a batch axis (fgraph/padding/_mixing.py).
+"""What index tensors hold, followed through a symbolic trace.
+
+The data flow behind the padding check's rules on indexing along a batch axis (fgraph/padding/_mixing.py).
 
 Two facts per tensor, each only as far as it is cheap to follow and sound:
   - `low`, a lower bound of the values the trace itself makes in a call's rows (constants, aranges, fills and
@@ -220,8 +221,10 @@ class Flow:
         return pad._replace(shift=int(bool(pad.shift)) if out.dtype == torch.bool else int(pad.shift))
 
     def _moved(self, pad: Pad | None, x, out, reshape: bool) -> Pad | None:
-        """A pad through a view: the batch dim is where the output has its one batch-sized dim, of the same size; a
-        reshape must also keep the rows before it (a [2, N] -> [2N] view interleaves padded and real rows)."""
+        """A pad through a view.
+
+        The batch dim is where the output has its one batch-sized dim, of the same size; a reshape must also
+        keep the rows before it (a [2, N] -> [2N] view interleaves padded and real rows)."""
         if pad is None or not isinstance(out, torch.Tensor):
             return None
         dims = self.axes.dims(out)
@@ -235,8 +238,10 @@ class Flow:
         return pad._replace(dim=d)
 
     def _sliced(self, n: fx.Node, pad: Pad | None) -> Pad | None:
-        """A pad through x[start:end] along its batch dim: rows shift by start; the padded rows are the source's
-        when the slice runs to the end, and take its last real rows when the end is short of it by a few."""
+        """A pad through x[start:end] along its batch dim.
+
+        Rows shift by start; the padded rows are the source's when the slice runs to the end, and take its last
+        real rows when the end is short of it by a few."""
         if pad is None:
             return None
         x, dim = _fx.val(n.args[0]), _fx.arg(n, "dim", 0) % _fx.val(n.args[0]).dim()

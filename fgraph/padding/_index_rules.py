@@ -1,9 +1,11 @@
-"""The padding check's rules on indexing along a batch axis (fgraph/padding/_mixing.py), over what _index_flow.py
-follows of index tensors: an index that can be negative reads or writes from the end of the padded axis (a padded
-row); a scatter by an index whose padded rows point at real rows writes padded rows' values into them (a pad of 0
-writes row 0). A scatter is silent where every padded index row is shown to land in a padded row: row numbers
-(an arange over the batch, shifted up), a fill of -1 (the last row) into a tensor of the index's length, or
-ramp-padded offsets less one writing one value (the last-token flags of a packed batch).
+"""The padding check's rules on indexing along a batch axis.
+
+The rules of fgraph/padding/_mixing.py, over what fgraph/padding/_index_flow.py follows of index tensors: an index that
+can be negative reads or writes from the end of the padded axis (a padded row); a scatter by an index whose padded rows
+point at real rows writes padded rows' values into them (a pad of 0 writes row 0). A scatter is silent where every
+padded index row is shown to land in a padded row: row numbers (an arange over the batch, shifted up), a fill of -1 (the
+last row) into a tensor of the index's length, or ramp-padded offsets less one writing one value (the last-token flags
+of a packed batch).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _UNFOLLOWED = "hold values the check does not follow: they may write real rows"
 
 def _indices(node: fx.Node, name: str, ndim: int) -> list[tuple[int | None, fx.Node]]:
     """(dim of the indexed tensor, index tensor) per index an op takes; dim None: the tensor flattened (take).
+
     Boolean masks are left out (an index by a mask has a shape that depends on the data, refused by the trace)."""
     if name in _ADVANCED:
         idx = [i if isinstance(i, fx.Node) else None for i in node.args[1]]
@@ -38,9 +41,11 @@ def _indices(node: fx.Node, name: str, ndim: int) -> list[tuple[int | None, fx.N
 
 
 def index_finding(node: fx.Node, name: str, flow: Flow) -> tuple[set, str] | None:
-    """Where an op indexing a tensor along its batch axis lets padding in: an index that can be negative (it reads
-    or writes from the end of the padded axis: a padded row), or a scatter whose padded index rows point at real
-    rows. (the batch symbols involved, what it does), or None."""
+    """Where an op indexing a tensor along its batch axis lets padding in, or None.
+
+    Where an op indexing a tensor along its batch axis lets padding in: an index that can be negative (it reads or
+    writes from the end of the padded axis: a padded row), or a scatter whose padded index rows point at real rows.
+    (the batch symbols involved, what it does), or None."""
     axes, target = flow.axes, _fx.val(node.args[0])
     tdims = axes.dims(target)
     if not tdims:
@@ -121,7 +126,9 @@ def _lands(flow: Flow, d: int, index: fx.Node, v, target, same: bool, wraps: boo
 
 
 def _same_value(node: fx.Node, name: str, axes) -> bool:
-    """Whether a scatter writes one value at every index row (a scalar, or values broadcast over the rows), and
+    """Whether a scatter writes one value at every index row, and overwrites.
+
+    Whether a scatter writes one value at every index row (a scalar, or values broadcast over the rows), and
     overwrites: then two index rows pointing at one row write the same thing."""
     if name in ("index_fill", "index_fill_"):
         return True

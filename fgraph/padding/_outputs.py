@@ -1,6 +1,8 @@
-"""The outputs of a padded call: each output dim whose traced size is a batch size cut back to what the unpadded
-call returns (`x[:3]` of N rows: min(3, N)), sizes it returns given as the call's, and the outputs no cut can bring
-back refused (a TraceError, at trace time where the size falls as the batch grows, else at the call)."""
+"""The outputs of a padded call, cut back to what the unpadded call returns.
+
+The outputs of a padded call: each output dim whose traced size is a batch size cut back to what the unpadded call
+returns (`x[:3]` of N rows: min(3, N)), sizes it returns given as the call's, and the outputs no cut can bring back
+refused (a TraceError, at trace time where the size falls as the batch grows, else at the call)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,11 @@ _CAST = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 
 
 def _sizer(axes: BatchAxes, size) -> Callable[[list], int | float | bool] | None:
-    """A traced size, or a float or bool computed from one (`x.shape[0] / 2`, `x.shape[0] > 2`) -> `leaves -> its
-    value in a call`: the unpadded call's, each leaf's symbol at that leaf's length as passed (leaves tied to one
-    size agree: check_lengths); None for a static one."""
+    """A traced size, or a float or bool computed from one, as `leaves -> its value in a call`.
+
+    A traced size, or a float or bool computed from one (`x.shape[0] / 2`, `x.shape[0] > 2`) -> `leaves -> its value
+    in a call`: the unpadded call's, each leaf's symbol at that leaf's length as passed (leaves tied to one size
+    agree: check_lengths); None for a static one."""
     cast = _CAST.get(type(size))
     e = size.node.expr if cast is not None else None
     if e is None or not e.free_symbols or not e.free_symbols <= set(axes.raw):
@@ -39,8 +43,9 @@ def _sizer(axes: BatchAxes, size) -> Callable[[list], int | float | bool] | None
 
 
 def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
-    """Per output dim sized by the batch: (output, dim, size), size(leaves) its length in the unpadded call
-    (x[:3] of N rows: min(3, N)). Static dims are never cut."""
+    """Per output dim sized by the batch: (output, dim, size).
+
+    size(leaves) its length in the unpadded call (x[:3] of N rows: min(3, N)). Static dims are never cut."""
     rows = []
     for j, v in enumerate(outs):
         if j in skip or not isinstance(v, torch.Tensor):
@@ -53,8 +58,10 @@ def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
 
 
 def refuse_shrinking_outputs(fname: str, gm: fx.GraphModule, axes: BatchAxes, skip: set[int]) -> None:
-    """An output dim whose traced size falls as a batch size grows (`w[x.shape[0]:]`) is shorter, padded to a
-    bucket, than in the unpadded call, and holds other rows: no cut can give the call's answer. A TraceError."""
+    """Refuse an output dim whose traced size falls as a batch size grows.
+
+    An output dim whose traced size falls as a batch size grows (`w[x.shape[0]:]`) is shorter, padded to a bucket,
+    than in the unpadded call, and holds other rows: no cut can give the call's answer. A TraceError."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for j, o in enumerate(out_node.args[0]):
         v = o.meta.get("val") if isinstance(o, fx.Node) and j not in skip else None
@@ -70,7 +77,9 @@ def refuse_shrinking_outputs(fname: str, gm: fx.GraphModule, axes: BatchAxes, sk
 
 
 def cut_error(entry, j: int, d: int):
-    """Raised when a call's size of output j along d lies outside what the padded graph returned (`x.split(2)[-1]`:
+    """The error for a call whose output size no cut of the padded graph's output gives.
+
+    Raised when a call's size of output j along d lies outside what the padded graph returned (`x.split(2)[-1]`:
     chunk sizes computed from the bucket's N): no cut gives the call's answer."""
     raise TraceError(
         f"fgraph.jit({entry.traced.fname}): output {j}'s size along dim {d} in this call is not within the rows the "
@@ -82,15 +91,18 @@ def cut_error(entry, j: int, d: int):
 
 
 def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
-    """Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`, `n / 2`, `n > 2`): (output, size),
+    """Outputs that are sizes computed from the batch: (output, size).
+
+    Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`, `n / 2`, `n > 2`): (output, size),
     size(leaves) their value in the unpadded call (the graph returns the bucket's)."""
     return [(j, size) for j, v in enumerate(outs) if type(v) in _CAST and (size := _sizer(axes, v))]
 
 
 def _tensors_in(v, depth: int = 3) -> bool:
-    """Does an object fgraph cannot see into hold tensors: among its items (a dict or sequence of a class pytrees
-    do not know, an OrderedDict subclass say) or attributes, down to `depth` levels (transformers' DynamicCache:
-    layers, then their keys)?"""
+    """Whether an object fgraph cannot see into holds tensors.
+
+    It looks among its items (a dict or sequence of a class pytrees do not know, an OrderedDict subclass say) or
+    attributes, down to `depth` levels (transformers' DynamicCache: layers, then their keys)?"""
     if isinstance(v, torch.Tensor):
         return True
     if depth == 0 or isinstance(v, (str, bytes, int, float, bool, type(None), type)):
@@ -103,8 +115,10 @@ def _tensors_in(v, depth: int = 3) -> bool:
 
 
 def refuse_opaque_outputs(fname: str, out, leaves: list) -> None:
-    """An output leaf of a class pytrees do not know, holding tensors, would come back as traced (fake tensors
-    that no replay updates): a TraceError naming its key path instead."""
+    """Refuse an output leaf of a class pytrees do not know that holds tensors.
+
+    An output leaf of a class pytrees do not know, holding tensors, would come back as traced (fake tensors that no
+    replay updates): a TraceError naming its key path instead."""
     for i, v in enumerate(leaves):
         if not isinstance(v, torch.Tensor) and _tensors_in(v):
             p = flatten_with_paths(out)[0][i][0]

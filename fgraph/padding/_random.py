@@ -1,7 +1,9 @@
-"""Random draws in a trace: ops that read torch's random generator (torch.Tag.nondeterministic_seeded: rand,
-randn, dropout, bernoulli, multinomial, ...). A jitted call draws another stream than eager under the same seed:
-padded rows draw too (a [bucket, ...] draw, not [N, ...]), and warm-up and capture runs draw before the first
-result. So each such op is logged once at trace time with its line and listed by explain.
+"""Random draws in a trace: ops that read torch's random generator.
+
+They carry torch.Tag.nondeterministic_seeded: rand, randn, dropout, bernoulli, multinomial, ... A jitted call draws
+another stream than eager under the same seed: padded rows draw too (a [bucket, ...] draw, not [N, ...]), and warm-up
+and capture runs draw before the first result. So each such op is logged once at trace time with its line and listed by
+explain.
 """
 
 from __future__ import annotations

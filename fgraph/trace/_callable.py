@@ -1,6 +1,8 @@
-"""Research code as it is written: what a jitted callable is (a function, a method, a module, a bound method,
-a function with positional-only parameters, *args or **kwargs) and the tensors it reads without taking them as
-arguments (module parameters and buffers, closed-over and global tensors).
+"""Research code as it is written: what a jitted callable is and the tensors it reads.
+
+Research code as it is written: what a jitted callable is (a function, a method, a module, a bound method, a function
+with positional-only parameters, *args or **kwargs) and the tensors it reads without taking them as arguments (module
+parameters and buffers, closed-over and global tensors).
 
 Those tensors are lifted into extra inputs of the traced function (torch.compile lifts constants the same way):
 each call reads their current values and they become non-static leaves named by where they live (`self.lin.weight`,
@@ -26,8 +28,9 @@ from .._signature import path_str, torch_state
 
 
 class Inlined:
-    """A callable that fgraph inlines when it is called while a trace runs (fgraph.Jitted): its `fn` is traced as
-    part of the caller's program, so the tensors `fn` reads are read by the caller too."""
+    """A callable that fgraph inlines when it is called while a trace runs (fgraph.Jitted).
+
+    Its `fn` is traced as part of the caller's program, so the tensors `fn` reads are read by the caller too."""
 
     fn: object
 
@@ -53,9 +56,10 @@ def plain_signature(sig: inspect.Signature) -> bool:
 
 
 class Lifted:
-    """The tensors a callable reads without taking them as arguments: where they live, found at jit time and again
-    at the first call (globals a decorated function reads are often assigned after it), read per call (`values`),
-    swapped for fakes while tracing (`installed`)."""
+    """The tensors a callable reads without taking them as arguments.
+
+    Where they live, found at jit time and again at the first call (globals a decorated function reads are often
+    assigned after it), read per call (`values`), swapped for fakes while tracing (`installed`)."""
 
     def __init__(self, fn, params: set[str]):
         self.fn, self.params, self.rescanned = fn, params, False
@@ -101,8 +105,10 @@ class Lifted:
         return name
 
     def training(self) -> tuple[str, ...]:
-        """The lifted modules in training mode, by name (a whole module as its name): dropout and batch norm trace
-        differently in training, and `model.eval()` after a call must not replay the training trace."""
+        """The lifted modules in training mode, by name (a whole module as its name).
+
+        Dropout and batch norm trace differently in training, and `model.eval()` after a call must not replay
+        the training trace."""
         names = []
         for name, m in self.modules:
             flags = [sub.training for sub in m.modules()]
@@ -239,8 +245,10 @@ def _global_names(code) -> list[str]:
 
 
 def invoke(jitted, dynamic: dict, statics: dict):
-    """Call the jitted callable with its arguments by name (positional-only, *args and **kwargs spread back) and
-    its lifted tensors installed from `dynamic` (the leaves named in Lifted.values)."""
+    """Call the jitted callable with its arguments by name and its lifted tensors installed.
+
+    Call the jitted callable with its arguments by name (positional-only, *args and **kwargs spread back) and its
+    lifted tensors installed from `dynamic` (the leaves named in Lifted.values)."""
     lifted = jitted.lifted
     swap = {k: dynamic[k] for k in lifted.names if k in dynamic} if lifted else {}
     merged = {**{k: v for k, v in dynamic.items() if k not in swap}, **statics}
@@ -268,8 +276,10 @@ def invoke(jitted, dynamic: dict, statics: dict):
 
 
 def check_call(fname: str, lifted: Lifted, statics: dict, dynamic: dict) -> dict:
-    """The slow path's checks of a call (a tensor passed as a static, gradients wanted through it); returns the
-    dynamic arguments plus the lifted tensors' current values."""
+    """The slow path's checks of a call.
+
+    A tensor passed as a static, gradients wanted through it; returns the dynamic arguments plus the lifted tensors'
+    current values."""
     for k, v in statics.items():
         if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v)):
             raise SignatureError(
@@ -293,15 +303,19 @@ def check_call(fname: str, lifted: Lifted, statics: dict, dynamic: dict) -> dict
 
 
 def context(lifted: Lifted) -> tuple:
-    """A call's signature entries for what its trace depends on beyond the arguments: torch's global settings when
-    not at torch's defaults (autocast, default dtype, matmul precision), and the lifted modules in training mode."""
+    """A call's signature entries for what its trace depends on beyond the arguments.
+
+    torch's global settings when not at torch's defaults (autocast, default dtype, matmul precision), and the lifted
+    modules in training mode."""
     state, training = torch_state(), lifted.training() if lifted else ()
     return ((("<torch>", state),) if state else ()) + ((("<training>", training),) if training else ())
 
 
 def check_transforms(fname: str) -> None:
-    """vmap / grad / jacrev (torch.func) over a jitted call: its inputs are functorch wrappers that a captured
-    graph cannot see through."""
+    """Refuse vmap / grad / jacrev (torch.func) over a jitted call.
+
+    vmap / grad / jacrev (torch.func) over a jitted call: its inputs are functorch wrappers that a captured graph
+    cannot see through."""
     if _functorch.peek_interpreter_stack() is not None:
         if torch.compiler.is_compiling():  # dynamo tracing into fgraph's own code (it sets up transforms too)
             raise FgraphError(

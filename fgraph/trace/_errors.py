@@ -1,6 +1,7 @@
-"""Errors raised while tracing the user's function, re-raised at fgraph's boundary: what failed, the user's source
-line, the inputs involved by key path, symbolic sizes named by the argument they came from ("batch axis of `x`"),
-and torch's own error kept as the cause."""
+"""Errors raised while tracing the user's function, re-raised at fgraph's boundary.
+
+What failed, the user's source line, the inputs involved by key path, symbolic sizes named by the argument they came
+from ("batch axis of `x`"), and torch's own error kept as the cause."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ _NOISY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shape
 
 
 def op_label(node: fx.Node) -> str:
-    """The op a user would recognise for a traced node: `aten.nonzero.default`; an output of a multi-output op by
-    that op (`aten._unique2.default (output 0)`), not fx's node dump (`%getitem : [num_users=1] = ...`)."""
+    """The op a user would recognise for a traced node.
+
+    `aten.nonzero.default`; an output of a multi-output op by that op (`aten._unique2.default (output 0)`), not fx's
+    node dump (`%getitem : [num_users=1] = ...`)."""
     if node.target is operator.getitem and node.args and isinstance(node.args[0], fx.Node):
         return f"{op_label(node.args[0])} (output {node.args[1]})"
     if node.op == "get_attr":  # a tensor made from data while tracing: torch.tensor(2.0), torch.as_tensor(list)
@@ -93,8 +96,9 @@ def _where(f, lineno) -> str:
 
 
 def _name_of(t, e: BaseException) -> str | None:
-    """The variable a real (non-argument) tensor was read from: a local, closure or global of the user's frames,
-    or an attribute of one."""
+    """The variable a real (non-argument) tensor was read from.
+
+    A local, closure or global of the user's frames, or an attribute of one."""
     for f, _ in reversed(list(_user_frames(e.__traceback__))):
         for kind, scope in [("", f.f_locals), ("the global ", f.f_globals)]:
             for k, v in scope.items():
@@ -114,7 +118,9 @@ def _name_of(t, e: BaseException) -> str | None:
 
 
 def raised_by_user(e: BaseException) -> bool:
-    """Did the function's own code raise `e` (a `raise` or a failing lookup in it), not a torch call it made?"""
+    """Whether the function's own code raised `e`, not a torch call it made.
+
+    A `raise` or a failing lookup in its own code counts."""
     if hasattr(e, "_fgraph_op"):
         return False
     tb = e.__traceback__

@@ -1,5 +1,7 @@
-"""trace: a pure function of flat leaves -> an FX graph of aten ops and break primitives (make_fx, fake mode),
-and the checks that reject what a static graph cannot honour, at trace time, with the user's source line.
+"""trace: a pure function of flat leaves -> an FX graph of aten ops and break primitives.
+
+Traced with make_fx in fake mode, with the checks that reject what a static graph cannot honour, at trace time, with the
+user's source line.
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def _record_source_lines():
 
 
 class Shapes:
-    """The symbolic batch dims of a trace: which leaf's axis became which symbol, and the guards the trace
-    assumed, so a program traced once can be checked against every other bucket before reuse."""
+    """The symbolic batch dims of a trace and the guards the trace assumed.
+
+    The symbolic batch dims of a trace: which leaf's axis became which symbol, and the guards the trace assumed, so
+    a program traced once can be checked against every other bucket before reuse."""
 
     def __init__(self, shape_env: ShapeEnv, syms: list[tuple[Any, int]]):
         self.shape_env, self.syms = shape_env, syms  # [(symbol, extra)] per batched leaf
@@ -119,16 +123,19 @@ class Shapes:
 
 
 def _size_oblivious():
-    """Trace batch dims without assuming they are >= 2 (torch's 0/1 specialization): a size-1 check then becomes
-    a guard like any other, so a trace whose guards hold at 1 also serves bucket 1 (Shapes.fits). Where torch
-    lacks the switch, symbols keep their [2, inf] range and bucket 1 gets a trace of its own, as before."""
+    """Trace batch dims without assuming they are >= 2 (torch's 0/1 specialization).
+
+    A size-1 check then becomes a guard like any other, so a trace whose guards hold at 1 also serves bucket 1
+    (Shapes.fits). Where torch lacks the switch, symbols keep their [2, inf] range and bucket 1 gets a trace of its
+    own, as before."""
     cfg = torch.fx.experimental._config
     return cfg.patch(backed_size_oblivious=True) if hasattr(cfg, "backed_size_oblivious") else contextlib.nullcontext()
 
 
 class _Tracing(threading.local):
-    """Traces in progress on this thread: a jitted function called inside one is inlined (Jitted.__call__). Per
-    thread: another thread's call meanwhile is its own, through its function's lock."""
+    """Traces in progress on this thread: a jitted function called inside one is inlined (Jitted.__call__).
+
+    Per thread: another thread's call meanwhile is its own, through its function's lock."""
 
     depth = 0
 
@@ -137,10 +144,11 @@ tracing = _Tracing()
 
 
 class _GradModeReads(threading.local):
-    """Whether the function this thread traces called torch.is_grad_enabled() from its own code (a branch on grad
-    mode): such a trace serves only the grad mode it was traced in. Reads from torch's and fgraph's own frames
-    are not counted: torch.no_grad() saving the mode it restores, and torch's module fast paths, whose branches
-    also ask for inputs that require grad (a jitted call's never do)."""
+    """Whether the function this thread traces called torch.is_grad_enabled() from its own code.
+
+    Such a trace (a branch on grad mode) serves only the grad mode it was traced in. Reads from torch's and fgraph's
+    own frames are not counted: torch.no_grad() saving the mode it restores, and torch's module fast paths, whose
+    branches also ask for inputs that require grad (a jitted call's never do)."""
 
     read = False
 
@@ -157,8 +165,9 @@ def _is_grad_enabled() -> bool:
 
 @contextlib.contextmanager
 def _watch_grad_mode():
-    """torch.is_grad_enabled replaced while any thread traces (one C call otherwise). Yields a list that holds,
-    once the block ends, the grad mode the trace read, or None when it read none."""
+    """torch.is_grad_enabled replaced while any thread traces (one C call otherwise).
+
+    Yields a list that holds, once the block ends, the grad mode the trace read, or None when it read none."""
     with _watch_lock:
         _watchers[0] += 1
         torch.is_grad_enabled = _is_grad_enabled
@@ -181,9 +190,11 @@ def trace(
     batch_axes: list[tuple[int, int] | None],
     paths: list[str] | None = None,
 ) -> tuple[fx.GraphModule, Shapes | None]:
-    """make_fx over fake tensors: nothing runs and donated state is not touched. The batch axes are traced as
-    symbols (every other dim static), so the program serves every bucket whose size satisfies its guards.
-    paths: each input's key path, for errors. gm.meta["grad_mode"]: the grad mode the function read, else None."""
+    """make_fx over fake tensors: nothing runs and donated state is not touched.
+
+    The batch axes are traced as symbols (every other dim static), so the program serves every bucket whose size
+    satisfies its guards. paths: each input's key path, for errors. gm.meta["grad_mode"]: the grad mode the function
+    read, else None."""
     shapes, names = None, E.Names()
     paths = paths or [f"input {i}" for i in range(len(example))]
     # one tensor passed for two leaves (tied weights) is two inputs: fake tensors are made once per tensor object,
@@ -300,9 +311,11 @@ def check(
     donated: Callable[[fx.Node], bool],
     device: str,
 ) -> None:
-    """Reject in-place writes to non-donated inputs and host tensors in a device graph. An output that is a
-    non-donated input or a view of one (`return x`, `x.reshape(...)`, `x[:, :1]`) gets a copy inside the program:
-    outputs are values, and a replay must not hand back a view of the caller's tensor or of fgraph's buffers."""
+    """Reject in-place writes to non-donated inputs and host tensors in a device graph.
+
+    An output that is a non-donated input or a view of one (`return x`, `x.reshape(...)`, `x[:, :1]`) gets a copy
+    inside the program: outputs are values, and a replay must not hand back a view of the caller's tensor or of
+    fgraph's buffers."""
     for node in gm.graph.nodes:
         for tgt in _fx.write_targets(node):
             b = _fx.base_of(tgt)

@@ -1,12 +1,12 @@
 """fgraph.repeated: trace a function called many times alike (a decoder layer) once, and copy its ops for the rest.
 
-make_fx dispatches every op of every layer through fake tensors and symbolic shapes; for a 24-layer model that is
-~90 % of a trace, the same ops 24 times. Under tracing, the first call of a repeated function with a given input
-signature (tree structure, non-tensor leaves, and each tensor's shape, stride, dtype, device and aliasing) is
-traced as usual and its new FX nodes kept as a template; a later call with the same signature copies them,
-rewired to its own inputs, and gets fresh fake outputs. What the copies skip is only tracing work: the graph is
-the one a full trace would give (the guards too: the same ops on the same shapes). Outside tracing (eager,
-disable_jit, torch.compile) the function is just called.
+make_fx dispatches every op of every layer through fake tensors and symbolic shapes; for a deep model that is most of a
+trace, the same ops once per layer (docs/performance.md). Under tracing, the first call of a repeated function with a
+given input signature (tree structure, non-tensor leaves, and each tensor's shape, stride, dtype, device and aliasing)
+is traced as usual and its new FX nodes kept as a template; a later call with the same signature copies them, rewired to
+its own inputs, and gets fresh fake outputs. What the copies skip is only tracing work: the graph is the one a full
+trace would give (the guards too: the same ops on the same shapes). Outside tracing (eager, disable_jit, torch.compile)
+the function is just called.
 
 The rule that makes copying sound: the function reads tensors only through its arguments. A template op that
 uses a tensor from outside (a closure over `params.layers[i]`) would be copied with layer 0's tensor, so it is
@@ -35,8 +35,9 @@ _SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
 
 def _dims(xs) -> tuple:
-    """Sizes as expressions, with what the trace has learnt so far substituted (a size symbol of an argument
-    found equal to another's by an op's check)."""
+    """Sizes as expressions, with what the trace has learnt so far substituted.
+
+    Such as a size symbol of an argument found equal to another's by an op's check."""
     return tuple(d.node.shape_env.replace(d.node.expr) if isinstance(d, torch.SymInt) else d for d in xs)
 
 
@@ -52,8 +53,10 @@ def _signature(leaves: list) -> tuple:
 
 
 class _Template:
-    """The FX nodes one traced call added, its inputs' and outputs' nodes (None / the value for non-tensors), and
-    its outputs' fake tensors (the layout of every copy's outputs)."""
+    """What one traced call added to the graph.
+
+    The FX nodes one traced call added, its inputs' and outputs' nodes (None / the value for non-tensors), and its
+    outputs' fake tensors (the layout of every copy's outputs)."""
 
     def __init__(self, fn: Callable, inputs: list, nodes: list[fx.Node], outputs: list, out_spec, fakes: list):
         self.inputs, self.nodes, self.outputs, self.out_spec, self.fakes = inputs, nodes, outputs, out_spec, fakes
@@ -92,6 +95,7 @@ class _Template:
 
 def repeated(fn: Callable) -> Callable:
     """`fn`, traced once per input signature under fgraph's tracing and copied for later calls (module docstring).
+
     For functions called many times with inputs of the same shapes, such as the layers of a model; `fn` must read
     tensors only through its arguments (checked) and return a pytree of tensors."""
     if not callable(fn):

@@ -1,5 +1,7 @@
-"""Traced: one trace of a function, checked and split, shared by every signature (bucket) its symbolic batch
-dims fit: its program, its mode and why, what padding changes in it, how its outputs are cut back and handed out."""
+"""Traced: one trace of a function, checked and split, shared by every signature its batch dims fit.
+
+Traced: one trace of a function, checked and split, shared by every signature (bucket) its symbolic batch dims fit: its
+program, its mode and why, what padding changes in it, how its outputs are cut back and handed out."""
 
 from __future__ import annotations
 
@@ -109,15 +111,18 @@ class Traced:
         self._direct: dict[str, fx.GraphModule] = {}
 
     def direct(self, piece) -> fx.GraphModule:
-        """The break piece as run between PIECEWISE graphs (see _direct); made once per trace, shared by every
-        signature (a break piece holds no state)."""
+        """The break piece as run between PIECEWISE graphs (see _direct).
+
+        Made once per trace, shared by every signature (a break piece holds no state)."""
         m = self._direct.get(piece.name)
         if m is None:
             m = self._direct[piece.name] = _direct(piece.module)
         return m
 
     def _padding(self, jitted, call: Call, gm: fx.GraphModule, ph_paths: dict) -> None:
-        """What padding can change (logged once per place), the leaves the trace ties to one batch size, and how
+        """What padding can change, and how the outputs are cut back to the unpadded call's shape.
+
+        What padding can change (logged once per place), the leaves the trace ties to one batch size, and how
         each output is cut back to the unpadded call's shape (symbolic traces only: see fgraph/padding/)."""
         self.axes = self.mixing = None
         self.tied = []
@@ -144,8 +149,9 @@ class Traced:
         return [] if self.axes is None else padding.output_sizes(self.axes, self.outs)
 
     def batched_outputs(self, bucket: int | None) -> list[tuple]:
-        """(output, dim, size) per output dim cut back per call to size(leaves) (None: to N), the unpadded call's
-        size. Symbolic traces: every dim sized by a batch symbol; static ones (bucket 1): a first dim equal to the
+        """(output, dim, size) per output dim cut back per call to size(leaves) (None: to N), the unpadded call's size.
+
+        Symbolic traces: every dim sized by a batch symbol; static ones (bucket 1): a first dim equal to the
         bucket. The caller's own tensors never are."""
         if bucket is None:
             return []
@@ -175,8 +181,10 @@ def _self_of(o):
 
 
 def _fold_arguments(out: tuple, out_args: dict[int, str]):
-    """Outputs that are the caller's own arguments become one leaf each: (recipe, spec), where the recipe lists,
-    per leaf of the folded tree, the index of the graph output to use, or the argument name to hand back."""
+    """Outputs that are the caller's own arguments become one leaf each.
+
+    Returns (recipe, spec), where the recipe lists, per leaf of the folded tree, the index of the graph output to
+    use, or the argument name to hand back."""
     recipe, base = [], 0
     for k, o in enumerate(out):
         n = len(pytree.tree_leaves(o))
@@ -186,9 +194,11 @@ def _fold_arguments(out: tuple, out_args: dict[int, str]):
 
 
 def _direct(module: fx.GraphModule) -> fx.GraphModule:
-    """A break piece that calls its primitives' eager rules as plain Python functions: the same call, minus the
-    dispatcher and torch.library's wrapper around it (tens of µs per break, paid by every eager break of every
-    PIECEWISE step). Only for running outside a graph: under capture the op goes through the dispatcher."""
+    """A break piece that calls its primitives' eager rules as plain Python functions.
+
+    The same call, minus the dispatcher and torch.library's wrapper around it (host time paid by every eager break
+    of every PIECEWISE step: docs/performance.md). Only for running outside a graph: under capture the op goes
+    through the dispatcher."""
     graph = fx.Graph()
     env = {}
     for node in module.graph.nodes:
