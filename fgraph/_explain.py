@@ -44,6 +44,12 @@ def _entry_text(name: str, e, n: int | None) -> str:
         lines.append(f"  [{p.index}] graph {len(p.ops)} ops: {op_summary(p.ops)}; ends at {ends}")
         lines.append(f"      in: {', '.join(p.inputs) or '-'}")
         lines.append(f"      out: {', '.join(p.outputs) or '-'}")
+        c = e.compiled.get(p.name)
+        if c is not None:  # Inductor (compile=...): the shared symbolic compilation, or one for this bucket's shapes
+            how = c.how or "pending (at the first call)"
+            lines.append(
+                f"      compiled: {how}" + (f", shared by {c.shared.uses} uses" if c.how == "symbolic" else "")
+            )
     if e.graphs:
         lines.append(
             f"  captured: {len(e.graphs)} graph{'s' if len(e.graphs) != 1 else ''} in {e.capture_seconds:.3f} s "

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from tqdm.auto import tqdm
 
 from .. import _primitives as P
 from .. import padding
@@ -75,6 +76,7 @@ class Entry:
         self.slots = None  # the inputs its graphs read by address: in place or copied (Slots)
         self.full, self.buffers = None, None
         self.capture_seconds, self.pool_bytes = 0.0, 0
+        self.compiled: dict = {}  # piece name -> its Compiled (compile=...): `how` says symbolic (shared) or static
 
     # -- running ----------------------------------------------------------------------------------------------
     def _args(self, leaves):
@@ -183,10 +185,12 @@ class Entry:
         itself copies the batched inputs in (InputBuffers.copy_in_graph). donate, batched: the argument names
         whose tensors are donated and batched, for the Slots of a first capture."""
         t0, mem0 = time.perf_counter(), G.pool_bytes(self.device)
-        if compile is not None:
-            for piece in self.program.pieces:
-                if not piece.is_break:
-                    setattr(self.module, piece.name, Compiled(piece.module, compile))
+        if compile is not None:  # one compilation per distinct piece, shared (Compiled): most are found, not made
+            graph_pieces = [p for p in self.program.pieces if not p.is_break]
+            self.compiled = {}
+            for piece in tqdm(graph_pieces, desc=f"fgraph compile {self.sig.describe()}", disable=None, leave=False):
+                self.compiled[piece.name] = c = Compiled(piece.module, compile)
+                setattr(self.module, piece.name, c)
         self.buffers = InputBuffers(
             [(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],
             self.device,

@@ -6,9 +6,15 @@ breaks untouched), and the jit(compile=...) options that configure it."""
 from __future__ import annotations
 
 import copy
+import time
+from collections.abc import Callable
 
+import sympy
 import torch
 import torch.fx as fx
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._errors import SignatureError
 
@@ -52,11 +58,18 @@ def _of_kind(v, kind) -> bool:
 
 
 class Compiled(torch.nn.Module):
-    """A graph piece compiled by Inductor on its first call (for the shapes of that call: one signature)."""
+    """A graph piece as Inductor compiled it: one compiled function per distinct piece, shared.
+
+    The compiled function comes from `compiler` (compiled once for the trace's symbolic batch dims, and shared by
+    every signature, routine and layer whose piece is the same graph over inputs of the same avals). At the first
+    call it is checked against the call's sizes: where a guard or range Inductor relied on does not hold, this
+    signature gets a compilation at its own static shapes."""
 
     def __init__(self, module: fx.GraphModule, options: dict):
         super().__init__()
-        self.module, self.options, self.fn = module, options, None
+        self.module, self.options = module, options
+        self.shared = compiler.symbolic(module, options)  # compiled (or found) now: capture shows the progress
+        self.fn, self.how = None, None
         # a piece that returns one bare tensor (split_module's single output): compiled code returns a 1-list, which
         # the program would hand on as the output itself (a list, never sliced back to N)
         out = next(n for n in reversed(module.graph.nodes) if n.op == "output")
@@ -64,16 +77,172 @@ class Compiled(torch.nn.Module):
 
     def forward(self, *args):
         if self.fn is None:
-            from torch._inductor import config
-            from torch._inductor.compile_fx import compile_fx
-
-            # compile_fx rewrites the module it is given (its graph made to return a list, post-grad passes): give
-            # it a copy, since the piece belongs to a trace that other signatures compile after this one
-            module = fx.GraphModule(self.module, copy.deepcopy(self.module.graph))
-            with config.patch({**self.options, "post_grad_custom_post_pass": _residual_adds_out_of_gemms()}):
-                self.fn = compile_fx(module, list(args))
+            if self.shared.holds_for(args):
+                self.fn, self.how = self.shared.fn, "symbolic"
+            else:
+                self.fn, self.how = compiler.static(self.module, self.options, args), "static"
         out = self.fn(*args)
         return out[0] if self.single and isinstance(out, (tuple, list)) else out
+
+
+class Shared:
+    """One compiled function and what Inductor assumed of its symbolic sizes (guards and value ranges)."""
+
+    def __init__(self, fn, inputs: list, guards: list, ranges: dict):
+        self.fn, self.inputs, self.guards, self.ranges = fn, inputs, guards, ranges
+        self.uses = 0
+
+    def holds_for(self, args) -> bool:
+        """Whether the sizes of `args` satisfy every assumption of the compilation (so its code is valid for them)."""
+        bound: dict = {}
+        for v, a in zip(self.inputs, args):
+            if not isinstance(v, torch.Tensor):
+                continue
+            if not isinstance(a, torch.Tensor) or a.dim() != v.dim():
+                return False
+            for d, n in zip(v.shape, a.shape):
+                e = d.node.expr if isinstance(d, torch.SymInt) else d
+                if isinstance(e, sympy.Symbol):
+                    if bound.setdefault(e, n) != n:
+                        return False
+        for sym, n in bound.items():
+            r = self.ranges.get(sym)
+            if r is not None and not (r.lower <= n <= r.upper):
+                return False
+        try:
+            ok = all(bool(g.xreplace(bound)) is True for g in self.guards)
+        except TypeError:  # a guard over a symbol no input size binds
+            return False
+        if ok:
+            self.uses += 1
+        return ok
+
+
+class Compiler:
+    """Every piece Inductor compiled in this process, by what it is, and counters of the work.
+
+    The key of a piece is its graph with nodes numbered in order and each value's avals written with its symbols
+    renamed by first appearance, plus the Inductor options: two layers' middle pieces, or the same piece of the
+    decode and the mixed trace, are one key (their weights are inputs). Across processes, Inductor's own FX-graph
+    cache serves the compilation (it needs the trace's shape env, given here through a tracing context)."""
+
+    def __init__(self):
+        self.shared: dict[str, Shared] = {}
+        self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "seconds": 0.0}
+
+    def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:
+        """The piece compiled for its traced (symbolic) input avals, compiled now or found."""
+        inputs = [n.meta.get("val") for n in module.graph.nodes if n.op == "placeholder"]
+        key = piece_key(module, inputs, options)
+        got = self.shared.get(key)
+        if got is not None:
+            self.counts["shared"] += 1
+            return got
+        mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
+        if mode is None or mode.shape_env is None:  # a static trace: its own fake mode, with a shape env for the cache
+            mode = FakeTensorMode(shape_env=ShapeEnv())
+            with mode:
+                inputs = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v for v in inputs]
+        env = mode.shape_env
+        # Inductor records what it assumes of the symbols (guards, narrower ranges, replacements) in the trace's
+        # shape env: kept here for holds_for, and taken back out of the env, whose guards decide which buckets the
+        # trace itself serves (Shapes.fits)
+        guards, ranges, replacements = list(env.guards), dict(env.var_to_range), dict(env.replacements)
+        try:
+            fn = self._compile(module, inputs, options, mode)
+            assumed = [g.expr for g in env.guards[len(guards) :]]
+            assumed += [sympy.Eq(k, v) for k, v in env.replacements.items() if k not in replacements]
+            got = self.shared[key] = Shared(fn, inputs, assumed, dict(env.var_to_range))
+        finally:
+            env.guards[:] = guards
+            env.var_to_range.clear()
+            env.var_to_range.update(ranges)
+            env.replacements.clear()
+            env.replacements.update(replacements)
+        return got
+
+    def static(self, module: fx.GraphModule, options: dict, args) -> Callable:
+        """The piece compiled for these arguments' own static shapes (where the symbolic compilation's assumptions
+        fail); shared by calls of the same avals."""
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        with mode:
+            inputs = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        key = piece_key(module, inputs, options)  # the key of a static trace's piece of these avals too
+        got = self.shared.get(key)
+        if got is None:
+            self.counts["static"] += 1
+            got = self.shared[key] = Shared(self._compile(module, inputs, options, mode), inputs, [], {})
+        return got.fn
+
+    def _compile(self, module, inputs, options, mode):
+        from torch._dynamo.utils import counters
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+
+        t0, hits = time.perf_counter(), counters["inductor"]["fxgraph_cache_hit"]
+        # compile_fx rewrites the module it is given (its graph made to return a list, post-grad passes): give it a
+        # copy, since the piece belongs to a trace that other signatures run after this one
+        module = fx.GraphModule(module, copy.deepcopy(module.graph))
+        with (
+            tracing(TracingContext(mode)),
+            config.patch({**options, "post_grad_custom_post_pass": _residual_adds_out_of_gemms()}),
+        ):
+            fn = compile_fx(module, inputs)
+        loaded = counters["inductor"]["fxgraph_cache_hit"] > hits
+        self.counts["loaded" if loaded else "compiled"] += 1
+        self.counts["seconds"] += time.perf_counter() - t0
+        return fn
+
+
+compiler = Compiler()
+
+
+def piece_key(module: fx.GraphModule, inputs: list, options: dict) -> str:
+    """A piece's graph as text that two structurally equal pieces share: nodes numbered in order, each input's avals
+    (dtype, device, shape, strides) with symbols renamed by first appearance, the options; constants by value."""
+    names: dict = {}
+
+    def expr(x) -> str:
+        e = x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
+        if isinstance(e, sympy.Basic):
+            for s in sorted(e.free_symbols, key=str):
+                names.setdefault(s, sympy.Symbol(f"s{len(names)}"))
+            return str(e.xreplace(names))
+        return repr(e)
+
+    def aval(v) -> str:
+        if isinstance(v, (list, tuple)):
+            return "(" + ",".join(map(aval, v)) + ")"
+        if isinstance(v, torch.Tensor):
+            dims = ",".join(map(expr, v.shape))
+            strides = ",".join(map(expr, v.stride()))
+            return f"{v.dtype}@{v.device}[{dims}]/[{strides}]{'g' if v.requires_grad else ''}"
+        return expr(v) if v is not None else "-"
+
+    number = {n: i for i, n in enumerate(module.graph.nodes)}
+
+    def arg(a) -> str:
+        if isinstance(a, fx.Node):
+            return f"%{number[a]}"
+        if isinstance(a, (list, tuple)):
+            return "(" + ",".join(map(arg, a)) + ")"
+        if isinstance(a, dict):
+            return "{" + ",".join(f"{k}:{arg(v)}" for k, v in a.items()) + "}"
+        return expr(a) if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) else repr(a)
+
+    lines = [aval(v) for v in inputs]
+    for n in module.graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "get_attr":  # a constant made while tracing: part of the key by value
+            t = getattr(module, n.target)
+            small = isinstance(t, torch.Tensor) and t.numel() <= 64
+            lines.append(f"const {aval(t)} {t.tolist() if small else id(module)}")
+            continue
+        target = n.target if n.op in ("call_function", "output") else f"{n.op}:{id(module)}:{n.target}"
+        lines.append(f"{n.op} {target} {arg(n.args)} {arg(n.kwargs)} -> {aval(n.meta.get('val'))}")
+    lines.append(repr(sorted(options.items())))
+    return "\n".join(lines)
 
 
 def _residual_adds_out_of_gemms():

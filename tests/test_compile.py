@@ -1,0 +1,119 @@
+"""Inductor-compiled pieces (jit(compile=True)): one compilation per distinct piece, with the batch axis symbolic,
+shared by every bucket, both routines and every layer whose piece is the same graph; a second process loads it
+from Inductor's cache; a bucket where the compilation's assumptions fail gets its own; every call equals eager."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fgraph
+from examples import engine, llama
+from fgraph.ops import attention as A
+
+ROOT = pathlib.Path(__file__).parent.parent
+CFG = dict(llama.presets["tiny"], n_layers=3, dim=64, n_heads=2, n_kv_heads=1, head_dim=32, intermediate=96)
+
+
+def captured(buckets, tmp_path, monkeypatch, seed=0):
+    """An engine of the 3-layer tiny model with compiled pieces captured for `buckets`, both routines, on a fresh
+    Inductor cache; the model's own (eager) step; the config."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cfg = llama.LlamaConfig(**{**CFG, "vocab_size": CFG["vocab_size"] + seed})  # (another model per seed: fresh pieces)
+    params = llama.init_params(cfg, torch.float32, "cpu", seed=seed)
+    eng = engine.build(
+        cfg, params, backend="torch", mode="FULL", buckets=buckets, max_batch_tokens=max(buckets),
+        max_seqs=max(buckets), max_seq_len=32, page_size=4, compile=True, capture=True,
+    )  # fmt: skip
+    return eng, params, cfg
+
+
+def call(eng, step, params, n, routine):
+    """One step on n tokens (decode: n sequences of one; mixed: one prompt of n) over a fresh cache."""
+    ps, pages = eng.page_size, eng.max_pages
+    if routine == "decode":
+        meta = A.build_metadata([1] * n, [3] * n, [[1 + s] for s in range(n)], ps, pages)
+        positions = torch.full((n,), 2)
+    else:
+        meta = A.build_metadata([n], [n], [list(range(1, 1 + -(-n // ps)))], ps, pages)
+        positions = torch.arange(n)
+    batch = llama.Batch(tokens=torch.arange(n) % 50, positions=positions, meta=meta)
+    cache = A.KVCache.allocate(len(params.layers), 64, ps, eng.cache.k[0].shape[2], eng.cache.k[0].shape[3])
+    logits, _ = step(params, cache, batch, routine=routine)
+    return logits.clone()
+
+
+def compiled_fns(eng) -> dict:
+    """Per distinct compiled function: how its pieces were served (symbolic or static), by signature."""
+    out: dict = {}
+    for e in eng.step_fn.entries.values():
+        for c in e.compiled.values():
+            out.setdefault(id(c.fn), set()).add(c.how)
+    return out
+
+
+def test_one_compilation_per_distinct_piece_serves_every_bucket_routine_and_layer(tmp_path, monkeypatch):
+    eng, params, cfg = captured([2, 4, 8], tmp_path, monkeypatch)
+    entries = list(eng.step_fn.entries.values())
+    assert len(entries) == 6 and eng.step_fn.stats()["total"]["traces"] == 2  # 3 buckets x 2 routines, 2 traces
+    pieces = [p for p in entries[0].program.pieces if not p.is_break]
+    assert len(pieces) == cfg.n_layers + 1  # before the first attention, between layers, after the last
+    # the first piece, the middle piece every layer boundary shares, the last: three compilations for 24 uses
+    assert len(compiled_fns(eng)) == 3
+    assert all(hows == {"symbolic"} for hows in compiled_fns(eng).values())
+    eager = llama.make_step(cfg)
+    for routine in ("decode", "mixed"):
+        for n in (2, 3, 5, 8):  # buckets and sizes padded up to one
+            torch.testing.assert_close(
+                call(eng, eng.step_fn, params, n, routine), call(eng, eager, params, n, routine), rtol=1e-4, atol=1e-4
+            )
+
+
+def test_a_bucket_outside_the_compilations_assumptions_gets_its_own_and_the_trace_is_untouched(tmp_path, monkeypatch):
+    """Inductor may assume a symbolic size is >= 2 (or not some size): where that fails (bucket 1 here), the piece is
+    compiled for that bucket's static shapes. Its assumptions stay out of the trace's guards: one trace per routine
+    still serves bucket 1 (the compiled pieces check their own assumptions per signature)."""
+    eng, params, cfg = captured([1, 2, 4], tmp_path, monkeypatch, seed=1)
+    assert eng.step_fn.stats()["total"]["traces"] == 2
+    for e in eng.step_fn.entries.values():
+        for c in e.compiled.values():
+            assert c.how == "symbolic" or e.sig.bucket == 1
+    eager = llama.make_step(cfg)
+    for routine in ("decode", "mixed"):
+        for n in (1, 3):
+            torch.testing.assert_close(
+                call(eng, eng.step_fn, params, n, routine), call(eng, eager, params, n, routine), rtol=1e-4, atol=1e-4
+            )
+    assert "compiled: symbolic" in str(fgraph.explain(eng.step_fn))
+
+
+SCRIPT = """
+import json, torch
+from examples import engine, llama
+from fgraph.capture import compiler
+cfg = llama.LlamaConfig(**{cfg})
+params = llama.init_params(cfg, torch.float32, "cpu", seed=0)
+engine.build(cfg, params, backend="torch", mode="FULL", buckets=[2, 4], max_batch_tokens=4, max_seqs=4,
+             max_seq_len=32, page_size=4, compile=True, capture=True)
+print(json.dumps({{k: v for k, v in compiler.counts.items() if k != "seconds"}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_the_compiled_pieces_from_inductors_cache(tmp_path):
+    cfg = dict(CFG, vocab_size=CFG["vocab_size"] + 7)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    runs = []
+    for _ in range(2):
+        r = subprocess.run(
+            [sys.executable, "-c", SCRIPT.format(cfg=cfg)], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["compiled"] == 3 and first["loaded"] == 0  # first, middle and last piece
+    assert second["compiled"] == 0 and second["loaded"] == 3
+    assert first["shared"] == second["shared"] > 0  # every other use found the process's own compilation
