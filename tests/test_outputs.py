@@ -15,8 +15,12 @@ import attrs
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fgraph
+from fgraph import Batched
+from tests import toys
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
 
@@ -159,3 +163,117 @@ def test_a_lifted_tensor_returned_is_a_copy(mode):
         (p, y), n = fgraph.jit(m, donate=["self"], mode=mode)(torch.ones(3))
     torch.testing.assert_close(p, m.p.detach(), rtol=0, atol=0)
     assert torch.equal(y, torch.full((3,), 2.0)) and n["n"] is m.n and torch.equal(m.n, torch.ones(3))
+
+
+def rows_and_their_sum(x):
+    """Outputs whose memory repeats or overlaps: an expanded sum, a tensor and views of it, twice the same view."""
+    total = x.sum(0)
+    y = x * 2
+    return total.expand(3, *total.shape), total, (y, y[1:], y[:1].expand(4, -1)), [x[1:], x[1:]]
+
+
+@pytest.mark.parametrize("copy_outputs", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_whose_memory_repeats_or_overlaps_have_eagers_values(mode, copy_outputs):
+    """`x.sum(0).expand(3, 2)` (stride 0), outputs that are views of one tensor, and views of an input at an offset,
+    on every call (new values each time, padded or not): eager's values, never the caller's memory."""
+    j = fgraph.jit(
+        rows_and_their_sum, batch={"x": Batched(mixes=True)}, mode=mode, buckets=[4, 8], copy_outputs=copy_outputs
+    )
+    for k, n in enumerate([3, 4, 3, 6]):
+        x = torch.arange(n * 2.0).reshape(n, 2) * (k + 1)
+        got = j(x)
+        assert_same_values(got, eager(rows_and_their_sum, x))
+        for t in leaves(got[3]):
+            assert_copy(t, x)
+
+
+def spread_through_a_break(x):
+    """An expanded value that one graph piece hands to the next, across an eager break."""
+    e = x.sum(0).expand(4, -1)
+    o = torch.empty(4, x.shape[1])
+    toys.toy_scale(o, e.contiguous(), 0.5)
+    return o + e
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_expanded_value_between_graph_pieces_is_eagers(mode):
+    """A piece's output that is expanded (stride 0) is refreshed on every replay like any other: eager's values."""
+    j = fgraph.jit(spread_through_a_break, mode=mode)
+    for k in range(3):
+        x = torch.arange(6.0).reshape(3, 2) * (k + 1)
+        assert_same_values(j(x), eager(spread_through_a_break, x))
+
+
+# -- the property: random output pytrees ---------------------------------------------------------------------------
+# leaf kinds: what the function returns there, and whether the rule makes it the caller's own ("s") or a copy
+LEAVES = {
+    "x": lambda x, s, w, y: x,
+    "x offset": lambda x, s, w, y: x[1:, 1:3],
+    "x.T": lambda x, s, w, y: x.T,
+    "x expanded": lambda x, s, w, y: x[0].expand(3, -1),
+    "w": lambda x, s, w, y: w,
+    "w view": lambda x, s, w, y: w[1:],
+    "s": lambda x, s, w, y: s,
+    "s.add_": lambda x, s, w, y: s.add_(1),
+    "s view": lambda x, s, w, y: s[1:],
+    "s expanded": lambda x, s, w, y: s[0].expand(3, -1),
+    "new": lambda x, s, w, y: x * 2 + w,
+    "new expanded": lambda x, s, w, y: (x + w).sum(0).expand(3, -1),
+    "shared": lambda x, s, w, y: y,
+    "shared view": lambda x, s, w, y: y[1:],
+    "shared expanded": lambda x, s, w, y: y[:1].expand(2, -1),
+}
+RECORDS = {"NamedTuple": Pair, "dataclass": Rec, "attrs": Att}
+SEQUENCES = {"tuple": tuple, "list": list, "dict": lambda xs: {f"k{i}": v for i, v in enumerate(xs)}}
+
+trees = st.recursive(
+    st.sampled_from(sorted(LEAVES)).map(lambda k: ("leaf", k)),
+    lambda kids: st.one_of(
+        st.tuples(st.sampled_from(sorted(SEQUENCES)), st.lists(kids, min_size=1, max_size=3)),
+        st.tuples(st.sampled_from(sorted(RECORDS)), st.lists(kids, min_size=2, max_size=2)),
+    ),
+    max_leaves=6,
+)
+
+
+def program(spec):
+    w = torch.arange(8.0).reshape(2, 4) - 3.5  # a closure tensor: lifted, not donated
+
+    def build(node, x, s, y):
+        kind, what = node
+        if kind == "leaf":
+            return LEAVES[what](x, s, w, y)
+        kids = [build(k, x, s, y) for k in what]
+        return RECORDS[kind](*kids) if kind in RECORDS else SEQUENCES[kind](kids)
+
+    def f(x, s):
+        return build(spec, x, s, x * 3)
+
+    return f, w
+
+
+def kinds(spec):
+    kind, what = spec
+    return [what] if kind == "leaf" else [k for kid in what for k in kinds(kid)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=trees, mode=st.sampled_from(MODES), copy_outputs=st.booleans())
+def test_any_output_pytree_follows_the_one_rule(spec, mode, copy_outputs):
+    """Random output pytrees mixing inputs, a closure tensor, views of inputs, expanded, shared and new tensors, in
+    random containers: values equal eager's on a capturing call and on replays, and identity follows the rule:
+    donated state (`s`, `s.add_(1)`) is the caller's own tensor, every input, lifted tensor or view of one a copy."""
+    f, w = program(spec)
+    j = fgraph.jit(f, donate=["s"], mode=mode, copy_outputs=copy_outputs)
+    s, ref = torch.zeros(2, 4), torch.zeros(2, 4)
+    for k in range(3):
+        x = torch.arange(8.0).reshape(2, 4) * (k + 1)
+        got = j(x, s)
+        assert_same_values(got, eager(f, x, ref))
+        assert torch.equal(s, ref)
+        for kind, t in zip(kinds(spec), leaves(got)):
+            if kind in ("s", "s.add_"):
+                assert t is s, kind
+            elif kind.startswith(("x", "w")) or copy_outputs:
+                assert_copy(t, x, w, s)
