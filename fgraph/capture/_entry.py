@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from tqdm.auto import tqdm
 
 from .. import _primitives as P
@@ -294,9 +293,7 @@ class PieceRunner(torch.nn.Module):
             if self.out is None:
                 self.out = out
             else:
-                for old, new in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(out)):
-                    if isinstance(old, torch.Tensor) and old is not new:
-                        old.copy_(new)
+                G.refill(self.out, out)
             return self.out
         if self.graph is None:
             self.graph = self._Graph(self._pool)

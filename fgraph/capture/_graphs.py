@@ -128,11 +128,24 @@ class HostGraph:
         return self.out
 
     def replay(self) -> Any:
-        new = self.fn(*self.args)
-        for old, fresh in zip(pytree.tree_leaves(self.out), pytree.tree_leaves(new)):
-            if isinstance(old, torch.Tensor) and old is not fresh:
-                old.copy_(fresh)
+        refill(self.out, self.fn(*self.args))
         return self.out
+
+
+def refill(recorded, fresh) -> None:
+    """Write a run's fresh outputs into the recorded ones, as a graph replay does: same memory, this run's values.
+
+    An output whose elements repeat in memory (`x.sum(0).expand(3, 2)`: stride 0 along a dim, which copy_ refuses
+    to write) is written through one slice along each such dim, its memory once; outputs that are views of one
+    another are written each with the same values; one that is the fresh one's very memory (a donated input's,
+    written by the program itself) copy_ leaves as it is."""
+    for old, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
+        if not isinstance(old, torch.Tensor) or old is new:
+            continue
+        repeated = [d for d in range(old.dim()) if old.stride(d) == 0 and old.shape[d] > 1]
+        for d in repeated:
+            old, new = old.narrow(d, 0, 1), new.narrow(d, 0, 1)
+        old.copy_(new)
 
 
 def graph_class(device: str):

@@ -35,6 +35,7 @@ class Traced:
         self.address_ix = [i for i in tensor_ix if call.specs[i] is None]
         self.out_spec, self.out_args = None, {}
         consts = list(call.leaves)
+        donated = [k for k in jitted.options.donate if k in call.bound]  # arguments (lifted state is not bound)
 
         def flat_fn(*tensors):
             leaves = list(consts)
@@ -45,9 +46,11 @@ class Traced:
             out = invoke(jitted, dyn, call.statics)
             out_leaves, self.out_spec = tree_flatten(out)
             padding.refuse_opaque_outputs(fname, out, out_leaves)
-            if isinstance(out, tuple):  # `return logits, state`: hand the caller's own `state` back (no unflattening
-                # per call) if it holds what was passed; one the function stored into (state["h"] = h) is traced
-                held = {k: name for k, o in enumerate(out) for name, v in dyn.items() if o is v}
+            if type(out) is tuple or pytree.is_namedtuple_instance(out):
+                # `return logits, state`: hand the caller's own donated `state` back (no unflattening per call) if it
+                # holds what was passed; one the function stored into (state["h"] = h) is traced. Only donated
+                # arguments: any other input returned, lifted tensors included, is a value the program copies
+                held = {k: name for k, o in enumerate(out) for name in donated if o is dyn[name]}
                 self.out_args = {k: name for k, name in held.items() if holds(out[k], *passed[name])}
                 if self.out_args:
                     self.out_recipe, self.out_spec = _fold_arguments(out, self.out_args)
@@ -190,7 +193,8 @@ def _fold_arguments(out: tuple, out_args: dict[int, str]):
         n = len(pytree.tree_leaves(o))
         recipe.extend([out_args[k]] if k in out_args else range(base, base + n))
         base += n
-    return recipe, pytree.tree_flatten(tuple(None if k in out_args else o for k, o in enumerate(out)))[1]
+    items = [None if k in out_args else o for k, o in enumerate(out)]
+    return recipe, pytree.tree_flatten(type(out)(*items) if type(out) is not tuple else tuple(items))[1]
 
 
 def _direct(module: fx.GraphModule) -> fx.GraphModule:
