@@ -7,6 +7,7 @@ primitives plug in through `fgraph.extend`, and fgraph's own live in `fgraph.ops
 
 from ._config import config as config
 from ._errors import CaptureError as CaptureError
+from ._errors import EscapeError as EscapeError
 from ._errors import FgraphError as FgraphError
 from ._errors import SignatureError as SignatureError
 from ._errors import TraceError as TraceError

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._config import config
-from ._errors import CaptureError, FgraphError, SignatureError
+from ._errors import CaptureError, EscapeError, FgraphError, SignatureError
 from ._fastpath import FastPath
 from ._modes import Mode
 from ._pytree import check_static_fields
@@ -85,11 +85,18 @@ class Cache:
                 return None
             if isinstance(e, FgraphError) or not isinstance(e, Exception):
                 raise
+            what = f"the warm-up or capture of signature {call.sig.describe()} failed: {type(e).__name__}: {e}"
+            if _fake_in(e):  # a value that escaped a trace, read where the trace could not see it: not eager's error
+                raise EscapeError(
+                    f"fgraph.jit({self.jitted.name}): {what}; a fake tensor (a value that escaped a trace, no data) "
+                    "reached it",
+                    "return values from jitted functions instead of storing them outside (jitted functions are pure); "
+                    "the signature was dropped and the next call tries again",
+                ) from e
             raise CaptureError(
-                f"fgraph.jit({self.jitted.name}): the warm-up or capture of signature {call.sig.describe()} failed: "
-                f"{type(e).__name__}: {e}",
-                "the eager function fails the same way on these inputs (fgraph.disable_jit() to see it there); the "
-                "signature was dropped and the next call tries again",
+                f"fgraph.jit({self.jitted.name}): {what}",
+                "run the function eagerly on these inputs to debug (fgraph.disable_jit()), where a failure of its "
+                "own shows; the signature was dropped and the next call tries again",
             ) from e
 
     def _new_entry(self, call: Call) -> Entry:
@@ -231,6 +238,17 @@ class Cache:
     def stats(self) -> dict[str, dict]:
         """Counters per signature, keyed by its description (plus the leaves that tell apart ones described alike)."""
         return {k: e.stats.as_dict() for k, e in stats_keys(self.entries.values())}
+
+
+def _fake_in(e: BaseException) -> bool:
+    """Whether an exception (or one in its chain) is about a fake tensor: its message names one."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if "FakeTensor" in str(e) or "fake tensor" in str(e).lower():
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class _Held:

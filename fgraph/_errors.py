@@ -25,3 +25,8 @@ class SignatureError(FgraphError):
 
 class CaptureError(FgraphError):
     """A configuration that cannot be captured (e.g. a NEVER-capturable primitive kept inside a graph)."""
+
+
+class EscapeError(TraceError):
+    """A value made while tracing left the trace (stored in a global, closure, attribute, hook or logger), or such
+    a value was later used (jax.jit's UnexpectedTracerError)."""

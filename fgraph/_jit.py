@@ -16,6 +16,7 @@ from typing import overload
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from tqdm.auto import tqdm
 
 from . import _options
@@ -118,7 +119,12 @@ class Jitted(T.Inlined):
             hit = self.fastpath.find(args, kwargs) if self._plain else None
             if hit is None:
                 return self._slow_call(args, kwargs)
-            out = hit.entry.run(hit.leaves, hit.n, hit.bound, self.options.copy_outputs)
+            try:
+                out = hit.entry.run(hit.leaves, hit.n, hit.bound, self.options.copy_outputs)
+            except Exception:
+                if any(isinstance(x, FakeTensor) for x in hit.leaves):  # a value that escaped a trace: the slow
+                    self.bind(args, kwargs)  # path's EscapeError names it (the replay path does not look per call)
+                raise
             hit.entry.verified = hit.held
             return out
 

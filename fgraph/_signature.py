@@ -20,8 +20,9 @@ import attrs
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
-from ._errors import SignatureError
+from ._errors import EscapeError, SignatureError
 
 
 @attrs.frozen
@@ -295,6 +296,15 @@ def check_leaves(fname: str, flat: list) -> None:
     which are keyed by value, so hashable."""
     for p, x in flat:
         if isinstance(x, torch.Tensor):
+            if isinstance(x, FakeTensor):  # the first use of a value that escaped a trace
+                raise EscapeError(
+                    f"fgraph.jit({fname}): {path_str(p)} is a fake tensor (shape {list(x.shape)}, "
+                    f"{str(x.dtype).removeprefix('torch.')}, no data): a value that escaped an earlier trace, stored "
+                    "outside the jitted function that made it",
+                    "return the value from the jitted function that made it and pass it in (jitted functions are "
+                    "pure, as under jax.jit); that function's trace raises EscapeError naming where it stored the "
+                    "value, where its scan reaches it",
+                )
             if x.layout is not torch.strided:
                 raise SignatureError(
                     f"fgraph.jit({fname}): {path_str(p)} is a {str(x.layout).removeprefix('torch.')} tensor; fgraph "

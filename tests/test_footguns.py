@@ -3,7 +3,8 @@
 SILENT MISMATCHES (wrong results, no error):
   outputs_overwritten_with_copy_outputs_off  MED  copy_outputs=False (the engine's opt-in): valid until the next call
   python_constants_frozen_at_trace       HARD  inherent to tracing: closures and globals are read once
-  python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only
+  python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only (appending
+                                               a traced value is an EscapeError: tests/test_semantics.py)
   values_stored_into_an_argument         HARD  `state["h"] = h + 1` stores into the trace's own dict: the caller's
                                                keeps its old value (the returned dict has the new one)
   storage_swapped_under_a_tensor         HARD  `t.data = u` / `t.set_(u)` / `t.t_()` / `t.requires_grad_()` on a
@@ -39,7 +40,9 @@ ERRORS RAISED (at least the user knows):
                                                too, so a seeded run differs from eager; logged once with the line,
                                                listed by explain. Draw the noise outside and pass it in
 FIXED (pinned so they stay fixed; the full specs: tests/test_semantics.py, test_capture_state.py, test_padding.py):
-  new tensors, replaced containers, grown lists, changed static fields, threads, interrupted captures, kept outputs
+  new tensors, replaced containers, grown lists, changed static fields, threads, interrupted captures, kept outputs,
+  wrappers of jitted functions jitted again (functools.wraps, partial, torch.func.grad/vmap, jit of jit, methods),
+  traced values stored outside the function (EscapeError at the end of the trace and at first use, not fakes)
   warmup_and_capture_leave_no_trace            donated state written by warm-up and capture is put back;
                                                jit(scratch=[...]) skips the copy for state whose padded rows
                                                write only a scratch area (the KV cache's page 0)

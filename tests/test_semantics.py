@@ -10,6 +10,7 @@ Outputs are copies by default. Retraces are bounded and loud. stats() counts eve
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -920,3 +921,244 @@ def test_random_calls_of_records_scalars_and_loose_tensors_equal_eager():
             assert got.ids.dtype == want.ids.dtype and torch.equal(got.ids, want.ids), (n, s)
 
     run()
+
+
+# -- wrappers of jitted functions (issue #32, 1): a function that wraps a jitted one runs the wrapper, not the inner
+# jitted function. Eager's answer under fgraph.disable_jit() is the oracle.
+
+SCALE = torch.tensor(2.0)  # a global tensor the inner functions read: lifted through every wrapper
+
+
+def squared(x):
+    return x * x * SCALE
+
+
+def eager(f, *args):
+    with fgraph.disable_jit():
+        return f(*args)
+
+
+def twice_of(inner):
+    @functools.wraps(inner)
+    def twice(x):
+        return inner(x) * 2
+
+    return twice
+
+
+class Scaler:
+    def __init__(self):
+        self.w = torch.tensor(3.0)
+
+    @fgraph.jit
+    def jitted(self, x):
+        return x * self.w
+
+    def plain(self, x):
+        return self.jitted(x) + 1
+
+
+WRAPPERS = {
+    "torch.func.grad": lambda jf: torch.func.grad(jf),
+    "torch.func.vmap": lambda jf: torch.func.vmap(jf),
+    "grad of vmap": lambda jf: torch.func.grad(lambda x: torch.func.vmap(jf)(x).sum()),
+    "functools.wraps": twice_of,
+    "a __wrapped__ chain": lambda jf: twice_of(twice_of(jf)),
+    "jit of jit": lambda jf: fgraph.jit(jf),
+    "functools.partial": lambda jf: functools.partial(lambda f, x: f(x) - 1, jf),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_jitted_wrapper_of_a_jitted_function_gives_the_wrappers_answer(mode, wrapper):
+    """functools.update_wrapper copies the wrapped object's __dict__: a jitted function's own fields (fn, options,
+    cache) must not become the wrapper's, and what the inner function reads is read through the wrapper."""
+    x = torch.tensor([3.0]) if "vmap" in wrapper else torch.tensor(3.0)
+    outer = WRAPPERS[wrapper](fgraph.jit(squared, mode=mode))
+    want = eager(outer, x)
+    assert torch.allclose(fgraph.jit(outer, mode=mode)(x), want)
+    assert torch.allclose(fgraph.jit(outer, mode=mode)(x), eager(WRAPPERS[wrapper](squared), x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_user_attribute_on_the_function_is_not_a_jit_field(mode):
+    def double(x):
+        return x * 2
+
+    double.fn = lambda x: x  # a user's own attribute, named like a Jitted field
+    jf = fgraph.jit(double, mode=mode)
+    assert jf(torch.tensor(3.0)).item() == 6.0
+    assert fgraph.jit(twice_of(jf), mode=mode)(torch.tensor(3.0)).item() == 12.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_jitted_methods_jitted_again_read_their_instance(mode):
+    s, x = Scaler(), torch.tensor(2.0)
+    assert fgraph.jit(s.jitted, mode=mode)(x).item() == eager(s.jitted, x).item() == 6.0
+    assert fgraph.jit(s.plain, mode=mode)(x).item() == eager(s.plain, x).item() == 7.0
+    s.w = torch.tensor(5.0)  # a new tensor in the instance: read per call, through the inner jitted method
+    assert fgraph.jit(s.plain, mode=mode)(x).item() == 11.0
+
+
+# -- values that escape a trace (issue #32, 2): a value made while tracing is a fake tensor (no data). Stored outside
+# the function, it is an EscapeError at the end of the trace that let it out (the signature is dropped: the next
+# call tries again), and at the first jitted call that reads it; jax.jit's UnexpectedTracerError.
+
+_SAVED: dict = {}
+
+
+def save_global(x):
+    _SAVED["t"] = x * 3
+    return x * 2
+
+
+class Recorder:
+    """A plain object passed as an argument (a leaf: the caller's own object reaches the function)."""
+
+    def __init__(self):
+        self.last = None
+
+
+class Keep(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def emit(self, record):
+        self.kept.append(record)  # the record, with its args: no formatting
+
+
+_ESC_LOG = logging.getLogger("tests.escapes")
+
+
+def escape_routes():
+    """name -> (make() -> (function to jit, args), where the error names the value)."""
+
+    def global_dict():
+        _SAVED.clear()
+        return save_global, (torch.ones(2),)
+
+    def cell():
+        box = None
+
+        def f(x):
+            nonlocal box
+            box = x * 3
+            return x * 2
+
+        return f, (torch.ones(2),)
+
+    def attribute_of_an_argument():
+        def f(x, rec):
+            rec.last = x * 3
+            return x * 2
+
+        return f, (torch.ones(2), Recorder())
+
+    def module_attribute():
+        class Acts(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin, self.acts = torch.nn.Linear(2, 2), []
+
+            def forward(self, x):
+                h = self.lin(x)
+                self.acts.append(h)
+                return h * 2
+
+        return Acts(), (torch.ones(1, 2),)
+
+    def forward_hook():
+        m, acts = torch.nn.Sequential(torch.nn.Linear(2, 2)), []
+        m[0].register_forward_hook(lambda mod, args, out: acts.append(out))
+        return m, (torch.ones(1, 2),)
+
+    def logger():  # a handler that keeps its records (logging.handlers.MemoryHandler does too), nothing else
+        _ESC_LOG.handlers, _ESC_LOG.propagate = [Keep()], False
+        _ESC_LOG.setLevel(logging.DEBUG)
+
+        def f(x):
+            y = x * 3
+            _ESC_LOG.debug("y is %s", y)
+            return y * 2
+
+        return f, (torch.ones(2),)
+
+    return {
+        "a dict in a global": (global_dict, r"into _SAVED\['t'\];"),
+        "a closure cell": (cell, r"into box;"),
+        "an attribute of an argument": (attribute_of_an_argument, r"into rec\.last;"),
+        "a module attribute": (module_attribute, r"into self\.acts\[\d\];"),
+        "a forward hook": (forward_hook, r"into acts\[\d\] \(reached through a forward hook of self\.0\)"),
+        "a logger": (logger, r"into _ESC_LOG\.handlers\[0\]\.kept\[\d\]\.args\[0\]"),
+    }
+
+
+ROUTES = escape_routes()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_a_value_that_escapes_the_trace_is_an_error_naming_where_it_went(mode, route):
+    make, where = ROUTES[route]
+    fn, args = make()
+    j = fgraph.jit(fn, mode=mode)
+    for _ in range(2):  # nothing half made stays: the next call traces again, and fails the same way
+        with pytest.raises(fgraph.EscapeError, match=where + r".*fake tensor \(shape \[(1, )?2\], float32, no data\)"):
+            j(*args)
+        assert not j.entries
+    with fgraph.disable_jit():  # eager stores real values, as it should
+        assert not isinstance(fn(*args), torch._subclasses.FakeTensor)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_escape_error_names_the_line_that_made_the_value_and_the_fix(mode):
+    _SAVED.clear()
+    with pytest.raises(fgraph.EscapeError) as e:
+        fgraph.jit(save_global, mode=mode)(torch.ones(2))
+    line = save_global.__code__.co_firstlineno + 1
+    assert f"made while tracing at tests/test_semantics.py:{line} escaped the trace into _SAVED['t']" in str(e.value)
+    assert "Fix: return the value from the jitted function instead" in str(e.value)
+    assert isinstance(e.value, fgraph.TraceError) and str(e.value).endswith("docs/errors.md#escapeerror")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_first_use_of_an_escaped_value_is_an_escape_error(mode):
+    """Another jitted function that reads an escaped value (lifted from a global, passed as an argument, on the
+    replay path too) says so; it is not a capture failure 'the eager function fails the same way'."""
+    _SAVED.clear()
+    with pytest.raises(fgraph.EscapeError):
+        fgraph.jit(save_global, mode=mode)(torch.ones(2))
+    fake = _SAVED["t"]
+    assert isinstance(fake, torch._subclasses.FakeTensor)
+    with pytest.raises(fgraph.EscapeError, match=r"_SAVED\['t'\] is a fake tensor .*escaped an earlier trace"):
+        fgraph.jit(lambda x: x + _SAVED["t"], mode=mode)(torch.ones(2))
+    box = (fake,)  # a tuple: not lifted, read while tracing
+    with pytest.raises(fgraph.EscapeError, match=r"is a fake tensor \(no data\): a value that escaped"):
+        fgraph.jit(lambda x: x + box[0], mode=mode)(torch.ones(2))
+    add = fgraph.jit(lambda x, y: x + y, batch={"x": Batched(), "y": Batched()}, mode=mode, buckets=[4])
+    add(torch.ones(2), torch.ones(2)), add(torch.ones(2), torch.ones(2))  # the replay path knows this layout
+    with pytest.raises(fgraph.EscapeError, match=r"y is a fake tensor"):
+        add(torch.ones(2), fake)
+    _SAVED.clear()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_function_that_keeps_what_is_not_traced_pays_nothing(mode):
+    """Python values, shapes and real tensors stored outside are not escapes; a container argument stored into is
+    the trace's own copy (tests/test_footguns.py), not an escape either."""
+    shapes, m = [], torch.nn.Sequential(torch.nn.Linear(2, 2))
+    m[0].register_forward_hook(lambda mod, args, out: shapes.append(tuple(out.shape)))
+    keep = {"w": torch.ones(2)}
+
+    def f(x, state):
+        keep["n"] = x.shape[0]
+        state["h"] = state["h"] + 1
+        return m(x) * keep["w"], state
+
+    j, state = fgraph.jit(f, mode=mode), {"h": torch.zeros(2)}
+    got, _ = j(torch.ones(1, 2), state)
+    with torch.no_grad():
+        assert torch.equal(got, eager(f, torch.ones(1, 2), {"h": torch.zeros(2)})[0])
+    assert shapes[0] == (1, 2) and keep["n"] == 1 and state["h"].tolist() == [0.0, 0.0]

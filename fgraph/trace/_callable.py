@@ -20,6 +20,7 @@ import types
 import torch
 import torch.utils._pytree as pytree
 from torch._C import _functorch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._errors import FgraphError, SignatureError
@@ -87,8 +88,16 @@ class Lifted:
             for i, a in enumerate(fn.args):
                 self._value(names[i] if i < len(names) else f"args[{i}]", a, "parg", fn, i, 1)
             self._callable(fn.func)
+        elif isinstance(fn, Inlined):  # a jitted function jitted again (a jitted method's too): what it reads
+            if id(fn) not in self._seen:
+                self._seen.add(id(fn))
+                self._callable(fn.fn)
+        elif not user_code(fn) and getattr(fn, "__wrapped__", None) is not None and id(fn) not in self._seen:
+            # a library's wrapper (torch.func.grad, vmap, functools.wraps): what the wrapped callable reads
+            self._seen.add(id(fn))
+            self._callable(fn.__wrapped__)
         else:
-            self._function(getattr(fn, "__wrapped__", fn) if not user_code(fn) else fn, 0)
+            self._function(fn, 0)
 
     def __bool__(self):
         return bool(self.modules or self.slots)
@@ -198,7 +207,7 @@ class Lifted:
                 if name in values and self.names.get(name, (None,))[0] == i:
                     old = _read(kind, holder, key)
                     _write(kind, holder, key, values[name])
-                    stack.callback(_write, kind, holder, key, old)
+                    stack.callback(_restore, kind, holder, key, values[name], old)
             yield
 
 
@@ -212,6 +221,15 @@ def _read(kind, holder, key):
     if kind == "parg":
         return holder.args[key]
     return getattr(holder, key, None)
+
+
+def _restore(kind, holder, key, installed, old):
+    """Put a lifted slot's value back, unless the function stored a fake tensor of its own there.
+
+    That one is a value escaping the trace, left for the escape check to find where it was stored."""
+    now = _read(kind, holder, key)
+    if now is installed or not isinstance(now, FakeTensor):
+        _write(kind, holder, key, old)
 
 
 def _write(kind, holder, key, v):

@@ -15,9 +15,10 @@ import types
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _fx
-from .._errors import TraceError
+from .._errors import EscapeError, TraceError
 
 _NOISY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.recording")
 
@@ -62,6 +63,7 @@ class Names:
         self.inputs: dict[int, str] = {}  # id(traced input tensor) -> key path
         self.symbols: dict[str, list[str]] = {}  # "s26" -> key paths of the leaves whose batch axis it is
         self.keep: list = []  # the inputs themselves (ids stay valid while they live)
+        self.mode = None  # the trace's fake mode
 
     def symbol(self, expr, path: str) -> None:
         self.symbols.setdefault(str(expr), []).append(path)
@@ -150,6 +152,19 @@ def translate(fname: str, e: Exception, names: Names) -> TraceError:
             f"pass {who if who != 'a tensor' else 'it'} as an argument (arguments are read in place, not copied); "
             "fgraph lifts the tensors held by closures, globals, modules, dicts and lists, not those inside other "
             "containers (tuples, objects)",
+        )
+    fakes = [
+        x
+        for x in (pytree.tree_leaves((op[1], op[2])) if op else [])
+        if isinstance(x, FakeTensor) and names.mode is not None and x.fake_mode is not names.mode
+    ]
+    if fakes or "Mixing fake modes" in msg:  # a value that escaped another trace, read where fgraph does not lift
+        who = (_name_of(fakes[0], e) if fakes else None) or "a tensor"
+        return EscapeError(
+            f"fgraph.jit({fname}): {who} read at {line} is a fake tensor (no data): a value that escaped an earlier "
+            "trace, stored outside the jitted function that made it",
+            "return the value from the jitted function that made it and pass it in (jitted functions are pure, as "
+            "under jax.jit)",
         )
     involved = ""
     if op:

@@ -24,6 +24,7 @@ from .. import _fx
 from .._errors import FgraphError, TraceError
 from .._state import root_of
 from . import _errors as E
+from . import _escapes
 
 
 def user_line(skip_ops: bool = True) -> str:
@@ -189,12 +190,14 @@ def trace(
     example: list[torch.Tensor],
     batch_axes: list[tuple[int, int] | None],
     paths: list[str] | None = None,
+    reach: tuple[Any, dict] | None = None,
 ) -> tuple[fx.GraphModule, Shapes | None]:
     """make_fx over fake tensors: nothing runs and donated state is not touched.
 
     The batch axes are traced as symbols (every other dim static), so the program serves every bucket whose size
-    satisfies its guards. paths: each input's key path, for errors. gm.meta["grad_mode"]: the grad mode the function
-    read, else None."""
+    satisfies its guards. paths: each input's key path, for errors. reach: (the traced callable, the caller's own
+    arguments by name): where a value made while tracing must not be left (EscapeError, fgraph/trace/_escapes.py).
+    gm.meta["grad_mode"]: the grad mode the function read, else None."""
     shapes, names = None, E.Names()
     paths = paths or [f"input {i}" for i in range(len(example))]
     # one tensor passed for two leaves (tied weights) is two inputs: fake tensors are made once per tensor object,
@@ -204,6 +207,7 @@ def trace(
     example = [t if firsts[id(t)] == i else t.detach() for i, t in enumerate(example)]
 
     def named_fn(*tensors):
+        names.mode = torch._guards.detect_fake_mode(tensors)  # this trace's fakes: those that must not escape it
         names.inputs.update({id(t): p for t, p in zip(tensors, paths)})
         names.keep.extend(tensors)
         return flat_fn(*tensors)
@@ -251,6 +255,8 @@ def trace(
         raise E.translate(fname, e, names) from e
     finally:
         tracing.depth -= 1
+    if reach is not None:
+        _escapes.check(fname, *reach, names.mode, gm)
     gm.meta["grad_mode"] = grad_mode[0]
     for node in gm.graph.nodes:
         val = node.meta.get("val")

@@ -71,7 +71,8 @@ class Traced:
             (call.specs[i].axis, call.specs[i].extra) if symbolic and call.specs[i] is not None else None
             for i in tensor_ix
         ]
-        gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix])
+        reach = (jitted.fn, call.bound)  # where a traced value must not be left: its reach, the caller's args
+        gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix], reach)
         self.gm = gm  # the whole program, unsplit (Jitted.lower)
         self.grad_mode = gm.meta["grad_mode"]  # the grad mode the function branched on, else None (serves both)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
