@@ -28,7 +28,7 @@ from ._fastpath import FastPath
 from ._lower import lower
 from ._pytree import flatten_with_paths
 from ._signature import Call, Signature, batch_specs, bucket_for, check_leaves, device_of, leaf_of, pad_count
-from .capture import Entry, Stats, capture_session
+from .capture import Entry, Stats, capture_session, compiler
 from .padding import check_aliases, check_lengths
 
 log = logging.getLogger("fgraph")
@@ -227,6 +227,7 @@ class Jitted(T.Inlined):
         """
         choices, rest, todo = _options.capture_plan(self, args, kwargs, buckets)
         t0, n0, graphs, device = time.perf_counter(), len(self.cache.entries), 0, None
+        compiled0 = dict(compiler.counts)
         with contextlib.ExitStack() as stack:
             for combo in itertools.product(*choices.values()) if choices else [()]:
                 statics = dict(zip(choices, combo))
@@ -253,11 +254,21 @@ class Jitted(T.Inlined):
         if progress:
             print(
                 f"fgraph: captured {graphs} graphs for {len(self.cache.entries) - n0} signatures of {self.name} in "
-                f"{secs:.1f} s, {gib:.2f} GiB",
+                f"{secs:.1f} s, {gib:.2f} GiB" + self._compile_summary(compiled0),
                 file=sys.stderr,
                 flush=True,
             )
         return self
+
+    def _compile_summary(self, before: dict) -> str:
+        """What Inductor did during a capture: pieces compiled, loaded from its cache, found in this process."""
+        if self.options.compile is None:
+            return ""
+        d = {k: compiler.counts[k] - before[k] for k in before}
+        return (
+            f"; Inductor: {d['compiled']} pieces compiled, {d['loaded']} loaded from its cache ({d['static']} of them "
+            f"for one bucket's own shapes), {d['shared']} shared, in {d['seconds']:.1f} s"
+        )
 
     # -- introspection ---------------------------------------------------------------------------------------
     lower = lower  # jax.jit(f).lower(*args): this call's signature traced, .as_text() its program

@@ -128,6 +128,8 @@ class Compiler:
 
     def __init__(self):
         self.shared: dict[str, Shared] = {}
+        # compiled / loaded: compile_fx calls Inductor ran / served from its FX-graph cache (static: those made for
+        # one bucket's own shapes); shared: pieces served by a compilation this process already had
         self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "seconds": 0.0}
 
     def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:
