@@ -62,8 +62,9 @@ class Engine:
     seed: the seed of requests added without one (mixed with the request's id).
     capture: capture every bucket of both routines up front (default: on CUDA, unless mode is NONE/eager).
     overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
-    compile: Inductor-compiled pieces (fgraph.jit's compile=): the FULL+C step the benchmarks measure. Each
-      signature compiles its pieces at capture, so capture takes longer: pass fewer buckets with it.
+    compile: Inductor-compiled pieces (fgraph.jit's compile=): the FULL+C step the benchmarks measure. Default: on
+      CUDA, unless mode is NONE/eager (one compilation per distinct piece, shared by buckets, routines and layers,
+      and loaded from Inductor's cache by a later process); False: graphs of eager's own kernels, bit for bit.
     """
 
     overlap_supported = True  # (EPEngine steps through its own agreement: it turns this off)
@@ -84,7 +85,7 @@ class Engine:
         seed: int = 0,
         capture: bool | None = None,
         overlap: bool = True,
-        compile: bool | dict = False,
+        compile: bool | dict | None = None,
     ):
         num_pages, self.page_size = cache.k[0].shape[0], cache.k[0].shape[1]
         max_seqs = request.integer(max_seqs, "max_seqs", 1)  # (0 admitted nothing: run() returned, all waiting)
@@ -115,6 +116,8 @@ class Engine:
         self.spec = llama.Batch(
             tokens=fgraph.Batched(pad=0), positions=fgraph.Batched(pad=0), meta=A.metadata_batching()
         )
+        if compile is None:
+            compile = self.device.type == "cuda" and mode not in ("NONE", "eager")
         if mode == "eager":
             self.step_fn = step_fn
         else:

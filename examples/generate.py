@@ -124,8 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="compile the graph pieces with Inductor before capture (fgraph.jit(compile=True)); slower capture",
+        action=argparse.BooleanOptionalAction,
+        help="compile the graph pieces with Inductor before capture (fgraph.jit(compile=True)); default: on CUDA "
+        "unless --mode is NONE or EAGER; --no-compile: graphs of eager's own kernels",
     )
     p.add_argument("--device", type=_device, help="default: cuda when available, else cpu")
     p.add_argument(
