@@ -5,7 +5,11 @@ breaks untouched), and the jit(compile=...) options that configure it."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable
 
@@ -106,8 +110,8 @@ class Shared:
                     if bound.setdefault(e, n) != n:
                         return False
         for sym, n in bound.items():
-            r = self.ranges.get(sym)
-            if r is not None and not (r.lower <= n <= r.upper):
+            lo, hi = self.ranges.get(sym, (None, None))
+            if (lo is not None and n < lo) or (hi is not None and n > hi):
                 return False
         try:
             ok = all(bool(g.xreplace(bound)) is True for g in self.guards)
@@ -135,7 +139,7 @@ class Compiler:
     def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:
         """The piece compiled for its traced (symbolic) input avals, compiled now or found."""
         inputs = [n.meta.get("val") for n in module.graph.nodes if n.op == "placeholder"]
-        key = piece_key(module, inputs, options)
+        key, names = piece_key(module, inputs, options)
         got = self.shared.get(key)
         if got is not None:
             self.counts["shared"] += 1
@@ -145,23 +149,55 @@ class Compiler:
             mode = FakeTensorMode(shape_env=ShapeEnv())
             with mode:
                 inputs = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v for v in inputs]
+        fn, assumed, ranges = self._assumed(module, inputs, options, mode, key, names)
+        got = self.shared[key] = Shared(fn, inputs, assumed, ranges)
+        return got
+
+    def _assumed(self, module, inputs, options, mode, key: str, names: dict):
+        """(fn, guards, ranges): the compilation and what it assumes of the symbols.
+
+        Inductor records its assumptions (guards, narrower ranges, replacements) in the trace's shape env: they are
+        kept for holds_for and taken back out of the env, whose guards decide which buckets the trace itself serves
+        (Shapes.fits). A compilation loaded from Inductor's FX-graph cache records none, so they are also written
+        beside it (by the piece's key) when it is made and read back when it is loaded; a load without them is
+        compiled again, with the cache off, to learn them."""
         env = mode.shape_env
-        # Inductor records what it assumes of the symbols (guards, narrower ranges, replacements) in the trace's
-        # shape env: kept here for holds_for, and taken back out of the env, whose guards decide which buckets the
-        # trace itself serves (Shapes.fits)
         guards, ranges, replacements = list(env.guards), dict(env.var_to_range), dict(env.replacements)
+        loaded0 = self.counts["loaded"]
         try:
             fn = self._compile(module, inputs, options, mode)
             assumed = [g.expr for g in env.guards[len(guards) :]]
             assumed += [sympy.Eq(k, v) for k, v in env.replacements.items() if k not in replacements]
-            got = self.shared[key] = Shared(fn, inputs, assumed, dict(env.var_to_range))
+            now = {s: (_bound(r.lower), _bound(r.upper)) for s, r in env.var_to_range.items() if s in names}
         finally:
             env.guards[:] = guards
             env.var_to_range.clear()
             env.var_to_range.update(ranges)
             env.replacements.clear()
             env.replacements.update(replacements)
-        return got
+        path = _assumptions_path(key)
+        if self.counts["loaded"] == loaded0:  # compiled here: what it assumed goes beside the cached compilation
+            canon = {s: names[s] for s in names}
+            record = {
+                "guards": [str(g.xreplace(canon)) for g in assumed],
+                "ranges": {str(canon[s]): [lo, hi] for s, (lo, hi) in now.items()},
+            }
+            with contextlib.suppress(OSError):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w") as fh:
+                    json.dump(record, fh)
+            return fn, assumed, now
+        try:
+            with open(path) as fh:
+                record = json.load(fh)
+        except (OSError, ValueError):  # loaded, but its assumptions are unknown: learn them from a compilation
+            with config_patch({"fx_graph_cache": False}):
+                return self._assumed(module, inputs, options, mode, key, names)
+        back = {c: s for s, c in names.items()}
+        local = {str(c): c for c in back}
+        assumed = [sympy.sympify(g, locals=local).xreplace(back) for g in record["guards"]]
+        now = {back[local[c]]: (lo, hi) for c, (lo, hi) in record["ranges"].items()}
+        return fn, assumed, now
 
     def static(self, module: fx.GraphModule, options: dict, args) -> Callable:
         """The piece compiled for these arguments' own static shapes (where the symbolic compilation's assumptions
@@ -169,7 +205,7 @@ class Compiler:
         mode = FakeTensorMode(shape_env=ShapeEnv())
         with mode:
             inputs = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
-        key = piece_key(module, inputs, options)  # the key of a static trace's piece of these avals too
+        key, _ = piece_key(module, inputs, options)  # the key of a static trace's piece of these avals too
         got = self.shared.get(key)
         if got is None:
             self.counts["static"] += 1
@@ -199,7 +235,25 @@ class Compiler:
 compiler = Compiler()
 
 
-def piece_key(module: fx.GraphModule, inputs: list, options: dict) -> str:
+def _bound(x) -> int | None:
+    """A range's bound as an int, None where it is unbounded (sympy's oo, int_oo)."""
+    return int(x) if isinstance(x, int) or getattr(x, "is_Integer", False) else None
+
+
+def _assumptions_path(key: str) -> str:
+    """Where what a piece's compilation assumes of its symbols is kept: beside Inductor's own cache."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "fgraph", hashlib.sha256(key.encode()).hexdigest() + ".json")
+
+
+def config_patch(options: dict):
+    from torch._inductor import config
+
+    return config.patch(options)
+
+
+def piece_key(module: fx.GraphModule, inputs: list, options: dict) -> tuple[str, dict]:
     """A piece's graph as text that two structurally equal pieces share: nodes numbered in order, each input's avals
     (dtype, device, shape, strides) with symbols renamed by first appearance, the options; constants by value."""
     names: dict = {}
@@ -244,7 +298,7 @@ def piece_key(module: fx.GraphModule, inputs: list, options: dict) -> str:
         target = n.target if n.op in ("call_function", "output") else f"{n.op}:{id(module)}:{n.target}"
         lines.append(f"{n.op} {target} {arg(n.args)} {arg(n.kwargs)} -> {aval(n.meta.get('val'))}")
     lines.append(repr(sorted(options.items())))
-    return "\n".join(lines)
+    return "\n".join(lines), names
 
 
 def _residual_adds_out_of_gemms():
