@@ -8,4 +8,5 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 # one style, enforced (PEP 8 via ruff: lint and format, configured in pyproject.toml)
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest -q -x "$@"
+# two pytest-xdist workers (CI and the dev box have 2 cores; more would only contend): -n 0 in "$@" runs in one process
+exec .venv/bin/python -m pytest -q -x -n 2 "$@"

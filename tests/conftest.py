@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest-xdist workers (scripts/test.sh: -n 2) share the host's cores: each takes its part of torch's intra-op
+    # threads, or two workers of two threads each wait on each other's cores at every op's barrier
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):

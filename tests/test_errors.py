@@ -149,7 +149,11 @@ BAD_BATCHED = [  # Batched(**kw) -> what its SignatureError says
 ]
 
 
-@pytest.mark.parametrize("kw, says", BAD_BATCHED, ids=[str(k) for k, _ in BAD_BATCHED])
+def _kw_id(kw):  # stable across processes (pytest-xdist): a callable by its name, not its address
+    return ", ".join(f"{k}={v.__name__ if callable(v) else repr(v)}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("kw, says", BAD_BATCHED, ids=[_kw_id(k) for k, _ in BAD_BATCHED])
 def test_a_bad_batched_is_a_signature_error(kw, says):
     with pytest.raises(SignatureError, match=says):
         Batched(**kw)
