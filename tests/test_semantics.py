@@ -751,6 +751,29 @@ def test_python_scalars_are_part_of_the_signature_by_value_and_type(mode):
         assert torch.equal(k({"x": torch.ones(3), "s": s}), 1.0 / (torch.ones(3) * s)), s
 
 
+def scaled(x, k):
+    """x times a static: a number, or a tuple of them (its first item)."""
+    return x * k[0] if isinstance(k, tuple) else 1.0 / (x * k) if k == 0 else x * k
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_static_arguments_are_keyed_by_type_and_value(mode, device):
+    """As jax.jit keys statics: 1, True and 1.0 are equal in Python (and hash alike) but trace to int64, bool and
+    float32 results, so each is its own signature. Finer than jax: 0.0 and -0.0 (1 / (x * k) is +inf or -inf), and
+    the items of a tuple, (1, 2) and (True, 2). The replay path keys them so too (each value is called twice)."""
+    j = fgraph.jit(scaled, static=["k"], batch={"x": Batched()}, mode=mode, buckets=[4])
+    x = torch.arange(1, 4, device=device)
+    values = [1, True, 1.0, 0.0, -0.0, (1, 2), (True, 2), (1.0, 2)]
+    for k in values + values:
+        got = j(x, k)
+        with fgraph.disable_jit():
+            want = j(x, k)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"k={k!r}")  # dtype included
+    assert [dict(e.sig.statics)["k"] for e in j.entries.values()] == values  # the values as passed
+    assert [type(dict(e.sig.statics)["k"]) for e in j.entries.values()] == [type(v) for v in values]
+    assert len(j.stats()["signatures"]) == len(values)
+
+
 # -- retraces are bounded and loud -----------------------------------------------------------------------------
 def test_python_scalars_retrace_per_value_with_a_warning_and_a_cap(caplog, monkeypatch):
     monkeypatch.setattr(fgraph.config, "max_signatures", 12)
