@@ -106,8 +106,9 @@ class Cache:
         jitted = self.jitted
         for k, v in pytree.tree_unflatten(call.leaves, call.sig.treespec).items():
             check_static_fields(v, f"fgraph.jit({jitted.name}): {k}")
-        if config.explain_cache_misses and self.entries:
-            log.warning("fgraph.jit(%s): new signature %s%s", jitted.name, call.sig.describe(), self.closest(call.sig))
+        if config.explain_cache_misses:  # the first miss too, as jax says "never seen function"
+            why = self.closest(call.sig) if self.entries else "; the first of this function (none made before)"
+            log.warning("fgraph.jit(%s): new signature %s%s", jitted.name, call.sig.describe(), why)
         device = device_of(jitted.name, call)
         family = (  # grad mode apart: a trace that branched on it serves its own mode (below), any other both
             tuple(kv for kv in call.sig.statics if kv[0] != GRAD_MODE),

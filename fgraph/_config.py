@@ -29,7 +29,7 @@ class _Checked(type):
 class config(metaclass=_Checked):
     """Process-wide switches (JAX's jax_explain_cache_misses / jax_log_compiles are the models)."""
 
-    explain_cache_misses = False  # log, for each new signature, the closest previous one and what differs
+    explain_cache_misses = False  # log each new signature: the closest previous one and what differs, or first
     log_captures = False  # log every graph captured
     # FULL graphs copy their batched inputs in themselves (InputBuffers.copy_in_graph): a call pads into pinned
     # memory and replays, with no copy or event of its own: two CUDA calls fewer per call, each costly in host

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._pytree import _RECORDS, _children, flattener
-from ._signature import Call, batch_specs, bucket_for, leaf_of, torch_state
+from ._signature import Call, batch_specs, bucket_for, leaf_of, static_key, torch_state
 
 
 class Layout(NamedTuple):
@@ -87,6 +87,7 @@ class FastPath:
                     bound[k] = d
         try:
             statics = self.statics_of(bound)
+            statics = tuple(map(static_key, statics))  # by type and value, as signatures key them (Static)
             hash(statics)
         except TypeError:
             return None
@@ -155,6 +156,7 @@ class FastPath:
                     self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec))
                 parts.append(c.key)
         statics = tuple(call.bound[k] for k in self.static_sorted)
+        statics = tuple(map(static_key, statics))
         self.entries[fast_key(statics, call.sig.bucket, parts)] = entry
 
     def forget(self, entry) -> None:
@@ -246,11 +248,11 @@ def guard_for(tree, spec: pytree.TreeSpec) -> Callable[[], bool] | None:
 
 # -- keys -----------------------------------------------------------------------------------------------------
 def fast_key(statics: tuple, bucket: int | None, parts: list) -> tuple:
-    """The replay path's key of a call: its statics, bucket and argument layouts (layout_key, reader's keys).
+    """The replay path's key of a call: its statics (static_key: type and value), bucket and argument layouts.
 
-    With torch's settings (not all of the slow path's context: functions with lifted modules, training modes, are
-    not _plain) and grad mode (a trace that branched on it serves one, Cache.for_grad_mode; a call under it with a
-    tensor that requires grad is the slow path's to refuse)."""
+    Layouts: layout_key, reader's keys. With torch's settings (not all of the slow path's context: functions with
+    lifted modules, training modes, are not _plain) and grad mode (a trace that branched on it serves one,
+    Cache.for_grad_mode; a call under it with a tensor that requires grad is the slow path's to refuse)."""
     return statics, torch_state(), torch._C.is_grad_enabled(), bucket, tuple(parts)
 
 

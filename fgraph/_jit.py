@@ -27,7 +27,7 @@ from ._errors import CaptureError, SignatureError
 from ._fastpath import FastPath
 from ._lower import lower
 from ._pytree import flatten_with_paths
-from ._signature import Call, Signature, batch_specs, bucket_for, check_leaves, device_of, leaf_of, pad_count
+from ._signature import Call, Signature, Static, batch_specs, bucket_for, check_leaves, device_of, leaf_of, pad_count
 from .capture import Entry, Stats, capture_session, compiler
 from .padding import check_aliases, check_lengths
 
@@ -156,7 +156,7 @@ class Jitted(T.Inlined):
         n = pad_count(self.name, paths, leaves, specs)
         bucket = bucket_for(self.options.buckets, max(n, 1)) if n is not None else None
         sig = Signature(
-            tuple(sorted(statics.items(), key=lambda kv: kv[0]))
+            tuple(Static(k, statics[k]) for k in sorted(statics))  # by type and value: 1, True, 1.0 apart
             + T.context(self.lifted),  # + autocast, model.eval(), ...
             bucket,
             treespec,

@@ -11,6 +11,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from ._pytree import flatten_with_paths
+
 
 def _aval(t, traced, bucket) -> str:
     """dtype[dims]: a traced (fake) tensor's shape at `bucket` (its symbolic batch dims evaluated there)."""
@@ -28,7 +30,7 @@ def output_paths(traced) -> list[str]:
         if recipe is not None:  # folded arguments handed back whole: name the outputs by position
             raise ValueError
         tree = pytree.tree_unflatten(list(range(n)), traced.out_spec)
-        paths = {i: "out" + pytree.keystr(p) for p, i in pytree.tree_flatten_with_path(tree)[0]}
+        paths = {i: "out" + pytree.keystr(p) for p, i in flatten_with_paths(tree)[0]}
         return [paths.get(j, f"out[{j}]") for j in range(n)]
     except Exception:
         return [f"out[{j}]" for j in range(n)]

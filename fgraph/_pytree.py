@@ -81,12 +81,30 @@ def _is_record(x) -> bool:
 def flatten_with_paths(tree: Any) -> tuple[list[tuple[KeyPath, Any]], pytree.TreeSpec]:
     """Flatten, registering attrs/dataclass types met on the way. Leaves come with their key paths."""
     while True:
-        leaves, spec = pytree.tree_flatten_with_path(tree)
-        new = {type(v) for _, v in leaves if _is_record(v)}
+        leaves, spec = pytree.tree_flatten(tree)
+        new = {type(v) for v in leaves if _is_record(v)}
         if not new:
-            return leaves, spec
+            paths = list(_key_paths((), tree))
+            assert len(paths) == len(leaves)
+            return list(zip(paths, leaves)), spec
         for cls in new:
             register(cls)
+
+
+def _key_paths(path: KeyPath, x: Any):
+    """Each leaf's key path, as torch's tree_flatten_with_path gives them, in tree_flatten's order.
+
+    A node type registered without a flatten_with_keys_fn (`register_pytree_node(Node, flatten, unflatten)`, the
+    common way) has its children keyed by index (`node[1]`), where torch raises a ValueError."""
+    node = pytree.SUPPORTED_NODES.get(pytree._get_node_type(x))
+    if node is None:
+        yield path
+    elif node.flatten_with_keys_fn is not None:
+        for k, c in node.flatten_with_keys_fn(x)[0]:
+            yield from _key_paths((*path, k), c)
+    else:
+        for i, c in enumerate(node.flatten_fn(x)[0]):
+            yield from _key_paths((*path, pytree.SequenceKey(i)), c)
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:

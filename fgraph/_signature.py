@@ -3,7 +3,7 @@
 Signatures: what one trace and one graph set are specialised to, and the batch padding that maps a call with N tokens
 onto its bucket.
 
-A signature is  static values × bucket × tree structure × (shape, dtype, device) of every leaf,
+A signature is  static values (by type and value) × bucket × tree structure × (shape, dtype, device) of every leaf,
 where batched leaves are counted at their padded size, so every N in a bucket shares one signature, and the
 others by their strides too where they are not contiguous (a trace can depend on them).
 """
@@ -248,8 +248,47 @@ def _any_autocast() -> bool:
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", _any_autocast)  # one C call where torch has it
 
 
+def static_key(v: Any) -> Any:
+    """What a static value is keyed by: its type and value; a float by its hex, a tuple's items each so."""
+    t = type(v)
+    if t is float:  # 0.0 and -0.0 apart (1 / (x * s) is +inf or -inf), a nan equal to a nan
+        return t, v.hex()
+    return (t, tuple(map(static_key, v))) if issubclass(t, tuple) else (t, v)
+
+
+class Static(tuple):
+    """A static argument in a signature: the pair (name, value), keyed by the value's type as well as by it.
+
+    jax.jit's rule: 1, True and 1.0 are equal in Python and hash alike, but trace to int64, bool and float32 results,
+    so each is a signature of its own. Where fgraph goes further (static_key): floats by their hex, as non-static
+    Python scalars are (0.0 and -0.0 apart, nan equal to nan), and a tuple's items each by type and value ((1, 2)
+    and (True, 2) apart, where jax compares the tuples by ==); other values by their type and their own == (a frozen
+    attrs class compares its fields so). Still a (name, value) pair: `dict(sig.statics)["routine"]` is the value as
+    passed."""
+
+    __slots__ = ()
+
+    def __new__(cls, name: str, value: Any):
+        return tuple.__new__(cls, (name, value))
+
+    def __getnewargs__(self):
+        return tuple(self)
+
+    def __eq__(self, other):
+        if not isinstance(other, tuple) or len(other) != 2:
+            return NotImplemented
+        return self[0] == other[0] and static_key(self[1]) == static_key(other[1])
+
+    def __ne__(self, other):
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self):
+        return hash((self[0], static_key(self[1])))
+
+
 class Signature(NamedTuple):
-    statics: tuple[tuple[str, Any], ...]
+    statics: tuple[tuple[str, Any], ...]  # Static pairs by name, then what the trace depends on (trace.context)
     bucket: int | None
     treespec: pytree.TreeSpec
     leaves: tuple[Aval, ...]

@@ -92,3 +92,24 @@ def test_explain_of_a_call_no_graph_serves_says_it_runs_eagerly():
     assert "runs eagerly: 5 tokens exceed the largest bucket 4" in str(fgraph.explain(j, torch.ones(5)))
     assert "runs eagerly: an empty batch" in str(fgraph.explain(j, torch.ones(0)))
     assert not j.entries
+
+
+def test_explain_cache_misses_covers_a_functions_first_miss(caplog):
+    """As jax logs a never-seen function: the first signature is explained too, then each later one by its closest."""
+    f = jitted(mode="NONE", buckets=[8])
+    params, state, batch = make()
+    fgraph.config.explain_cache_misses = True
+    try:
+        with caplog.at_level("WARNING", logger="fgraph"):
+            f(params, state, batch, routine="decode")
+            f(params, state, batch, routine="mixed")
+    finally:
+        fgraph.config.explain_cache_misses = False
+    logged = [r.getMessage() for r in caplog.records if "new signature" in r.getMessage()]
+    assert logged == [
+        "fgraph.jit(step): new signature (breaks=2, routine='decode', bucket=8); the first of this function (none made "
+        "before)",
+        "fgraph.jit(step): new signature (breaks=2, routine='mixed', bucket=8); closest captured signature (breaks=2, "
+        "routine='decode', bucket=8) differs in static arguments {'breaks': 2, 'routine': 'decode'} vs {'breaks': 2, "
+        "'routine': 'mixed'}",
+    ]

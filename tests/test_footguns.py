@@ -26,9 +26,6 @@ SILENT MISMATCHES (wrong results, no error):
   shared_state_across_threads           MED   two jitted functions donating the same state, called from two
                                                threads: one's capture puts the state back over the other's update.
                                                Serialize such calls (a lock of your own)
-  statics_equal_in_python               MED   static arguments compare by ==, as in jax.jit: static 2 and 2.0 share
-                                               a trace (int64 results for both). Non-static Python scalars are
-                                               keyed by type and value (tests/test_semantics.py)
   cublas_reduction_flags                 MED   allow_bf16/fp16_reduced_precision_reduction toggled between calls:
                                                graphs keep the GEMM kernels chosen at capture (rounding only; the
                                                settings that change dtypes or TF32 are part of the signature)
@@ -43,6 +40,8 @@ FIXED (pinned so they stay fixed; the full specs: tests/test_semantics.py, test_
   new tensors, replaced containers, grown lists, changed static fields, threads, interrupted captures, kept outputs,
   wrappers of jitted functions jitted again (functools.wraps, partial, torch.func.grad/vmap, jit of jit, methods),
   traced values stored outside the function (EscapeError at the end of the trace and at first use, not fakes)
+  statics_keyed_by_type_and_value              static 2, 2.0 and True are signatures of their own, as in jax.jit
+                                               (finer than jax: 0.0 / -0.0, and tuple items: docs/contract.md)
   warmup_and_capture_leave_no_trace            donated state written by warm-up and capture is put back;
                                                jit(scratch=[...]) skips the copy for state whose padded rows
                                                write only a scratch area (the KV cache's page 0)
@@ -136,12 +135,13 @@ def test_module_changes_without_tensors():
         assert torch.equal(f(x), m(x))  # the fix: reset after editing the module
 
 
-def test_statics_equal_in_python():
+def test_statics_keyed_by_type_and_value():
     f = fgraph.jit(lambda x, k: x * k, static=["k"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
     x = torch.arange(3)
     assert f(x, 2).dtype == torch.int64
-    assert f(x, 2.0).dtype == torch.int64  # eager gives float32: 2.0 == 2, so the static key is the same
-    assert len(f.entries) == 1
+    assert f(x, 2.0).dtype == torch.float32  # as eager: 2.0 == 2 in Python, but a static is keyed by its type too
+    assert f(x, True).dtype == torch.int64 and f(x, True).tolist() == [0, 1, 2]
+    assert len(f.entries) == 3
 
 
 def test_warmup_and_capture_leave_no_trace():

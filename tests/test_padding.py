@@ -828,3 +828,39 @@ def test_random_compositions_equal_eager_or_say_where_padding_takes_part(ops, si
             assert said or (got.shape == want.shape and torch.allclose(got, want)), (ops, n)
     finally:
         logging.getLogger("fgraph").removeHandler(handler)
+
+
+# -- random draws: an op whose arguments turn its randomness off draws nothing ------------------------------------
+def eval_mode_noise(q, x):
+    """nanoGPT in eval: attention with dropout_p=0; dropout and rrelu with training off."""
+    att = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0, is_causal=True)
+    kept, _ = torch.ops.aten.native_dropout(x, 0.5, False)
+    return att, kept + torch.nn.functional.rrelu(x, training=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_randomness_turned_off_by_its_arguments_is_not_a_random_draw(mode, caplog):
+    j = fgraph.jit(eval_mode_noise, batch={"x": Batched()}, mode=mode, buckets=[4])
+    q, x = torch.randn(1, 2, 3, 4), torch.randn(3, 2)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        got = j(q, x)
+    for g, w in zip(got, eager(eval_mode_noise, q, x)):
+        torch.testing.assert_close(g, w)
+    assert "random generator" not in caplog.text
+    assert "random:" not in str(fgraph.explain(j, q, x))
+
+
+def training_noise(q, x):
+    att = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    kept, _ = torch.ops.aten.native_dropout(x, 0.0, True)  # p=0 but training: the generator still advances
+    return att, kept + torch.nn.functional.rrelu(x, training=True)
+
+
+def test_real_random_draws_stay_reported(caplog):
+    j = fgraph.jit(training_noise, batch={"x": Batched()}, mode="NONE", buckets=[4])
+    q, x = torch.randn(1, 2, 3, 4), torch.randn(3, 2)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        j(q, x)
+    logged = [r.getMessage() for r in caplog.records if "random generator" in r.getMessage()]
+    assert len(logged) == 3  # attention's dropout, native_dropout, rrelu: one per line
+    assert str(fgraph.explain(j, q, x)).count("random:") == 3

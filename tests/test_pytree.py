@@ -4,12 +4,14 @@ import dataclasses
 from typing import NamedTuple
 
 import attrs
+import pytest
 import torch
 import torch.utils._pytree as pytree
 
 import fgraph
 from fgraph._pytree import flatten_with_paths
 from fgraph._signature import path_str
+from tests.test_semantics import MODES
 
 
 @attrs.define
@@ -120,3 +122,45 @@ def test_flattener_is_tree_flatten_or_none_on_another_structure():
         assert flat(other) is None, other
     back = unflattener(spec)(iter(leaves))
     assert pt.tree_flatten(back)[1] == spec and back.b["k"][2].y is t
+
+
+class Span:
+    """A user type registered the common way: register_pytree_node without a flatten_with_keys_fn."""
+
+    def __init__(self, lo, hi):
+        self.lo, self.hi = lo, hi
+
+
+pytree.register_pytree_node(Span, lambda s: ([s.lo, s.hi], None), lambda xs, _: Span(*xs))
+
+
+def test_a_node_registered_without_key_paths_is_keyed_by_index():
+    flat, spec = flatten_with_paths({"span": Span(torch.zeros(1), {"w": torch.zeros(2)})})
+    assert [path_str(p) for p, _ in flat] == ["span[0]", "span[1]['w']"]  # torch raises a ValueError here
+    back = pytree.tree_unflatten([x for _, x in flat], spec)["span"]
+    assert isinstance(back, Span) and back.hi["w"].shape == (2,)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_node_registered_without_key_paths_in_and_out(mode):
+    def f(span, x):
+        return Span(span.lo * x, {"y": span.hi + x})
+
+    j = fgraph.jit(f, batch={"x": fgraph.Batched()}, mode=mode, buckets=[4])
+    span = Span(torch.full((1, 2), 2.0), torch.ones(2))
+    for x in (torch.arange(6.0).reshape(3, 2), torch.ones(2, 2)):
+        got = j(span, x)
+        with fgraph.disable_jit():
+            want = j(span, x)
+        assert isinstance(got, Span)
+        torch.testing.assert_close(got.lo, want.lo, rtol=0, atol=0)
+        torch.testing.assert_close(got.hi["y"], want.hi["y"], rtol=0, atol=0)
+    assert "out[1]['y']: float32[4, 2]" in str(fgraph.explain(j, span, x))
+
+
+def test_errors_name_a_keyless_node_by_index():
+    f = fgraph.jit(lambda span: span.lo + span.hi)
+    with pytest.raises(fgraph.FgraphError, match=r"span\[1\] requires grad and grad mode is on"):
+        f(Span(torch.zeros(2), torch.zeros(2, requires_grad=True)))
+    with pytest.raises(fgraph.FgraphError, match=r"span\[0\] is a sparse_coo tensor"):
+        f(Span(torch.zeros(2).to_sparse(), torch.zeros(2)))

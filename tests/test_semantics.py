@@ -753,6 +753,66 @@ def test_python_scalars_are_part_of_the_signature_by_value_and_type(mode):
         assert torch.equal(k({"x": torch.ones(3), "s": s}), 1.0 / (torch.ones(3) * s)), s
 
 
+def scaled(x, k):
+    """x times a static: a number, or a tuple of them (its first item)."""
+    return x * k[0] if isinstance(k, tuple) else 1.0 / (x * k) if k == 0 else x * k
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_static_arguments_are_keyed_by_type_and_value(mode, device):
+    """As jax.jit keys statics: 1, True and 1.0 are equal in Python (and hash alike) but trace to int64, bool and
+    float32 results, so each is its own signature. Finer than jax: 0.0 and -0.0 (1 / (x * k) is +inf or -inf), and
+    the items of a tuple, (1, 2) and (True, 2). The replay path keys them so too (each value is called twice)."""
+    j = fgraph.jit(scaled, static=["k"], batch={"x": Batched()}, mode=mode, buckets=[4])
+    x = torch.arange(1, 4, device=device)
+    values = [1, True, 1.0, 0.0, -0.0, (1, 2), (True, 2), (1.0, 2)]
+    for k in values + values:
+        got = j(x, k)
+        with fgraph.disable_jit():
+            want = j(x, k)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"k={k!r}")  # dtype included
+    assert [dict(e.sig.statics)["k"] for e in j.entries.values()] == values  # the values as passed
+    assert [type(dict(e.sig.statics)["k"]) for e in j.entries.values()] == [type(v) for v in values]
+    assert len(j.stats()["signatures"]) == len(values)
+
+
+# -- constants the function makes ------------------------------------------------------------------------------
+def host_constants(x):
+    """CPU 0-dim tensors made inside the function, as eager code makes them (CUDA ops take them)."""
+    two, half = torch.tensor(2.0), torch.full((), 0.5) * torch.tensor(3)  # a CPU op on constants alone
+    return torch.where(x > torch.tensor(0.0), x * two, x - half), x.to(torch.int64) + torch.tensor(True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_scalar_constants_made_inside_are_part_of_the_program(mode, device):
+    """As jax.jit embeds constants: on CUDA the constants are made on the device inside the program, FULL graphs
+    included, and the answers are eager's."""
+    j = fgraph.jit(host_constants, batch={"x": Batched()}, mode=mode, buckets=[4])
+    for k in range(3):
+        x = rand(device, 3, 4, seed=k)
+        got = j(x)
+        with fgraph.disable_jit():
+            want = j(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_scalar_constants_are_embedded_in_a_device_program(mode, monkeypatch):
+    """The meta device stands in for CUDA (no values: shapes, dtypes and devices are eager's; the program makes each
+    constant on the device). Other CPU tensors stay refused (tests/test_errors.py)."""
+    monkeypatch.setattr(fgraph.config, "inputs_in_graph", False)  # (FULL graphs cannot copy meta memory in)
+    j = fgraph.jit(host_constants, mode=mode)
+    x = torch.ones(3, 4, device="meta")
+    got = j(x)
+    with fgraph.disable_jit():
+        want = j(x)
+    assert [(g.shape, g.dtype, g.device) for g in got] == [(w.shape, w.dtype, w.device) for w in want]
+    text = j.lower(x).as_text()
+    for made in ("[], 2.0, dtype = torch.float32", "[], 0.5, device", "[], 3, dtype = torch.int64", "[], True"):
+        assert f"aten.full.default({made}" in text, made
+    assert "device(type='meta')" in text and "get_attr" not in text and "_tensor_constant" not in text
+
+
 # -- retraces are bounded and loud -----------------------------------------------------------------------------
 def test_python_scalars_retrace_per_value_with_a_warning_and_a_cap(caplog, monkeypatch):
     monkeypatch.setattr(fgraph.config, "max_signatures", 12)

@@ -25,6 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from .._errors import FgraphError, SignatureError
 from .._fx import user_code
+from .._pytree import flatten_with_paths
 from .._signature import path_str, torch_state
 
 
@@ -306,7 +307,7 @@ def check_call(fname: str, lifted: Lifted, statics: dict, dynamic: dict) -> dict
                 f"remove {k!r} from static= (tensors are inputs), or pass a Python value (int(t), tuple(t.tolist()))",
             )
     if torch.is_grad_enabled():
-        for path, x in pytree.tree_flatten_with_path(dynamic)[0]:
+        for path, x in flatten_with_paths(dynamic)[0]:
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 raise FgraphError(
                     f"fgraph.jit({fname}): {path_str(path)} requires grad and grad mode is on, but a "
