@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from fgraph import _shared
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -9,3 +11,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_jit_state():
+    """Each test's jit objects start afresh: state is shared per function and options, process-wide
+    (fgraph/_shared.py), and tests jit the same module-level functions again and again."""
+    _shared.forget_all()
+    yield
