@@ -44,12 +44,13 @@ def measure(cfg, params, steps: dict, local_cfg, a) -> dict:
             batch, _ = decode_batch(cfg.vocab_size, B, a.ctx, ps)
             on_dev = llama.Batch(batch.tokens.to(dev), batch.positions.to(dev), batch.meta.to(dev))
             for mode in ["eager", *a.modes]:
-                calls = {}
+                calls, made = {}, []
                 for impl, step in steps.items():
                     if mode == "eager":
                         calls[impl] = lambda s=step: s(params, cache, on_dev, "decode")
                     else:
                         f = jit_step(step, mode, [B])
+                        made.append(f)
                         f(params, cache, batch, routine="decode")  # trace + capture
                         calls[impl] = lambda f=f: f(params, cache, batch, routine="decode")
                 times = {impl: [] for impl in calls}
@@ -58,7 +59,9 @@ def measure(cfg, params, steps: dict, local_cfg, a) -> dict:
                         times[impl].append(gpu_ms(call))
                 for impl, ts in times.items():
                     out[B, mode, impl] = (statistics.median(ts), max(ts) - min(ts))
-                del calls
+                for f in made:  # the cache is the step's (shared per function and options): free its graphs now
+                    f.reset()
+                del calls, made
                 gc.collect()
     return out
 

@@ -1,5 +1,7 @@
 """Cache: what one jitted function keeps per signature, and the only code that changes it.
 
+One per function and options (fgraph/_shared.py), shared by every jit object of them.
+
 Its signatures' entries, the traces they share (one per routine, structure and non-batch shapes, serving every
 bucket its symbols fit), the graph pool every signature captures into, fgraph's buffers for inputs copied per call,
 and the graphs a caller still holds outputs of. `make` traces and captures a new signature (nothing of it is kept
@@ -30,10 +32,13 @@ GRAD_MODE = "<grad mode>"  # the signature entry naming the grad mode, for trace
 
 
 class Cache:
-    """Per jitted function: its entries by signature, traces by family, the graph pool, copied-input buffers."""
+    """Per jitted function: its entries by signature, traces by family, the graph pool, copied-input buffers.
 
-    def __init__(self, jitted, fastpath: FastPath):
-        self.jitted, self.fastpath = jitted, fastpath
+    `owner`: the function's Shared state (name, options, log_once). It holds no reference to the function: the jit
+    object that calls traces with (make, probe) is passed in."""
+
+    def __init__(self, owner, fastpath: FastPath):
+        self.owner, self.fastpath = owner, fastpath
         self.entries: dict[Signature, Entry] = {}
         self.traces: dict[tuple, list[Traced]] = {}  # (statics, structure, non-batch shapes) -> traces
         self.pool = None
@@ -56,23 +61,25 @@ class Cache:
         """The nearest known signature and the first thing that differs (JAX's explain_cache_misses)."""
         return closest(self.entries, sig)
 
-    def probe(self, call: Call) -> Entry:
-        """The entry serving `call`, traced now if new but neither captured nor kept (explain, lower)."""
+    def probe(self, jitted, call: Call) -> Entry:
+        """The entry serving `call`, traced now (by `jitted`) if new but neither captured nor kept (explain, lower)."""
         e = self.entries.get(call.sig)
         if e is None:
-            device = device_of(self.jitted.name, call)
-            e = Entry(Traced(self.jitted, call, device), call, device, True)
+            device = device_of(self.owner.name, call)
+            e = Entry(Traced(jitted, call, device), call, device, True)
         return e
 
     # -- making ------------------------------------------------------------------------------------------------
-    def make(self, call: Call, capture_call: Call) -> Entry | None:
-        """A new signature's entry, traced and captured.
+    def make(self, jitted, call: Call, capture_call: Call) -> Entry | None:
+        """A new signature's entry, traced (by `jitted`, the jit object called) and captured.
 
         Nothing of it is kept when that fails or is interrupted (KeyboardInterrupt included): the next call
         makes it again. Returns None when the capture ran out of device memory (what it made is freed; the
         caller runs the call eagerly)."""
         try:
-            entry = self._new_entry(call)  # tracing: its errors are the trace's own (TraceError, the function's)
+            entry = self._new_entry(
+                jitted, call
+            )  # tracing: its errors are the trace's own (TraceError, the function's)
         except BaseException:
             self.drop(call.sig, None)
             raise
@@ -88,22 +95,21 @@ class Cache:
             what = f"the warm-up or capture of signature {call.sig.describe()} failed: {type(e).__name__}: {e}"
             if _fake_in(e):  # a value that escaped a trace, read where the trace could not see it: not eager's error
                 raise EscapeError(
-                    f"fgraph.jit({self.jitted.name}): {what}; a fake tensor (a value that escaped a trace, no data) "
+                    f"fgraph.jit({self.owner.name}): {what}; a fake tensor (a value that escaped a trace, no data) "
                     "reached it",
                     "return values from jitted functions instead of storing them outside (jitted functions are pure); "
                     "the signature was dropped and the next call tries again",
                 ) from e
             raise CaptureError(
-                f"fgraph.jit({self.jitted.name}): {what}",
+                f"fgraph.jit({self.owner.name}): {what}",
                 "run the function eagerly on these inputs to debug (fgraph.disable_jit()), where a failure of its "
                 "own shows; the signature was dropped and the next call tries again",
             ) from e
 
-    def _new_entry(self, call: Call) -> Entry:
+    def _new_entry(self, jitted, call: Call) -> Entry:
         """An entry for a new signature, on an existing trace when one fits its bucket, else on a new trace.
 
         One trace per routine and structure serves every bucket >= 2."""
-        jitted = self.jitted
         for k, v in pytree.tree_unflatten(call.leaves, call.sig.treespec).items():
             check_static_fields(v, f"fgraph.jit({jitted.name}): {k}")
         if config.explain_cache_misses:  # the first miss too, as jax says "never seen function"
@@ -125,17 +131,17 @@ class Cache:
         if new:
             traced = Traced(jitted, call, device)
             self.traces.setdefault(family, []).append(traced)
-            opts = jitted.options
+            opts = self.owner.options
             want = opts.mode.for_routine(call.statics.get(opts.routine) == "decode")
             if traced.mode is not want:
-                jitted.log_once(("downgrade", call.sig.statics), "%s: %s", call.sig.describe(), traced.reason)
+                self.owner.log_once(("downgrade", call.sig.statics), "%s: %s", call.sig.describe(), traced.reason)
         entry = Entry(traced, call, device, new)
         self.entries[call.sig] = entry
         return entry
 
     def capture(self, entry: Entry, call: Call) -> None:
         """Warm up and capture `entry` on `call` (a graphless mode only runs it), into the function's pool."""
-        opts = self.jitted.options
+        opts = self.owner.options
         graphed = entry.mode is not Mode.NONE
         entry.capture(
             call,
@@ -149,7 +155,7 @@ class Cache:
         if config.log_captures and graphed:
             log.warning(
                 "fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB",
-                self.jitted.name,
+                self.owner.name,
                 len(entry.graphs),
                 entry.mode.name,
                 entry.sig.describe(),
@@ -166,11 +172,10 @@ class Cache:
         """Capture the signature again because positions `moved` of the entry's address inputs got new tensors.
 
         The new tensors are read in place or from fgraph's buffers (Slots.move). Counted in stats() as captures."""
-        jitted = self.jitted
-        if jitted.options.strict:
+        if self.owner.options.strict:
             paths = [entry.paths[entry.slots.ix[k]] for k in moved]
             raise SignatureError(
-                f"fgraph.jit({jitted.name}, strict=True): {', '.join(paths)} is not the tensor the graphs of "
+                f"fgraph.jit({self.owner.name}, strict=True): {', '.join(paths)} is not the tensor the graphs of "
                 f"signature {entry.sig.describe()} read (strict: no input copies)",
                 "pass the same tensors each call (update them in place), or call .reset() after replacing them",
             )
@@ -227,7 +232,7 @@ class Cache:
         log.warning(
             "fgraph.jit(%s): %d signatures made by calls%s%s (logged once; past fgraph.config.max_signatures=%d new "
             "ones run eagerly). Fix: %s",
-            self.jitted.name,
+            self.owner.name,
             self.made,
             closest({k: e for k, e in self.entries.items() if k != call.sig}, call.sig),
             f"; Python scalars are part of the signature, by value: {', '.join(scalars)}" if scalars else "",

@@ -109,5 +109,5 @@ def explain(fn, *args, **kwargs) -> Explanation:
     why = fn.ungraphed(call)
     if why is not None:  # no graph serves it: what the call does
         return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why[1] or 'an empty batch'}", [])
-    e = fn.cache.probe(call)  # trace only: explaining never captures
+    e = fn.cache.probe(fn, call)  # trace only: explaining never captures
     return Explanation(_entry_text(fn.name, e, call.n), [e])

@@ -8,7 +8,6 @@ import inspect
 import itertools
 import logging
 import sys
-import threading
 import time
 import types
 from collections.abc import Callable, Mapping
@@ -21,12 +20,11 @@ from tqdm.auto import tqdm
 
 from . import _options
 from . import trace as T
-from ._cache import Cache
 from ._config import config
 from ._errors import CaptureError, SignatureError
-from ._fastpath import FastPath
 from ._lower import lower
 from ._pytree import flatten_with_paths
+from ._shared import Shared, shared_for
 from ._signature import Call, Signature, Static, batch_specs, bucket_for, check_leaves, device_of, leaf_of, pad_count
 from .capture import Entry, Stats, capture_session, compiler
 from .padding import check_aliases, check_lengths
@@ -52,7 +50,10 @@ class Jitted(T.Inlined):
     """A function traced and captured per signature. Call it like the original; see `jit`.
 
     Inspection: `options` (the checked jit options), `entries` (Signature -> Entry, read-only), `stats()`,
-    `cache` (entries, traces, the graph pool), `fastpath` (the replay path's keys); see docs/contract.md."""
+    `cache` (entries, traces, the graph pool), `fastpath` (the replay path's keys); see docs/contract.md.
+
+    Jit objects of one function object and equal options are views of one `shared` state (fgraph/_shared.py): they
+    trace and capture once, and show the same entries, cache and stats; reset() on one resets it for all."""
 
     def __init__(
         self,
@@ -84,18 +85,21 @@ class Jitted(T.Inlined):
         self.options = opts = _options.make(name, signature, self.lifted.roots(), given)
         # the replay path binds calls itself: every parameter by name, and no lifted tensors to read per call
         self._plain = T.plain_signature(signature) and not self.lifted
-        self.fastpath = FastPath(name, signature, opts.static, opts.batch, opts.buckets)
-        self.cache = Cache(self, self.fastpath)
-        self.sealed = False  # capture() ran: unseen signatures run eagerly (or raise with strict) from now on
-        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0}
-        self._logged: set = set()  # warnings already logged once
-        self._lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
+        # cache, fastpath, sealed, fallbacks, the warnings logged and the lock: per function object and options
+        self.shared = shared_for(fn, given, lambda: Shared(name, signature, opts))
+        self.cache, self.fastpath, self._lock = self.shared.cache, self.shared.fastpath, self.shared.lock
+        self.fallbacks, self._logged = self.shared.fallbacks, self.shared.logged
 
     def __get__(self, obj, objtype=None):
         """The function itself from the class; from an instance, a Jitted of the bound method, one per instance.
 
         Two instances hold different tensors: each has its own signatures and graphs."""
         return self if obj is None else _method(self, obj)
+
+    @property
+    def sealed(self) -> bool:
+        """capture() ran (on this jit object or another view of its shared state): unseen signatures run eagerly."""
+        return self.shared.sealed
 
     @property
     def entries(self) -> Mapping[Signature, Entry]:
@@ -106,9 +110,7 @@ class Jitted(T.Inlined):
 
     def log_once(self, key, fmt: str, *args) -> None:
         """Log a warning about this function once per key."""
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning("fgraph.jit(%s): " + fmt, self.name, *args)
+        self.shared.log_once(key, fmt, *args)
 
     # -- the call path ---------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -185,7 +187,7 @@ class Jitted(T.Inlined):
                     + self.cache.closest(call.sig),
                     "pass values that change per call as tensors, or capture() the signatures you need up front",
                 )
-            entry = self.cache.make(call, call.padding_only(call.sig.bucket) if call.n is not None else call)
+            entry = self.cache.make(self, call, call.padding_only(call.sig.bucket) if call.n is not None else call)
             if entry is None:  # the capture ran out of device memory: freed, this call runs eagerly
                 return self._fallback("oom", call, "capturing ran out of device memory", "capture fewer buckets")
             self.cache.made += 1
@@ -195,7 +197,8 @@ class Jitted(T.Inlined):
         check_lengths(self.name, entry.traced.tied, call.leaves)
         check_aliases(self.name, entry.traced, call.leaves, call.specs)
         out = entry.run(call.leaves, call.n, call.bound, self.options.copy_outputs, check=True)
-        self.fastpath.remember(call, entry)
+        if self._plain:  # (only plain views read the replay path: its entries take no lifted leaves)
+            self.fastpath.remember(call, entry)
         entry.verified = None
         return out
 
@@ -240,7 +243,7 @@ class Jitted(T.Inlined):
                     if device is None:
                         device = device_of(self.name, call)
                         stack.enter_context(capture_session(device))
-                    entry = self.cache.make(call, call)
+                    entry = self.cache.make(self, call, call)
                     if entry is None:
                         raise CaptureError(
                             f"fgraph.jit({self.name}).capture: {call.sig.describe()} ran out of device memory",
@@ -248,7 +251,7 @@ class Jitted(T.Inlined):
                         )
                     graphs += len(entry.graphs)
                 bar.close()
-        self.sealed = True
+        self.shared.sealed = True
         secs = time.perf_counter() - t0
         gib = sum(e.pool_bytes for e in self.cache.entries.values()) / 2**30
         if progress:
@@ -277,7 +280,8 @@ class Jitted(T.Inlined):
         """Counters per signature.
 
         Counters (Stats: traces, captures, warm-ups, replays, eager, calls, padded, copies, copied bytes) per
-        signature (keyed by its description, plus the leaves that tell apart signatures described alike)."""
+        signature (keyed by its description, plus the leaves that tell apart signatures described alike). Jit
+        objects of one function and equal options share them: each shows the calls of all."""
         per = self.cache.stats()
         total = {k: sum(d[k] for d in per.values()) for k in Stats.__slots__}
         return {"signatures": per, "total": total, "fallbacks": dict(self.fallbacks)}
@@ -286,9 +290,8 @@ class Jitted(T.Inlined):
         """Drop every trace and graph (after replacing params or state with new tensors).
 
         Graphs whose outputs the caller still holds keep their memory (retired, not freed) until a later reset
-        finds them unused."""
-        self.cache.reset()
-        self.sealed = False
+        finds them unused. Every jit object of this function and options is reset (they share one cache)."""
+        self.shared.reset()
 
 
 def _method(jitted: Jitted, obj) -> Jitted:

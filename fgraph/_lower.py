@@ -97,5 +97,5 @@ class Lowered:
 
 def lower(jitted, *args, **kwargs) -> Lowered:
     """Jitted.lower: the signature of this call, traced now if new (never captured)."""
-    e = jitted.cache.probe(jitted.cache.for_grad_mode(jitted.bind(args, kwargs)))
+    e = jitted.cache.probe(jitted, jitted.cache.for_grad_mode(jitted.bind(args, kwargs)))
     return Lowered(jitted, e)

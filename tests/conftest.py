@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from fgraph import _shared
+
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     # pytest-xdist workers (scripts/test.sh: -n 2) share the host's cores: each takes its part of torch's intra-op
     # threads, or two workers of two threads each wait on each other's cores at every op's barrier
@@ -16,3 +18,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_jit_state():
+    """Each test's jit objects start afresh: state is shared per function and options, process-wide
+    (fgraph/_shared.py), and tests jit the same module-level functions again and again."""
+    _shared.forget_all()
+    yield

@@ -1093,3 +1093,28 @@ def test_flashinfer_plan_of_a_jitted_call_is_not_taken_by_a_later_direct_call(fa
     out = _layers(b, A.pad_metadata(b.meta, bucket), "decode", bucket)  # outside fgraph: plans for itself, once
     torch.testing.assert_close(out.double(), b.expected(), rtol=1e-5, atol=1e-5)
     assert plans_made(bucket) == before + 1
+
+
+def test_flashinfer_two_engines_of_other_block_table_widths_alternate(fake_flashinfer):
+    """Two jitted steps in one process whose block tables differ in width (two engines with different max_seq_len),
+    calls alternating, same decode bucket: each equals eager. A decode plan serves the wrappers of its bucket and
+    block-table width only; planning the narrower engine's wrapper from the wider one's plan overflowed its page
+    buffers (an FgraphError: "60 pages in use, the decode buffers hold 40"), issue #32 item 8."""
+    engines = {  # name: (jitted step, sequence lengths at step 0, Case options), the narrow one first
+        "narrow": (jit_toy(buckets=(8,)), [1, 4, 5, 9, 13], {"max_pages": 5}),
+        "wide": (jit_toy(buckets=(8,)), [29, 30, 31, 32, 25, 26, 27, 28], {"max_pages": 16, "num_pages": 72}),
+    }
+    caches = {}
+    for step in range(3):  # lengths +1 a step: some sequences enter new pages
+        for name, (f, lens, opts) in engines.items():
+            case = Case([1] * len(lens), [n + step for n in lens], 4, 2, dtype=torch.float32, seed=step, **opts)
+            cache, batch = toy_inputs(case)
+            if name not in caches:
+                caches[name] = A.KVCache(tuple(t.clone() for t in cache.k), tuple(t.clone() for t in cache.v))
+            else:  # graphs read state by address: refill the same tensors
+                for d, src in zip(caches[name].k + caches[name].v, cache.k + cache.v):
+                    d.copy_(src)
+            want, _ = toy_step(cache, batch, routine="decode", backend="flashinfer")
+            got, caches[name] = f(caches[name], batch, routine="decode", backend="flashinfer")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sorted({key[-1] for key in FI._wrappers if key[1] == 8}) == [5, 16]

@@ -3,6 +3,9 @@
 SILENT MISMATCHES (wrong results, no error):
   outputs_overwritten_with_copy_outputs_off  MED  copy_outputs=False (the engine's opt-in): valid until the next call
   python_constants_frozen_at_trace       HARD  inherent to tracing: closures and globals are read once
+  python_constants_frozen_across_jit_objects HARD  the same: a new fgraph.jit(f) of the same function and options
+                                               shares f's cache (as jax.jit's), so it replays the first trace too.
+                                               Call .reset() (or jit a new closure) after changing them
   python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only (appending
                                                a traced value is an EscapeError: tests/test_semantics.py)
   values_stored_into_an_argument         HARD  `state["h"] = h + 1` stores into the trace's own dict: the caller's
@@ -89,6 +92,16 @@ def test_python_constants_frozen_at_trace():
     assert f(torch.ones(4)).tolist() == [2.0] * 4  # should be [10.0] * 4! the trace read it once
     with fgraph.disable_jit():
         assert f(torch.ones(4)).tolist() == [10.0] * 4
+
+
+def test_python_constants_frozen_across_jit_objects():
+    fn, factor = scale_fn()
+    assert fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])(torch.ones(4)).tolist() == [2.0] * 4
+    factor["value"] = 10.0
+    f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])  # the same function and options
+    assert f(torch.ones(4)).tolist() == [2.0] * 4  # should be [10.0] * 4! its cache is the first jit object's
+    f.reset()
+    assert f(torch.ones(4)).tolist() == [10.0] * 4
 
 
 def test_repeated_reads_python_values_once():

@@ -43,9 +43,11 @@ def jitted(**kw):
 
 
 def graph_of(f, *args, **kw):
-    """The traced program of f's (single) signature, node by node, and the shape guards its trace assumed."""
+    """The traced program of this call's signature, node by node, and the shape guards its trace assumed."""
     f(*args, **kw)
-    (e,) = f.entries.values()
+    statics = {"routine": kw.get("routine", "decode"), "repeat": kw.get("repeat", True)}
+    (e,) = [e for e in f.entries.values() if statics.items() <= dict(e.sig.statics).items()]  # (jit objects of
+    # step and these options share one cache: the other static's signature may be there too)
     nodes = [str(n.format_node()) for n in e.traced.program.module.graph.nodes] + [
         str(n.format_node()) for m in e.traced.program.module.children() for n in m.graph.nodes
     ]

@@ -11,15 +11,17 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import threading
+import weakref
 
 import attrs
 import pytest
 import torch
 
 import fgraph
-from fgraph import Batched
+from fgraph import Batched, _shared
 from fgraph.capture import _entry as E
 from tests import toys
 
@@ -824,6 +826,144 @@ def test_python_scalars_retrace_per_value_with_a_warning_and_a_cap(caplog, monke
     warned = [r.getMessage() for r in caplog.records if "Python scalars" in r.getMessage()]
     assert len(warned) == 1 and "step=8" in warned[0] and "Python scalars" in warned[0]
     assert len(j.entries) == 12 and j.stats()["fallbacks"]["cap"] == 8
+
+
+# -- a cache per function (issue #32 item 10) --------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_jit_objects_of_one_function_and_options_trace_once(mode, device):
+    """As jax.jit: a jit object made per call (`fgraph.jit(f)(x)` in a loop) traces and captures f once. Jit
+    objects of one function object and equal options (a new, equal Batched each time) are views of one cache: the
+    same entries and stats, counting every view's calls."""
+    p = params(device)
+    views, captures = [], []
+    for k in range(3):
+        views.append(fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4]))
+        x = rand(device, 3, 4, seed=k)
+        torch.testing.assert_close(views[-1](p, x), layer(p, x), rtol=0, atol=0)
+        captures.append(views[-1].stats()["total"]["captures"])  # graphs captured: by the first call only
+    total = views[0].stats()["total"]
+    assert total["traces"] == 1 and total["calls"] == 3 and total["replays"] == (0 if mode == "NONE" else 3)
+    assert captures == [{"NONE": 0, "FULL": 1}.get(mode, 2)] * 3  # (PIECEWISE: the two pieces around the break)
+    assert all(v.stats() == views[0].stats() and v.cache is views[0].cache for v in views)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_other_options_trace_apart(mode):
+    """Other options (buckets, copy_outputs, a Batched pad, mode), another function: caches of their own; equal
+    options, the same."""
+    p, x = params("cpu"), rand("cpu", 3, 4)
+    made = [
+        fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4]),
+        fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[8]),
+        fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4], copy_outputs=False),
+        fgraph.jit(layer, batch={"x": Batched(pad=1)}, mode=mode, buckets=[4]),
+        fgraph.jit(layer, batch={"x": Batched()}, mode="NONE" if mode != "NONE" else "FULL", buckets=[4]),
+        fgraph.jit(lambda p, x: layer(p, x), batch={"x": Batched()}, mode=mode, buckets=[4]),
+    ]
+    for j in made:
+        torch.testing.assert_close(j(p, x), layer(p, x), rtol=0, atol=0)
+    assert [j.stats()["total"]["traces"] for j in made] == [1] * len(made)
+    assert len({id(j.cache) for j in made}) == len(made)
+    assert fgraph.jit(layer, batch={"x": Batched()}, mode=mode, buckets=[4]).cache is made[0].cache
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_closure_made_again_is_a_new_function(mode):
+    """A closure re-created per loop iteration is a new function object: it never shares a trace (the Python value
+    it closes over, frozen into its trace, may differ), and each gives its own eager answer."""
+    p, x = params("cpu"), rand("cpu", 3, 4)
+    for scale in (1.0, 2.0, 3.0):
+
+        def f(p, x):
+            return layer(p, x) * scale
+
+        for calls in (1, 2):  # this function object, jitted again: its trace
+            j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
+            torch.testing.assert_close(j(p, x), f(p, x), rtol=0, atol=0)
+            assert j.stats()["total"]["traces"] == 1 and j.stats()["total"]["calls"] == calls
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_shared_cache_goes_away_with_the_function(mode):
+    """Held weakly: while the function lives, a new jit object finds its cache (no trace); once the function and
+    its jit objects are gone, the cache and its graphs are freed."""
+
+    def make():
+        def f(p, x):
+            return layer(p, x) + 1
+
+        return f
+
+    p, x = params("cpu"), rand("cpu", 3, 4)
+    f = make()
+    j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
+    j(p, x)
+    state, entry = weakref.ref(j.shared), weakref.ref(next(iter(j.entries.values())))
+    del j
+    gc.collect()
+    j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
+    torch.testing.assert_close(j(p, x), f(p, x), rtol=0, atol=0)
+    assert j.shared is state() and j.stats()["total"]["traces"] == 1 and j.stats()["total"]["calls"] == 2
+    fn = weakref.ref(f)
+    del f, j
+    gc.collect()
+    assert fn() is None and state() is None and entry() is None
+
+
+def test_modules_and_bound_methods_share_per_object():
+    """An nn.Module is keyed by the module, a bound method (a new object per attribute access) by its function and
+    its object: per object, one trace; another object, its own; each cache goes away with its object."""
+
+    class Stepper:
+        def __init__(self, seed):
+            self.p = params("cpu", seed)
+
+        def step(self, x):
+            return layer(self.p, x)
+
+    x = rand("cpu", 3, 4)
+    for make, call, batch in [
+        (lambda seed: torch.nn.Linear(4, 4), lambda obj: obj, {"input": Batched()}),
+        (Stepper, lambda obj: obj.step, {"x": Batched()}),
+    ]:
+        a, b = make(0), make(1)
+        with torch.no_grad():
+            for obj in (a, b, a, b, a):
+                j = fgraph.jit(call(obj), batch=batch, mode="FULL", buckets=[4])
+                torch.testing.assert_close(j(x), call(obj)(x), rtol=0, atol=0)
+        views = [fgraph.jit(call(obj), batch=batch, mode="FULL", buckets=[4]) for obj in (a, b)]
+        assert [v.stats()["total"]["calls"] for v in views] == [3, 2]
+        assert [v.stats()["total"]["traces"] for v in views] == [1, 1]
+        state = weakref.ref(views[0].shared)
+        del a, obj, views, j
+        gc.collect()
+        assert state() is None
+
+
+def test_reset_on_one_view_resets_the_shared_cache():
+    p, x = params("cpu"), rand("cpu", 3, 4)
+    a, b = (fgraph.jit(layer, batch={"x": Batched()}, mode="FULL", buckets=[4]) for _ in range(2))
+    a.capture(p, x)
+    assert b.sealed and len(b.entries) == 1
+    b.reset()
+    assert not a.sealed and not a.entries and a.stats()["total"]["traces"] == 0
+    torch.testing.assert_close(a(p, x), layer(p, x), rtol=0, atol=0)
+    assert b.stats()["total"]["traces"] == 1
+
+
+def test_options_compare_by_value_with_their_types():
+    """The options key: equal for equal options (fresh Batched specs, records of them), apart for values of other
+    types (1 and True, a list and a tuple); None (no sharing) where a value is unhashable."""
+
+    @attrs.define
+    class Mutable:  # a mutable record: unhashable
+        x: object = None
+
+    key = lambda **given: _shared.options_key({"buckets": [4], "batch": None, **given})
+    assert key(batch={"x": Batched(pad=0)}) == key(batch={"x": Batched(pad=0)}) is not None
+    assert key(batch={"x": Batched(pad=0)}) != key(batch={"x": Batched(pad=0.5)})
+    assert key(warmups=1) != key(warmups=True) and key(static=["a"]) != key(static=("a",))
+    assert key(batch={"x": Mutable(Batched())}) is None and key(compile={"x": {1, 2}}) is None
 
 
 # -- stats and explain -----------------------------------------------------------------------------------------

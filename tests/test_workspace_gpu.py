@@ -64,7 +64,8 @@ def test_what_others_do_to_cublas_workspaces_cannot_reach_a_jitted_functions_gra
     second(xs[0], w)
     assert workspace_kernels(lambda: second(xs[0], w)), "this GEMM no longer runs with split-K here: pick another"
     then()
-    del first  # its graphs and its pool go
+    first.reset()  # its graphs and its pool go (the cache is the function's, shared by its jit objects: reset)
+    del first
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -1,8 +1,8 @@
 """The flashinfer attention backend (>= 0.6). CUDA only; any page size.
 
-  decode  BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True): one wrapper per (bucket, head config), all
-          over slices of one set of persistent device buffers (indptr / indices / last-page lengths), so a
-          captured graph reads its metadata from fixed addresses. Capturable: Support.UNIFORM_DECODE.
+  decode  BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True): one wrapper per (bucket, block-table width,
+          head config), all over slices of persistent device buffers (indptr / indices / last-page lengths), so
+          a captured graph reads its metadata from fixed addresses. Capturable: Support.UNIFORM_DECODE.
   mixed   BatchPrefillWithPagedKVCacheWrapper(backend="fa2"), one per head config, run eagerly between
           graph pieces (it is not capturable, hence the decode-only support level).
 
@@ -14,7 +14,7 @@ same construction as the eager rule's from the tensors), so no graph capture mak
 made by the first eager run of their signature, which plans them from the hook's metadata.
 
 Decode plan cost (per step, host). The hook builds the host metadata with numpy (HostPlan), uploads it to the
-shared device buffers once (one pinned non-blocking copy), then, per decode wrapper of the bucket:
+shared device buffers once (one pinned non-blocking copy), then, per decode wrapper of the bucket and width:
   - skips flashinfer's plan when the host indptr equals the one the wrapper's last plan was made from (the
     schedule depends on nothing else; lengths +1 a step change it only when a sequence enters a new page);
   - else calls the wrapper's JIT module `plan` directly with an argument list recorded from one
@@ -233,7 +233,7 @@ class _Wrapper:
 
 @attrs.define
 class _State:
-    """Per (routine, bucket, page size): the latest plan's host metadata and what it was made for."""
+    """Per (routine, bucket, page size, decode block-table width): the latest plan's host metadata and what for."""
 
     gen: int
     host: HostPlan
@@ -246,8 +246,8 @@ _BY_HAND = object()  # the token of a plan made outside any fgraph execution (A.
 _workspaces: dict[str, torch.Tensor] = {}
 _decode_bufs: dict[str, _DecodeBuffers] = {}
 _wrappers: dict[tuple, _Wrapper] = {}  # (routine, bucket or None, device, cfg, width or None) -> wrapper
-_groups: dict[tuple, list] = {}  # (routine, bucket or None, page_size, scale) -> its wrappers
-_states: dict[tuple, _State] = {}  # (routine, bucket, page_size) -> state
+_groups: dict[tuple, list] = {}  # (routine, bucket or None, page_size, scale, width or None) -> its wrappers
+_states: dict[tuple, _State] = {}  # (routine, bucket, page_size, width or None) -> state
 
 
 def _tensor_cores(hq: int, hkv: int) -> bool:
@@ -293,7 +293,7 @@ def _wrapper_for(routine: str, B: int, device: str, cfg: tuple, width: int) -> _
     """The wrapper of this routine, bucket (decode), device and configuration (_Wrapper.cfg), made on first use."""
     # decode: one wrapper per bucket and block-table width (its buffers hold bucket x width page ids; an engine
     # with longer sequences gets its own, and graphs captured over the old buffers keep them)
-    key = (routine, B if routine == "decode" else None, device, cfg, width if routine == "decode" else None)
+    key = (routine, B if routine == "decode" else None, device, cfg, _width(routine, width))
     w = _wrappers.get(key)
     if w is None:
         fi, ws, (hq, hkv) = _fi(), _workspace(device), cfg[:2]
@@ -312,7 +312,7 @@ def _wrapper_for(routine: str, B: int, device: str, cfg: tuple, width: int) -> _
         else:
             w = _Wrapper(routine, cfg, fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2"))
         _wrappers[key] = w
-        _groups.setdefault(_group_key(routine, key[1], cfg[3], cfg[6]), []).append(w)
+        _groups.setdefault(_group_key(routine, B, cfg[3], cfg[6], width), []).append(w)
     return w
 
 
@@ -334,16 +334,27 @@ def _decode_wrapper_of(avals, bucket: int, scale: float, width: int) -> bool:
     return True
 
 
-def _group_key(routine: str, bucket: int | None, page_size: int, scale: float) -> tuple:
-    return routine, bucket if routine == "decode" else None, page_size, scale
+def _width(routine: str, width: int) -> int | None:
+    """The block-table width in the keys of decode wrappers, groups and states (None for prefill: not bucketed)."""
+    return width if routine == "decode" else None
 
 
-def _group(routine: str, bucket: int, page_size: int, scale: float) -> list:
-    """The wrappers one plan serves: decode wrappers of this bucket, or every prefill wrapper (not bucketed).
+def _group_key(routine: str, bucket: int, page_size: int, scale: float, width: int) -> tuple:
+    return routine, bucket if routine == "decode" else None, page_size, scale, _width(routine, width)
 
-    A dict lookup: scanning every wrapper (one per bucket and config) costs host time every step
-    (docs/performance.md)."""
-    return _groups.get(_group_key(routine, bucket, page_size, scale), ())
+
+def _group(routine: str, bucket: int, page_size: int, scale: float, width: int) -> list:
+    """The wrappers one plan serves: decode wrappers of this bucket and block-table width, or every prefill wrapper.
+
+    Decode groups are keyed like the wrappers, by width too: a plan of a wider block table (another engine with a
+    longer max_seq_len) must not plan the narrower wrappers, whose page buffers it overflows. A dict lookup:
+    scanning every wrapper (one per bucket and config) costs host time every step (docs/performance.md)."""
+    return _groups.get(_group_key(routine, bucket, page_size, scale, width), ())
+
+
+def _state_key(routine: str, bucket: int, page_size: int, width: int) -> tuple:
+    # by width too: alternating engines each keep their own last plan (host_plan's `prev` reuse)
+    return routine, bucket, page_size, _width(routine, width)
 
 
 def reset() -> None:
@@ -380,7 +391,9 @@ def on_plan(
             "pass the AttentionMetadata leaves straight from the batch argument (declared Batched, "
             "e.g. A.metadata_batching()) instead of computing them inside the function",
         )
-    prev = _states.get((routine, bucket, page_size))
+    width = inputs["block_table"].shape[1]
+    skey = _state_key(routine, bucket, page_size, width)
+    prev = _states.get(skey)
     host = host_plan(
         inputs["query_start_loc"],
         inputs["seq_lens"],
@@ -391,15 +404,10 @@ def on_plan(
     )
     gen = next(_gen)
     token = executing()
-    _states[(routine, bucket, page_size)] = _State(gen, host, token=token or _BY_HAND, ident=None)
+    _states[skey] = _State(gen, host, token=token or _BY_HAND, ident=None)
     in_graph = token is not None and token.in_graph  # a FULL graph that copies the metadata in itself
-    made = (
-        capturing
-        and routine == "decode"
-        and bool(avals)
-        and _decode_wrapper_of(avals, bucket, scale, inputs["block_table"].shape[1])
-    )
-    for w in _group(routine, bucket, page_size, scale):
+    made = capturing and routine == "decode" and bool(avals) and _decode_wrapper_of(avals, bucket, scale, width)
+    for w in _group(routine, bucket, page_size, scale, width):
         w.plan(host, gen, in_graph)
     return made
 
@@ -431,7 +439,7 @@ def forward(
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     B, page = q.shape[0], k_cache.shape[1]
     w = _wrapper(routine, q, k_cache, block_table, scale)
-    key, ts = (routine, B, page), (query_start_loc, seq_lens, block_table)
+    key, ts = _state_key(routine, B, page, block_table.shape[1]), (query_start_loc, seq_lens, block_table)
     st = _states.get(key)
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     now = executing()
