@@ -35,6 +35,9 @@ class config(metaclass=_Checked):
     # memory and replays, with no copy or event of its own: two CUDA calls fewer per call, each costly in host
     # time on a busy GPU (docs/performance.md). False: each call copies its inputs and records an event.
     inputs_in_graph = True
+    # compiled pieces (jit(compile=...)) of buckets up to this size are compiled for their own static shapes instead
+    # of served by the one symbolic compilation (0: none); explain says which (docs/performance.md: what it measures)
+    compile_static_max = 0
     # retraces are bounded and loud (torch's recompile limit is the model): a warning once a function has made this
     # many signatures on its own (capture() not counted), and past max_signatures new ones run eagerly
     warn_signatures = 8

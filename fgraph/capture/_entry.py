@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from .. import _primitives as P
 from .. import padding
+from .._config import config
 from .._errors import SignatureError
 from .._modes import Mode
 from .._pytree import unflattener
@@ -187,8 +188,9 @@ class Entry:
         if compile is not None:  # one compilation per distinct piece, shared (Compiled): most are found, not made
             graph_pieces = [p for p in self.program.pieces if not p.is_break]
             self.compiled = {}
+            static = self.sig.bucket is not None and self.sig.bucket <= config.compile_static_max
             for piece in tqdm(graph_pieces, desc=f"fgraph compile {self.sig.describe()}", disable=None, leave=False):
-                self.compiled[piece.name] = c = Compiled(piece.module, compile)
+                self.compiled[piece.name] = c = Compiled(piece.module, compile, static)
                 setattr(self.module, piece.name, c)
         self.buffers = InputBuffers(
             [(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],

@@ -69,9 +69,9 @@ class Compiled(torch.nn.Module):
     call it is checked against the call's sizes: where a guard or range Inductor relied on does not hold, this
     signature gets a compilation at its own static shapes."""
 
-    def __init__(self, module: fx.GraphModule, options: dict):
+    def __init__(self, module: fx.GraphModule, options: dict, static: bool = False):
         super().__init__()
-        self.module, self.options = module, options
+        self.module, self.options, self.static = module, options, static
         self.shared = compiler.symbolic(module, options)  # compiled (or found) now: capture shows the progress
         self.fn, self.how = None, None
         # a piece that returns one bare tensor (split_module's single output): compiled code returns a 1-list, which
@@ -81,7 +81,7 @@ class Compiled(torch.nn.Module):
 
     def forward(self, *args):
         if self.fn is None:
-            if self.shared.holds_for(args):
+            if not self.static and self.shared.holds_for(args):
                 self.fn, self.how = self.shared.fn, "symbolic"
             else:
                 self.fn, self.how = compiler.static(self.module, self.options, args), "static"
