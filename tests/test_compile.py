@@ -18,11 +18,12 @@ ROOT = pathlib.Path(__file__).parent.parent
 CFG = dict(llama.presets["tiny"], n_layers=3, dim=64, n_heads=2, n_kv_heads=1, head_dim=32, intermediate=96)
 
 
-def captured(buckets, tmp_path, monkeypatch, seed=0):
-    """An engine of the 3-layer tiny model with compiled pieces captured for `buckets`, both routines, on a fresh
-    Inductor cache; the model's own (eager) step; the config."""
+def captured(buckets, tmp_path, monkeypatch, seed=0, layers=3):
+    """An engine of the tiny model with compiled pieces captured for `buckets`, both routines, on a fresh Inductor
+    cache; the model's own (eager) step; the config."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    cfg = llama.LlamaConfig(**{**CFG, "vocab_size": CFG["vocab_size"] + seed})  # (another model per seed: fresh pieces)
+    # (another model per seed: fresh pieces)
+    cfg = llama.LlamaConfig(**{**CFG, "vocab_size": CFG["vocab_size"] + seed, "n_layers": layers})
     params = llama.init_params(cfg, torch.float32, "cpu", seed=seed)
     eng = engine.build(
         cfg, params, backend="torch", mode="FULL", buckets=buckets, max_batch_tokens=max(buckets),
@@ -70,6 +71,16 @@ def test_one_compilation_per_distinct_piece_serves_every_bucket_routine_and_laye
             torch.testing.assert_close(
                 call(eng, eng.step_fn, params, n, routine), call(eng, eager, params, n, routine), rtol=1e-4, atol=1e-4
             )
+
+
+def test_compilations_grow_with_what_is_distinct_not_with_layers_or_buckets(tmp_path, monkeypatch):
+    """Two layers and one bucket, or five layers and four buckets: the same three compilations (first, middle and
+    last piece), whatever the layers x buckets x routines."""
+    small = captured([2], tmp_path, monkeypatch, seed=2, layers=2)[0]
+    big = captured([2, 3, 5, 8], tmp_path, monkeypatch, seed=2, layers=5)[0]
+    assert len(small.step_fn.entries) == 2 and len(big.step_fn.entries) == 8
+    assert len(compiled_fns(small)) == len(compiled_fns(big)) == 3
+    assert set(compiled_fns(small)) == set(compiled_fns(big))  # the same model's pieces: the very same functions
 
 
 def test_a_bucket_outside_the_compilations_assumptions_gets_its_own_and_the_trace_is_untouched(tmp_path, monkeypatch):
