@@ -56,6 +56,19 @@ def arg(node: fx.Node, name: str, default=None):
     return default
 
 
+def arguments(node: fx.Node) -> dict:
+    """An op node's arguments by schema name, defaults filled in (tensors as fx Nodes)."""
+    out = {}
+    for i, a in enumerate(node.target._schema.arguments):
+        if i < len(node.args) and not a.kwarg_only:
+            out[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            out[a.name] = node.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
 def val(x):
     """The traced value of a node (of a multi-output op: its first tensor), else None."""
     v = x.meta.get("val") if isinstance(x, fx.Node) else None

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 import torch
 
+from . import _fx
 from ._errors import FgraphError
 from ._signature import Aval, takes
 
@@ -285,18 +286,7 @@ def primitive_of(node: torch.fx.Node) -> Primitive | None:
     return registry.get(t._schema.name.split("::", 1)[1])
 
 
-def node_args(node: torch.fx.Node) -> dict[str, Any]:
-    """All arguments of a break node by schema name (tensors appear as fx Nodes)."""
-    schema = node.target._schema
-    out = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(node.args):
-            out[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            out[a.name] = node.kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-    return out
+node_args = _fx.arguments  # all arguments of a break node by schema name (tensors appear as fx Nodes)
 
 
 def constant_args(node: torch.fx.Node) -> dict[str, Any]:

@@ -67,19 +67,6 @@ if hasattr(_aten, "rrelu_with_noise_functional"):
     OFF[_aten.rrelu_with_noise_functional] = _not_training
 
 
-def arguments(node: fx.Node) -> dict:
-    """An op node's arguments by schema name, defaults filled in (`dropout_p` of an sdpa call that left it out)."""
-    op, out = node.target, {}
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(node.args) and not a.kwarg_only:
-            out[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            out[a.name] = node.kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-    return out
-
-
 def draws(node: fx.Node) -> bool:
     """Whether the node reads torch's random generator: a seeded op whose arguments leave its randomness on."""
     op = node.target
@@ -88,7 +75,7 @@ def draws(node: fx.Node) -> bool:
     if torch.Tag.nondeterministic_seeded not in op.tags:
         return False
     off = OFF.get(op.overloadpacket)
-    return off is None or not off(arguments(node))
+    return off is None or not off(_fx.arguments(node))
 
 
 def random_draws(gm: fx.GraphModule) -> list[Finding]:
