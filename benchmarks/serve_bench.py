@@ -12,10 +12,10 @@ both modes back to back), and how many requests' greedy tokens differ from the f
 run (printed, never raised). A time budget skips a backend that would not fit. Rows go to <out>/serve.jsonl as
 measured; the end writes serve.json and the table.
 
-A mode with the suffix "+C" (FULL_AND_PIECEWISE+C) is its base mode serving Inductor-compiled pieces
-(Engine(compile=True)). Compiling costs seconds per signature at capture, so those engines capture only
---compiled-buckets (their row lists the buckets used) and the budget counts --compile-est-s per signature; the row
-adds gain_over_uncompiled, paired over the base mode when it ran too. Inductor's kernels are not bit-identical to
+A mode with the suffix "+C" (FULL_AND_PIECEWISE+C, the default engine on CUDA) is its base mode serving
+Inductor-compiled pieces (Engine(compile=True)): one compilation per distinct piece, shared by every bucket, so those
+engines capture every bucket too (--compiled-buckets: only those; their row lists them) and the budget counts
+--compile-est-s per engine; the row adds gain_over_uncompiled, paired over the base mode when it ran too. Inductor's kernels are not bit-identical to
 eager's in bf16: their token mismatches are reported like any others.
 
 usage (device): source .gpu/activate.sh; python3 -m benchmarks.serve_bench [--modes PIECEWISE FULL_AND_PIECEWISE
@@ -207,10 +207,10 @@ def parse_args(argv=None):
         type=int,
         nargs="+",
         default=None,
-        help="the buckets of +C engines (default 1 8 32 128 512 up to --max-batch-tokens, which is always one)",
+        help="only these buckets for +C engines (default: every bucket; --max-batch-tokens is always one)",
     )
     ap.add_argument(
-        "--compile-est-s", type=float, default=15.0, help="first guess of compiling one signature of a +C engine"
+        "--compile-est-s", type=float, default=30.0, help="first guess of compiling the pieces of a +C engine"
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny preset, torch backend, 6 short requests")
@@ -220,16 +220,14 @@ def parse_args(argv=None):
         a.preset, a.backends, a.device, a.requests, a.warmup_requests = "tiny", ["torch"], "cpu", 6, 2
         a.max_prompt, a.max_output, a.max_seqs, a.max_batch_tokens, a.max_seq_len = 48, 8, 4, 64, 128
     a.repeats = a.repeats or (2 if a.smoke else 5)
-    # few signatures: each compiles its pieces at capture (the engine adds max_batch_tokens, so it is counted here)
-    cb = a.compiled_buckets or (1, 8, 32, 128, 512)
-    a.compiled_buckets = sorted({b for b in cb if b < a.max_batch_tokens} | {a.max_batch_tokens})
+    if a.compiled_buckets:  # (the engine adds max_batch_tokens)
+        a.compiled_buckets = sorted({b for b in a.compiled_buckets if b < a.max_batch_tokens} | {a.max_batch_tokens})
     return a
 
 
 def estimate(a) -> float:
-    """First guess of one backend's seconds: builds and runs, plus compiling each +C engine's signatures (every
-    bucket of both routines)."""
-    return a.run_est_s + sum(compiled(m) for m in a.modes) * 2 * len(a.compiled_buckets) * a.compile_est_s
+    """First guess of one backend's seconds: builds and runs, plus compiling each +C engine's distinct pieces."""
+    return a.run_est_s + sum(compiled(m) for m in a.modes) * a.compile_est_s
 
 
 def main(argv=None):
