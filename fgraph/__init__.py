@@ -9,6 +9,7 @@ from ._config import config as config
 from ._errors import CaptureError as CaptureError
 from ._errors import EscapeError as EscapeError
 from ._errors import FgraphError as FgraphError
+from ._errors import RunError as RunError
 from ._errors import SignatureError as SignatureError
 from ._errors import TraceError as TraceError
 from ._explain import explain as explain

@@ -18,12 +18,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._config import config
-from ._errors import CaptureError, EscapeError, FgraphError, SignatureError
+from ._errors import CaptureError, EscapeError, FgraphError, RunError, SignatureError
 from ._fastpath import FastPath
 from ._modes import Mode
 from ._pytree import check_static_fields
 from ._signature import Call, Signature, device_of, path_str
-from .capture import Entry, new_pool
+from .capture import Entry, new_pool, ran
 from .trace import Traced
 
 log = logging.getLogger("fgraph")
@@ -99,6 +99,18 @@ class Cache:
                     "reached it",
                     "return values from jitted functions instead of storing them outside (jitted functions are pure); "
                     "the signature was dropped and the next call tries again",
+                ) from e
+            if ran(e):  # the program itself failed on real tensors: nothing was being captured
+                where = (
+                    "the warm-up before its capture"
+                    if entry.device.startswith("cuda")
+                    else ("its first run (on the CPU nothing is captured: the traced program runs eagerly)")
+                )
+                raise RunError(
+                    f"fgraph.jit({self.owner.name}): the traced program of signature {call.sig.describe()} failed in "
+                    f"{where}: {type(e).__name__}: {e}",
+                    "run the function eagerly on these inputs to debug (fgraph.disable_jit()), where a failure of "
+                    "its own shows; the signature was dropped and the next call tries again",
                 ) from e
             raise CaptureError(
                 f"fgraph.jit({self.owner.name}): {what}",
@@ -229,17 +241,56 @@ class Cache:
             for p, x in zip(call.paths, call.leaves)
             if isinstance(x, (int, float, bool)) and not isinstance(x, torch.Tensor)
         ]
+        axes = self._shape_axes(call)
+        fix = (
+            "pass values that change per call as tensors (torch.tensor(step)), or declare them static= and capture() "
+            "the ones you need"
+        )
+        if axes:  # a size that changes per call cannot be passed as a tensor: it is a shape axis, padded to buckets
+            fix = (
+                f"declare {' and '.join(f'{p} Batched(axis={d})' for p, d, _ in axes)} in batch= with buckets=[...]: "
+                "each call is padded to the smallest bucket that fits, one trace serving every bucket"
+                + "".join(
+                    f" ({p} is Batched(axis={s.axis}) now: one axis is padded, so keep its size fixed, or pad it "
+                    "yourself)"
+                    for p, _, s in axes[:1]
+                    if s is not None
+                )
+            )
         log.warning(
-            "fgraph.jit(%s): %d signatures made by calls%s%s (logged once; past fgraph.config.max_signatures=%d new "
+            "fgraph.jit(%s): %d signatures made by calls%s%s%s (logged once; past fgraph.config.max_signatures=%d new "
             "ones run eagerly). Fix: %s",
             self.owner.name,
             self.made,
             closest({k: e for k, e in self.entries.items() if k != call.sig}, call.sig),
             f"; Python scalars are part of the signature, by value: {', '.join(scalars)}" if scalars else "",
+            "; tensor sizes differ per call, along "
+            + ", ".join(f"dim {d} of {p}" for p, d, _ in axes)
+            + " (a shape is part of the signature)"
+            if axes
+            else "",
             config.max_signatures,
-            "pass values that change per call as tensors (torch.tensor(step)), or declare them static= and capture() "
-            "the ones you need",
+            fix,
         )
+
+    def _shape_axes(self, call: Call) -> list[tuple[str, int, Any]]:
+        """(key path, dim, its Batched or None) of the tensor leaves whose size along a dim (not their batch axis)
+        differs between the signatures made so far and this call's: shape axes that vary per call."""
+        out = []
+        for i, (path, leaf, spec) in enumerate(zip(call.paths, call.sig.leaves, call.specs)):
+            if leaf.shape is None:
+                continue
+            differ = set()
+            for sig in self.entries:
+                if sig.treespec != call.sig.treespec or len(sig.leaves) != len(call.sig.leaves):
+                    continue
+                other = sig.leaves[i].shape
+                if other is not None and len(other) == len(leaf.shape):
+                    differ.update(d for d, (a, b) in enumerate(zip(other, leaf.shape)) if a != b)
+            differ.discard(spec.axis if spec is not None else None)  # (its batch axis: padded to the buckets)
+            if differ:
+                out.append((path_str(path), min(differ), spec))
+        return out
 
     def stats(self) -> dict[str, dict]:
         """Counters per signature, keyed by its description (plus the leaves that tell apart ones described alike)."""

@@ -24,7 +24,14 @@ class SignatureError(FgraphError):
 
 
 class CaptureError(FgraphError):
-    """A configuration that cannot be captured (e.g. a NEVER-capturable primitive kept inside a graph)."""
+    """A configuration that cannot be captured (e.g. a NEVER-capturable primitive kept inside a graph), or a CUDA
+    graph capture that failed."""
+
+
+class RunError(FgraphError):
+    """The traced program failed when run on real tensors before any graph was recorded: the warm-up before a
+    capture, or the first run on the CPU, where nothing is captured (an index out of range, which fake tensors do
+    not check while tracing)."""
 
 
 class EscapeError(TraceError):

@@ -21,11 +21,22 @@ from tqdm.auto import tqdm
 from . import _options
 from . import trace as T
 from ._config import config
-from ._errors import CaptureError, SignatureError
+from ._errors import CaptureError, EscapeError, FgraphError, SignatureError
 from ._lower import lower
 from ._pytree import flatten_with_paths
 from ._shared import Shared, shared_for
-from ._signature import Call, Signature, Static, batch_specs, bucket_for, check_leaves, device_of, leaf_of, pad_count
+from ._signature import (
+    Call,
+    Signature,
+    Static,
+    batch_specs,
+    bucket_for,
+    check_leaves,
+    device_of,
+    leaf_of,
+    pad_count,
+    undeclared_batched,
+)
 from .capture import Entry, Stats, capture_session, compiler
 from .padding import check_aliases, check_lengths
 
@@ -187,7 +198,8 @@ class Jitted(T.Inlined):
                     + self.cache.closest(call.sig),
                     "pass values that change per call as tensors, or capture() the signatures you need up front",
                 )
-            entry = self.cache.make(self, call, call.padding_only(call.sig.bucket) if call.n is not None else call)
+            with self._padded_meets_unbatched(call):
+                entry = self.cache.make(self, call, call.padding_only(call.sig.bucket) if call.n is not None else call)
             if entry is None:  # the capture ran out of device memory: freed, this call runs eagerly
                 return self._fallback("oom", call, "capturing ran out of device memory", "capture fewer buckets")
             self.cache.made += 1
@@ -196,11 +208,47 @@ class Jitted(T.Inlined):
             self.cache.recapture(entry, call, moved)
         check_lengths(self.name, entry.traced.tied, call.leaves)
         check_aliases(self.name, entry.traced, call.leaves, call.specs)
-        out = entry.run(call.leaves, call.n, call.bound, self.options.copy_outputs, check=True)
+        first = (
+            self._padded_meets_unbatched(call, tracing=False) if entry.stats.calls == 0 else contextlib.nullcontext()
+        )
+        with first:
+            out = entry.run(call.leaves, call.n, call.bound, self.options.copy_outputs, check=True)
         if self._plain:  # (only plain views read the replay path: its entries take no lifted leaves)
             self.fastpath.remember(call, entry)
         entry.verified = None
         return out
+
+    @contextlib.contextmanager
+    def _padded_meets_unbatched(self, call: Call, tracing: bool = True):
+        """A padded call whose trace, capture or first run fails, while an input not declared Batched has the call's
+        N rows along a dim: that input is named, with the fix (the padded batched rows have no row of it).
+
+        tracing: the function's own exceptions come through as themselves (callers may catch them), with a note."""
+        try:
+            yield
+        except Exception as e:
+            if isinstance(e, (SignatureError, EscapeError)) or call.n is None or call.sig.bucket in (None, call.n):
+                raise
+            found = undeclared_batched(call, set(self.lifted.names) if self.lifted else set())
+            if not found:
+                raise
+            (path, shape, axis), *more = found
+            what = (
+                f"fgraph.jit({self.name}): {path} {shape} is not declared Batched, but its dim {axis} has this call's "
+                f"N={call.n} rows while the batched inputs are padded to the bucket {call.sig.bucket}: where they "
+                "meet, the padded rows have no row of it"
+                + (f" (so do {', '.join(f'{p} {s} dim {a}' for p, s, a in more)})" if more else "")
+            )
+            top = path.split(".")[0].split("[")[0]
+            fix = (
+                f"declare it Batched(axis={axis}): batch={{..., {top!r}: fgraph.Batched(axis={axis})}}"
+                + ("" if top == path else f" (or a prefix tree whose leaf at {path} is Batched(axis={axis}))")
+                + "; its padded rows then hold the pad value (0 by default)"
+            )
+            if tracing and not isinstance(e, FgraphError):
+                e.add_note(f"{what}\nFix: {fix}")
+                raise
+            raise SignatureError(f"{what} ({type(e).__name__}: {getattr(e, 'what', e)})", fix) from e
 
     def ungraphed(self, call) -> tuple[str, str | None] | None:
         """(kind, what) when no graph serves a call: none traces 0 rows, and none is past the largest bucket."""

@@ -414,6 +414,20 @@ def pad_count(fname: str, paths, leaves, specs) -> int | None:
     return n
 
 
+def undeclared_batched(call: Call, lifted: set[str]) -> list[tuple[str, list[int], int]]:
+    """(key path, shape, dim) of each tensor argument not declared Batched with a dim of the call's N rows.
+
+    Module parameters and other lifted state (`lifted`: their leaf names) are not arguments. Where the call is
+    padded, such an input is likely per-row data left out of batch= (an attention mask beside the input ids)."""
+    found = []
+    for path, x, spec in zip(call.paths, call.leaves, call.specs):
+        if spec is None and isinstance(x, torch.Tensor) and path_str(path) not in lifted:
+            dims = [d for d, size in enumerate(x.shape) if size == call.n]
+            if dims:
+                found.append((path_str(path), list(x.shape), dims[0]))
+    return found
+
+
 def device_of(fname: str, call) -> str:
     """The signature's device: where its non-batched tensors live (batched inputs may come from the host)."""
     devs = {}

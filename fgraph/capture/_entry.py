@@ -212,7 +212,7 @@ class Entry:
             if self.traced.warmed and compile is None and (ready or self.mode is Mode.PIECEWISE):
                 warmups = 0
             for _ in range(warmups):
-                self.module(*args)
+                G.run(self.module, *args)
             self.stats.warmups += warmups
             self.traced.warmed = self.traced.warmed or warmups > 0
             if self.device.startswith("cuda"):
@@ -290,8 +290,8 @@ class PieceRunner(torch.nn.Module):
         self._Graph, self._pool = Graph, pool
 
     def forward(self, *args):
-        if self.piece.is_break:
-            out = self.module(*args)
+        if self.piece.is_break:  # (eager: on the CPU, as every piece is, it runs the program)
+            out = G.run(self.module, *args) if self._Graph is G.HostGraph else self.module(*args)
             if self.out is None:
                 self.out = out
             else:

@@ -105,6 +105,23 @@ def _uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+def run(fn: Callable, *args) -> Any:
+    """Run the program (or a piece of it) on real tensors outside any CUDA graph capture.
+
+    An exception it raises is marked as the program's own (`ran`): Cache.make reports a RunError for it, not a
+    CaptureError."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        e.fgraph_ran = True
+        raise
+
+
+def ran(e: BaseException) -> bool:
+    """Whether the exception came from running the program on real tensors (`run`), not from capturing it."""
+    return getattr(e, "fgraph_ran", False)
+
+
 class HostGraph:
     """The CPU stand-in for a CUDA graph.
 
@@ -124,7 +141,7 @@ class HostGraph:
         # aliases of the inputs' memory, not the tensor objects: a CUDA graph reads the memory it was captured with
         # even if the object is later pointed elsewhere (`t.data = u`)
         self.fn, self.args = fn, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-        self.out = fn(*self.args)
+        self.out = run(fn, *self.args)  # the CPU's "capture" is an eager run: its errors are the program's
         return self.out
 
     def replay(self) -> Any:

@@ -25,6 +25,7 @@ from .._errors import FgraphError, TraceError
 from .._state import root_of
 from . import _errors as E
 from . import _escapes
+from ._compiling import compiling_flag
 
 
 def user_line(skip_ops: bool = True) -> str:
@@ -214,7 +215,13 @@ def trace(
 
     tracing.depth += 1
     try:
-        with _record_source_lines(), _RejectHostSyncs(fname), E.quiet(), _watch_grad_mode() as grad_mode:
+        with (
+            _record_source_lines(),
+            _RejectHostSyncs(fname),
+            E.quiet(),
+            _watch_grad_mode() as grad_mode,
+            compiling_flag(),
+        ):
             if any(a is not None for a in batch_axes):
                 env = ShapeEnv()
                 mode = FakeTensorMode(shape_env=env)

@@ -28,6 +28,7 @@ from torch.fx.experimental import proxy_tensor as pt
 
 from .._errors import FgraphError, TraceError
 from .._pytree import tree_flatten
+from ._compiling import dynamo_compiling
 from ._errors import op_label
 
 stats = {"traced": 0, "copied": 0}  # calls of repeated functions under tracing: traced as usual / copied
@@ -105,7 +106,7 @@ def repeated(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        mode = None if torch.compiler.is_compiling() else pt.get_proxy_mode()
+        mode = None if dynamo_compiling() else pt.get_proxy_mode()
         if mode is None:
             return fn(*args, **kwargs)
         tracer = mode.tracer
