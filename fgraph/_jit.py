@@ -23,7 +23,7 @@ from . import trace as T
 from ._config import config
 from ._errors import CaptureError, EscapeError, FgraphError, SignatureError
 from ._lower import lower
-from ._pytree import flatten_with_paths
+from ._pytree import flatten_with_paths, is_seen_into, see_into
 from ._shared import Shared, shared_for
 from ._signature import (
     Call,
@@ -159,6 +159,9 @@ class Jitted(T.Inlined):
                     f"fgraph.jit({self.name}): static argument {k}={v!r} is unhashable ({type(v).__name__})",
                     "pass a hashable value (a tuple instead of a list, a frozen attrs class instead of a dict)",
                 ) from None
+        for k in self.options.donate:  # donated objects of plain classes (an HF StaticCache): seen into
+            if k in dynamic:
+                see_into(dynamic[k])
         dynamic = T.check_call(self.name, self.lifted, statics, dynamic)  # + the lifted tensors' current values
         if self._plain and self.lifted:  # found at the first call: read per call, so no replay-path binding
             self._plain = False
@@ -182,6 +185,8 @@ class Jitted(T.Inlined):
         if (why := self.ungraphed(call)) is not None:  # an empty batch: counted, not logged (nothing to fix)
             return self._fallback(why[0], call, why[1], "raise buckets=[..., N] or split the batch")
         entry = self.cache.entries.get(call.sig)
+        if entry is None and call.sig in self.shared.initialising:
+            return self._fallback("init", call, None, None)
         if entry is None:
             if self.sealed:
                 return self._fallback(
@@ -198,8 +203,14 @@ class Jitted(T.Inlined):
                     + self.cache.closest(call.sig),
                     "pass values that change per call as tensors, or capture() the signatures you need up front",
                 )
-            with self._padded_meets_unbatched(call):
-                entry = self.cache.make(self, call, call.padding_only(call.sig.bucket) if call.n is not None else call)
+            try:
+                with self._padded_meets_unbatched(call):
+                    entry = self.cache.make(
+                        self, call, call.padding_only(call.sig.bucket) if call.n is not None else call
+                    )
+            except T.InitialisesState as e:  # a lazily made cache: this call makes its tensors, eagerly
+                self.shared.initialising.add(call.sig)
+                return self._fallback("init", call, e.what, e.fix)
             if entry is None:  # the capture ran out of device memory: freed, this call runs eagerly
                 return self._fallback("oom", call, "capturing ran out of device memory", "capture fewer buckets")
             self.cache.made += 1
@@ -266,7 +277,24 @@ class Jitted(T.Inlined):
         self.fallbacks[kind] += 1
         device = device_of(self.name, call)
         leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]
-        return T.invoke(self, pytree.tree_unflatten(leaves, call.sig.treespec), call.statics)
+        tree = pytree.tree_unflatten(leaves, call.sig.treespec)
+        for k in self.options.donate:  # the caller's own donated objects, which the call may initialise
+            if k in tree and is_seen_into(call.bound.get(k)):
+                tree[k] = call.bound[k]
+        return T.invoke(self, tree, call.statics)
+
+    def __getattr__(self, name: str):
+        """A jitted module is a drop-in for it: attributes Jitted lacks are the module's (`.config`, `.device`).
+
+        Its methods (`.generate`) run with the module's forward jitted (these options), so the `self(...)` calls
+        inside them go through fgraph as well."""
+        fn = self.__dict__.get("fn")
+        if name.startswith("_") or not isinstance(fn, torch.nn.Module):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        attr = getattr(fn, name)
+        if not (isinstance(attr, types.MethodType) and attr.__self__ is fn) or name == "forward":
+            return attr
+        return functools.partial(_with_jitted_forward, self, attr)
 
     # -- capture ---------------------------------------------------------------------------------------------
     def capture(self, *args, buckets=None, progress=True, **kwargs):
@@ -340,6 +368,23 @@ class Jitted(T.Inlined):
         Graphs whose outputs the caller still holds keep their memory (retired, not freed) until a later reset
         finds them unused. Every jit object of this function and options is reset (they share one cache)."""
         self.shared.reset()
+
+
+def _with_jitted_forward(jitted: Jitted, method, *args, **kwargs):
+    """`jit(model).generate(...)`: the module's method, with `model.forward` jitted by these options meanwhile."""
+    module = jitted.fn
+    forward = jitted.__dict__.get("_forward")
+    if forward is None:
+        forward = jitted.__dict__["_forward"] = Jitted(module.forward, **jitted.options.given)
+    had, prev = "forward" in vars(module), vars(module).get("forward")
+    module.forward = forward
+    try:
+        return method(*args, **kwargs)
+    finally:
+        if had:
+            module.forward = prev
+        else:
+            del module.forward
 
 
 def _method(jitted: Jitted, obj) -> Jitted:

@@ -7,6 +7,7 @@ into the tree structure, so they are part of the signature and must be hashable.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import attrs
@@ -72,6 +73,144 @@ def register(cls: type) -> type:
         serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
     )
     return cls
+
+
+_OBJECTS: set[type] = set()  # plain classes seen into as donated state (see_into)
+_OPAQUE = (torch.Tensor, torch.nn.Module, type, types.FunctionType, types.MethodType, types.ModuleType)
+
+
+def _plain_object(x) -> bool:
+    """An instance of a plain Python class pytrees do not know (no dataclass, attrs class, container or torch type)."""
+    t = type(x)
+    return (
+        t not in pytree.SUPPORTED_NODES
+        and isinstance(getattr(x, "__dict__", None), dict)
+        and not isinstance(x, (*_OPAQUE, list, tuple, dict))
+        and not _is_record(x)
+        and t.__module__.split(".")[0] not in ("builtins", "torch", "fgraph", "functools")
+    )
+
+
+def see_into(tree: Any, depth: int = 8) -> None:
+    """Register the plain classes of the objects in a donated argument (and nested in them) as pytree nodes.
+
+    An object of such a class (transformers' StaticCache, its StaticLayers) is flattened into its attributes:
+    tensors, containers and objects seen into are children (their tensors become donated state, read and written in
+    place), every other attribute (ints, bools, None, strings, devices) is static, part of the signature."""
+    if depth == 0:
+        return
+    if _plain_object(x := tree):
+        if type(x) not in _OBJECTS:
+            _register_object(type(x))
+        children = list(vars(x).values())
+    elif isinstance(x, dict):
+        children = list(x.values())
+    elif isinstance(x, (list, tuple)):
+        children = list(x)
+    elif type(x) in _OBJECTS:
+        children = list(vars(x).values())
+    else:
+        return
+    for c in children:
+        see_into(c, depth - 1)
+
+
+class _Held:
+    """An unhashable static attribute, keyed by identity."""
+
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        return type(other) is _Held and other.v is self.v
+
+    def __hash__(self):
+        return id(self.v)
+
+    def __repr__(self):
+        return f"<{type(self.v).__name__} at {id(self.v):#x}>"
+
+
+def _is_state(v) -> bool:
+    return isinstance(v, (torch.Tensor, list, tuple, dict)) or type(v) in pytree.SUPPORTED_NODES
+
+
+def _static(v):
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return _Held(v)
+
+
+_DYNAMIC = "_fgraph_dynamic"  # in an unflattened object: its children's names
+
+
+def _dynamic_names(d: dict) -> list[str]:
+    """The attributes that are children: state values, and those an object unflattened from leaves had as such."""
+    kept = d.get(_DYNAMIC, ())  # (its leaves may be anything: torch's broadcasting unflattens zeros)
+    return [k for k, v in d.items() if k != _DYNAMIC and (k in kept or _is_state(v))]
+
+
+def _register_object(cls: type) -> None:
+    def parts(x):
+        d = vars(x)
+        dyn = _dynamic_names(d)
+        ctx = (tuple(dyn), tuple((k, _static(v)) for k, v in d.items() if k not in dyn and k != _DYNAMIC))
+        return [d[k] for k in dyn], ctx, dyn
+
+    def flatten(x):
+        values, ctx, _ = parts(x)
+        return values, ctx
+
+    def flatten_with_keys(x):
+        values, ctx, dyn = parts(x)
+        return [(pytree.GetAttrKey(k), v) for k, v in zip(dyn, values)], ctx
+
+    def unflatten(values, ctx):
+        obj = object.__new__(cls)  # (no __init__: values may be fx proxies or fakes)
+        d = vars(obj)
+        d.update(zip(ctx[0], values))
+        d.update((k, v.v if type(v) is _Held else v) for k, v in ctx[1])
+        d[_DYNAMIC] = ctx[0]
+        return obj
+
+    pytree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,
+        flatten_with_keys_fn=flatten_with_keys,
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+    )
+    _OBJECTS.add(cls)
+
+
+def static_attrs(tree: Any, path: str = "") -> dict[str, Any]:
+    """`path.attr -> value` for the static attributes of the objects seen into in `tree` (see_into)."""
+    out = {}
+    if type(tree) in _OBJECTS:
+        dyn = _dynamic_names(vars(tree))
+        for k, v in vars(tree).items():
+            if k == _DYNAMIC:
+                continue
+            if k in dyn:
+                out |= static_attrs(v, f"{path}.{k}")
+            else:
+                out[f"{path}.{k}"] = v
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            out |= static_attrs(v, f"{path}[{k!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out |= static_attrs(v, f"{path}[{i}]")
+    return out
+
+
+def is_seen_into(x) -> bool:
+    """Whether `x` is an object of a plain class seen into (see_into)."""
+    return type(x) in _OBJECTS
 
 
 def _is_record(x) -> bool:

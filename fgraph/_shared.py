@@ -38,8 +38,9 @@ class Shared:
         self.fastpath = FastPath(name, signature, options.static, options.batch, options.buckets)
         self.cache = Cache(self, self.fastpath)
         self.sealed = False  # capture() ran: unseen signatures run eagerly (or raise with strict) from now on
-        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0}
+        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0, "init": 0}
         self.logged: set = set()  # warnings already logged once
+        self.initialising: set = set()  # signatures whose calls make donated state's tensors: run eagerly
         self.lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
 
     def log_once(self, key, fmt: str, *args) -> None:

@@ -19,4 +19,5 @@ from ._repeated import repeated as repeated
 from ._split import Piece as Piece
 from ._split import Program as Program
 from ._split import op_summary as op_summary
+from ._traced import InitialisesState as InitialisesState
 from ._traced import Traced as Traced

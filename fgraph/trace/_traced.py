@@ -14,14 +14,23 @@ import torch.utils._pytree as pytree
 
 from .. import _primitives as P
 from .. import padding
+from .._errors import TraceError
 from .._fx import base_of, write_targets
 from .._modes import resolve_mode
-from .._pytree import holds, tree_flatten
+from .._pytree import flatten_with_paths, holds, static_attrs, tree_flatten
 from .._signature import Call, aval_of, path_str
 from .._state import root_of
 from ._callable import invoke
 from ._make import check, trace
 from ._split import Program, breaks_filter, split
+
+
+class InitialisesState(Exception):
+    """The call makes tensors of a donated object that held none there (a lazily made cache): it runs eagerly."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(what)
+        self.what, self.fix = what, fix
 
 
 class Traced:
@@ -43,17 +52,19 @@ class Traced:
                 leaves[i] = t
             dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
             passed = {name: tree_flatten(v) for name, v in dyn.items()}
+            before = {name: (flatten_with_paths(dyn[name])[0], static_attrs(dyn[name])) for name in donated}
             out = invoke(jitted, dyn, call.statics)
+            self.state_change = _state_change(fname, donated, dyn, before)
             out_leaves, self.out_spec = tree_flatten(out)
             padding.refuse_opaque_outputs(fname, out, out_leaves)
-            if type(out) is tuple or pytree.is_namedtuple_instance(out):
-                # `return logits, state`: hand the caller's own donated `state` back (no unflattening per call) if it
-                # holds what was passed; one the function stored into (state["h"] = h) is traced. Only donated
-                # arguments: any other input returned, lifted tensors included, is a value the program copies
-                held = {k: name for k, o in enumerate(out) for name in donated if o is dyn[name]}
-                self.out_args = {k: name for k, name in held.items() if holds(out[k], *passed[name])}
-                if self.out_args:
-                    self.out_recipe, self.out_spec = _fold_arguments(out, self.out_args)
+            # the caller's own donated argument handed back wherever it is returned (`return logits, state`, an HF
+            # output's `.cache`; no unflattening per call) if it holds what was passed; one the function stored
+            # into (state["h"] = h) is traced. Only donated arguments: any other input returned, lifted tensors
+            # included, is a value the program copies
+            held = {id(dyn[name]): name for name in donated if holds(dyn[name], *passed[name])}
+            if held and any(id(x) in held for x in pytree.tree_leaves(out, is_leaf=lambda x: id(x) in held)):
+                self.out_recipe, self.out_spec = _fold_arguments(out, held, passed)
+                self.out_args = {k: x for k, x in enumerate(self.out_recipe) if type(x) is str}
             return out_leaves
 
         t0 = time.perf_counter()
@@ -72,7 +83,10 @@ class Traced:
             for i in tensor_ix
         ]
         reach = (jitted.fn, call.bound)  # where a traced value must not be left: its reach, the caller's args
+        self.state_change = None
         gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix], reach)
+        if self.state_change is not None:  # a lazily made cache: its first call runs eagerly
+            raise self.state_change
         self.gm = gm  # the whole program, unsplit (Jitted.lower)
         self.grad_mode = gm.meta["grad_mode"]  # the grad mode the function branched on, else None (serves both)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -184,18 +198,71 @@ def _self_of(o):
     return o
 
 
-def _fold_arguments(out: tuple, out_args: dict[int, str]):
-    """Outputs that are the caller's own arguments become one leaf each.
+def _fold_arguments(out, held: dict[int, str], passed: dict):
+    """Outputs that are the caller's own donated arguments become one leaf each, wherever they are in the output.
 
     Returns (recipe, spec), where the recipe lists, per leaf of the folded tree, the index of the graph output to
     use, or the argument name to hand back."""
     recipe, base = [], 0
-    for k, o in enumerate(out):
-        n = len(pytree.tree_leaves(o))
-        recipe.extend([out_args[k]] if k in out_args else range(base, base + n))
-        base += n
-    items = [None if k in out_args else o for k, o in enumerate(out)]
-    return recipe, pytree.tree_flatten(type(out)(*items) if type(out) is not tuple else tuple(items))[1]
+    folded, spec = pytree.tree_flatten(out, is_leaf=lambda x: id(x) in held)
+    for x in folded:
+        if id(x) in held:
+            recipe.append(held[id(x)])
+            base += len(passed[held[id(x)]][0])
+        else:
+            recipe.append(base)
+            base += 1
+    return recipe, spec
+
+
+def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> InitialisesState | None:
+    """How the call changed what its donated arguments hold, beyond writing their tensors in place.
+
+    None when it only wrote in place; InitialisesState when it made tensors where there were none (a lazily made
+    cache: that call runs eagerly, later ones are traced); a TraceError when it replaced a tensor by another (a
+    growing cache) or changed a Python value in it (graphs replay neither)."""
+    made = []
+    for name in donated:
+        was, was_static = before[name]
+        was_leaves = dict(was)
+        now = flatten_with_paths(dyn[name])[0]
+        for p, x in now:
+            old = was_leaves.get(p, None)
+            where = name + pytree.keystr(p)
+            if isinstance(old, torch.Tensor) and x is not old:
+                grew = isinstance(x, torch.Tensor) and tuple(x.shape) != tuple(old.shape)
+                raise TraceError(
+                    f"fgraph.jit({fname}): donated `{where}` ({_aval(old)}) is replaced by "
+                    f"{'a new tensor ' + _aval(x) if isinstance(x, torch.Tensor) else repr(x)}"
+                    f"{', grown' if grew else ''} by the function, where donated state is written in place (a cache "
+                    "that grows per call, such as transformers' DynamicCache, has no fixed-size graph)",
+                    "use a fixed-size cache written in place: transformers' generate(..., "
+                    'cache_implementation="static") or a StaticCache; or no cache: use_cache=False',
+                )
+            if p not in was_leaves and isinstance(x, torch.Tensor):
+                made.append(where)
+        now_static = static_attrs(dyn[name])
+        changed = [k for k in now_static if k in was_static and not _same(now_static[k], was_static[k])]
+        if changed and not made:
+            k = changed[0]
+            raise TraceError(
+                f"fgraph.jit({fname}): the function changes `{name}{k}` of donated state from "
+                f"{was_static[k]!r} to {now_static[k]!r}: a Python value, which a captured graph cannot update",
+                f"keep `{name}{k}` in a tensor updated in place (or pass it as an argument)",
+            )
+    if made:
+        return InitialisesState(
+            f"the call makes donated `{made[0]}`"
+            + (f" and {len(made) - 1} more" if len(made) > 1 else "")
+            + ", which held no tensor (state made lazily, on first use): this call runs eagerly, later ones are traced",
+            "make the state before the first call to trace it as well (a transformers StaticCache: "
+            "cache.early_initialization(...))",
+        )
+    return None
+
+
+def _aval(t) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 def _direct(module: fx.GraphModule) -> fx.GraphModule:
@@ -243,3 +310,10 @@ def _plan_sites(gm, ph_pos, tensor_ix, specs) -> list[PlanSite]:
         key = (p, repr(sorted(args.items())), tuple(sorted(inputs.items())), tuple(avals.items()))
         sites.setdefault(key, PlanSite(p, args, inputs, avals))
     return list(sites.values())
+
+
+def _same(a, b) -> bool:
+    try:
+        return a is b or type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False

@@ -1,0 +1,128 @@
+"""HF generate decode tokens/s: eager, torch.compile's static-cache recipe and fgraph.jit's, side by side.
+
+    python3 -m benchmarks.hf_bench            # GPU: a Qwen2.5-0.5B-shaped random-weight model, bf16, ctx 1024
+    python3 -m benchmarks.hf_bench --smoke    # CPU: a tiny model, a few seconds
+
+B=1 and B=8. Contenders: HF eager (its default DynamicCache), HF + torch.compile (`model.forward =
+torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`, cache_implementation="static") and HF +
+fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=["cache"])`, the static cache). The compiled
+contenders get one StaticCache each, early-initialised and reset between rounds (read in place). Tokens are checked
+against eager's before timing; rounds alternate between contenders; decode tokens/s = B * (N - 1) / (t(N) - t(1))
+over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per cell to
+$OUT/hf_bench.jsonl (and stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import fgraph
+
+
+def make_model(smoke: bool, device: str, dtype):
+    import transformers as tf
+
+    if smoke:
+        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256)  # fmt: skip
+    else:  # Qwen2.5-0.5B's shapes
+        cfg = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+    none = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    config = tf.Qwen2Config(**cfg, max_position_embeddings=4096, attn_implementation="sdpa", **none)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tf.Qwen2ForCausalLM(config).to(dtype).eval()
+    model.generation_config.update(**none)
+    return model
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.hf_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, no torch.compile")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--ctx", type=int, default=None, help="prompt tokens (default 1024; smoke 32)")
+    p.add_argument("--new", type=int, default=None, help="new tokens per timed generate (default 64; smoke 6)")
+    p.add_argument("--rounds", type=int, default=None)
+    args = p.parse_args(argv)
+    smoke = args.smoke or not torch.cuda.is_available()
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    ctx, new = args.ctx or (32 if smoke else 1024), args.new or (6 if smoke else 64)
+    rounds = args.rounds or (2 if smoke else 5)
+    from transformers import StaticCache
+
+    base = make_model(smoke, device, dtype)
+    contenders = {"hf_eager": base}
+    if not smoke:
+        m = make_model(smoke, device, dtype)
+        m.load_state_dict(base.state_dict())
+        m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+        contenders["hf_compile_static"] = m
+    m = make_model(smoke, device, dtype)
+    m.load_state_dict(base.state_dict())
+    m.forward = fgraph.jit(m.forward, donate=["cache"], mode="FULL_AND_PIECEWISE", buckets=[1, 8])
+    contenders["hf_fgraph_static"] = m
+    out_dir = os.environ.get("OUT", ".")
+    rows = []
+    for B in args.batches:
+        ids = torch.randint(0, base.config.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(B))
+        ids = ids.to(device)
+        caches = {}
+        for name, m in contenders.items():
+            if name != "hf_eager":
+                # headroom: the warm-up and capture runs of a new signature write past the call's positions (put back)
+                c = StaticCache(config=m.config, max_cache_len=2 * ctx + new)
+                c.early_initialization(
+                    B, m.config.num_key_value_heads, m.config.hidden_size // m.config.num_attention_heads, dtype, device
+                )
+                caches[name] = c
+
+        def gen(name, n):
+            m, kw = contenders[name], {}
+            if name in caches:
+                caches[name].reset()
+                kw = dict(cache=caches[name])
+            with torch.no_grad():
+                return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True, **kw)
+
+        want = gen("hf_eager", new)
+        equal = {name: bool(torch.equal(gen(name, new), want)) for name in contenders}  # (also the warm-up)
+        times = {name: {1: [], new: []} for name in contenders}
+        for _ in range(rounds):
+            for n in (1, new):
+                for name in contenders:  # alternating: every contender in every round
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    gen(name, n)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    times[name][n].append(time.perf_counter() - t0)
+        for name in contenders:
+            rates = [B * (new - 1) / max(tn - t1, 1e-9) for t1, tn in zip(times[name][1], times[name][new])]
+            row = {
+                "bench": "hf_bench", "device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "ctx": ctx,
+                "new_tokens": new, "contender": name, "tokens_equal_eager": equal[name],
+                "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
+                "decode_tok_s_max": max(rates), "rounds": rounds,
+            }  # fmt: skip
+            if name == "hf_fgraph_static":
+                s = contenders[name].forward.stats()
+                row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "hf_bench.jsonl"), "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""HF caches as donated state: `model.forward = fgraph.jit(model.forward, donate=["cache"])` and
+`model.generate(..., cache_implementation="static")` give eager's greedy tokens; a growing cache is a clear error;
+a jitted module is a drop-in for it (issue #31)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache, StaticCache  # noqa: E402
+
+import fgraph  # noqa: E402
+from examples import hf_generate as G  # noqa: E402
+from tests.test_semantics import MODES  # noqa: E402
+
+IDS = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", MODES)
+def test_static_cache_recipe_equals_eager_generate(arch, mode):
+    model = G.tiny(arch)
+    want = G.generate(model, IDS, 4)
+    f = G.jit_forward(model, mode)
+    assert torch.equal(G.generate(model, IDS, 4), want)
+    assert torch.equal(G.generate(model, IDS, 4), want)  # a second generate: a new cache, the same decode signature
+    s = f.stats()
+    assert s["fallbacks"]["init"] == 2  # each prefill makes its lazily made cache's tensors, eagerly
+    assert len(f.entries) == 1 and s["total"]["traces"] == 1 and s["total"]["calls"] == 6  # decode: one signature
+    (e,) = f.entries.values()
+    assert "cache.layers[0].keys" in e.paths and "cache.layers[1].cumulative_length" in e.paths
+
+
+@torch.no_grad()
+def test_token_by_token_decode_with_a_static_cache_the_caller_made():
+    model = G.tiny("llama")
+    f = fgraph.jit(model, donate=["cache"], mode="FULL")
+
+    def run(fn):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        cache.early_initialization(2, 2, 16, torch.float32, "cpu")  # initialised: the prefill is traced as well
+        ids, steps = IDS, []
+        out = fn(input_ids=ids, cache=cache, use_cache=True)
+        assert out.cache is cache  # the caller's own cache handed back, written in place
+        for _ in range(3):
+            nxt = out.logits[:, -1:].argmax(-1)
+            ids = torch.cat([ids, nxt], 1)
+            steps.append(out.logits[:, -1].clone())
+            out = fn(input_ids=nxt, cache=cache, use_cache=True)
+        assert int(cache.layers[0].cumulative_length) == 8
+        return ids, steps
+
+    want_ids, want = run(model)
+    got_ids, got = run(f)
+    assert torch.equal(got_ids, want_ids) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+    assert len(f.entries) == 2 and f.stats()["fallbacks"]["init"] == 0  # prefill and decode, each traced once
+
+
+class Layer:  # a plain class, as a transformers 4.x cache layer: tensors and Python ints
+    def __init__(self, n):
+        self.keys, self.length, self.size = torch.zeros(n, 3), torch.tensor(0), n
+
+
+class Cache:
+    def __init__(self, layers, n):
+        self.layers = [Layer(n) for _ in range(layers)]
+
+
+def step(x, past_key_values=None):  # the transformers 4.x spelling of the parameter
+    for layer in past_key_values.layers:
+        layer.keys.index_copy_(0, layer.length.reshape(1), x[None])
+        layer.length.add_(1)
+        x = x + layer.keys.sum(0)
+    return x, past_key_values
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_donated_plain_object_is_seen_into_and_handed_back(mode):
+    want_cache, got_cache = Cache(2, 4), Cache(2, 4)
+    f = fgraph.jit(step, donate=["past_key_values"], mode=mode)
+    for i in range(3):
+        x = torch.full((3,), float(i))
+        want, back = step(x, want_cache)
+        got, got_back = f(x, got_cache)
+        assert torch.equal(got, want) and got_back is got_cache
+    for a, b in zip(want_cache.layers, got_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.length, b.length) and b.size == 4
+    assert len(f.entries) == 1 and f.stats()["total"]["traces"] == 1
+
+
+def test_a_dynamic_cache_is_a_clear_error():
+    model = G.tiny("llama")
+    model.forward = fgraph.jit(model.forward, donate=["cache"])
+    with pytest.raises(fgraph.TraceError) as e, torch.no_grad():  # generate's default cache: a DynamicCache
+        model.generate(IDS, max_new_tokens=3, do_sample=False)
+    msg = str(e.value)
+    assert "cache.layers[0].keys" in msg and "grown" in msg and "DynamicCache" in msg
+    assert "use_cache=False" in msg and 'cache_implementation="static"' in msg
+    cache = DynamicCache(config=model.config)  # the caller's own: its first call makes it, its second grows it
+    model(input_ids=IDS, cache=cache, use_cache=True)
+    with pytest.raises(fgraph.TraceError, match="use_cache=False"):
+        model(input_ids=IDS[:, :1], cache=cache, use_cache=True)
+
+
+def test_the_jitted_module_forwards_attribute_access():
+    model = G.tiny("qwen2")
+    want = G.generate(model, IDS, 3)
+    m = fgraph.jit(model, donate=["cache"])
+    assert m.config is model.config and m.device == model.device and m.generation_config is model.generation_config
+    assert torch.equal(G.generate(m, IDS, 3), want)  # generate's self(...) goes through the jitted forward
+    assert m._forward.stats()["total"]["calls"] == 2 and "forward" not in vars(model)  # restored afterwards
+    with pytest.raises(AttributeError):
+        m.no_such_attribute  # noqa: B018
+
+
+@pytest.mark.gpu
+def test_full_capture_of_the_recipe_on_the_gpu_gives_exact_tokens():
+    model = G.tiny("qwen2", "cuda")
+    ids = IDS.cuda()
+    want = G.generate(model, ids, 8)
+    f = G.jit_forward(model, "FULL")
+    assert torch.equal(G.generate(model, ids, 8), want)
+    assert f.stats()["total"]["captures"] >= 1 and f.stats()["total"]["replays"] >= 6
