@@ -68,6 +68,11 @@ def main(argv=None):
     m.load_state_dict(base.state_dict())
     m.forward = fgraph.jit(m.forward, donate=["cache"], mode="FULL_AND_PIECEWISE", buckets=[1, 8])
     contenders["hf_fgraph_static"] = m
+    if not smoke:  # the same with Inductor-compiled pieces (an HF model has no break: its forward is one piece)
+        m = make_model(smoke, device, dtype)
+        m.load_state_dict(base.state_dict())
+        m.forward = fgraph.jit(m.forward, donate=["cache"], mode="FULL_AND_PIECEWISE", buckets=[1, 8], compile=True)
+        contenders["hf_fgraph_static_compiled"] = m
     out_dir = os.environ.get("OUT", ".")
     rows = []
     for B in args.batches:
