@@ -117,7 +117,7 @@ def main(argv=None):
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
                 "decode_tok_s_max": max(rates), "rounds": rounds,
             }  # fmt: skip
-            if name == "hf_fgraph_static":
+            if name.startswith("hf_fgraph"):
                 s = contenders[name].forward.stats()
                 row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
             rows.append(row)
