@@ -22,7 +22,7 @@ import time
 
 import torch
 
-import fgraph
+from examples import hf_generate
 
 
 def make_model(smoke: bool, device: str, dtype):
@@ -66,12 +66,12 @@ def main(argv=None):
         contenders["hf_compile_static"] = m
     m = make_model(smoke, device, dtype)
     m.load_state_dict(base.state_dict())
-    m.forward = fgraph.jit(m.forward, donate=["cache"], mode="FULL_AND_PIECEWISE", buckets=[1, 8])
+    hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])  # `cache` (5.x) or `past_key_values` (4.x)
     contenders["hf_fgraph_static"] = m
     if not smoke:  # the same with Inductor-compiled pieces (an HF model has no break: its forward is one piece)
         m = make_model(smoke, device, dtype)
         m.load_state_dict(base.state_dict())
-        m.forward = fgraph.jit(m.forward, donate=["cache"], mode="FULL_AND_PIECEWISE", buckets=[1, 8], compile=True)
+        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=True)
         contenders["hf_fgraph_static_compiled"] = m
     out_dir = os.environ.get("OUT", ".")
     rows = []

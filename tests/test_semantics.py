@@ -527,7 +527,7 @@ def test_a_capture_out_of_memory_frees_it_and_runs_eagerly(monkeypatch):
 
 @pytest.mark.gpu
 def test_a_capture_out_of_memory_on_the_gpu_frees_what_it_made(monkeypatch):
-    from fgraph import _graphs as G
+    from fgraph.capture import _graphs as G
 
     j = fgraph.jit(layer, batch={"x": Batched()}, mode="FULL", buckets=[4])
     p, x = params("cuda"), rand("cuda", 3, 4)
