@@ -227,7 +227,11 @@ class Jitted(T.Inlined):
         if self._plain:  # (only plain views read the replay path: its entries take no lifted leaves)
             self.fastpath.remember(call, entry)
         entry.verified = None
-        return out
+        return T.refuse_backward(self.name, self.lifted, out, self._donated(call))
+
+    def _donated(self, call) -> tuple:
+        """The donated arguments of a call, as passed (handed back as the caller's own when returned)."""
+        return tuple(call.bound[k] for k in self.options.donate if k in call.bound)
 
     @contextlib.contextmanager
     def _padded_meets_unbatched(self, call: Call, tracing: bool = True):
@@ -281,7 +285,7 @@ class Jitted(T.Inlined):
         for k in self.options.donate:  # the caller's own donated objects, which the call may initialise
             if k in tree and is_seen_into(call.bound.get(k)):
                 tree[k] = call.bound[k]
-        return T.invoke(self, tree, call.statics)
+        return T.refuse_backward(self.name, self.lifted, T.invoke(self, tree, call.statics), self._donated(call))
 
     def __getattr__(self, name: str):
         """A jitted module is a drop-in for it: attributes Jitted lacks are the module's (`.config`, `.device`).

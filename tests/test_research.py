@@ -74,13 +74,22 @@ def _affine_jitted(mode):
     return m, fgraph.jit(m, batch={"x": Batched()}, mode=mode, buckets=[1, 4, 8])
 
 
-def test_a_module_called_with_grad_mode_on_is_inference():
-    """Parameters that require grad are read as data: outputs equal eager's and carry no stale autograd history."""
+@pytest.mark.parametrize("mode", MODES)
+def test_a_module_called_with_grad_mode_on_is_inference_and_a_backward_through_it_is_refused(mode):
+    """Parameters that require grad are read as data: outputs equal eager's and, as eager's, require grad, but a
+    backward through them (training through a jitted module) is an fgraph error naming the fix, not torch's "element
+    0 of tensors does not require grad". Under no_grad the outputs are plain tensors."""
     m = Affine()
-    f = fgraph.jit(m, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    m.train()
+    f = fgraph.jit(m, batch={"x": Batched()}, mode=mode, buckets=[4])
     x = torch.randn(3, 4)
     y = f(x)
-    assert torch.equal(y, m(x)) and not y.requires_grad
+    assert torch.equal(y, m(x)) and y.requires_grad
+    with pytest.raises(fgraph.FgraphError, match=r"(?s)a backward through the output of a jitted call.*torch\.no_grad"):
+        y.sum().backward()
+    assert m.lin.weight.grad is None
+    with torch.no_grad():
+        assert not f(x).requires_grad
 
 
 def test_jit_of_a_bound_forward_equals_eager():

@@ -184,18 +184,22 @@ class Lifted:
 
     # -- per call ----------------------------------------------------------------------------------------------
     def values(self) -> dict[str, torch.Tensor]:
-        """The lifted tensors as they are now, by leaf name (a module's: `self.layers.0.weight`)."""
-        out, self.names = {}, {}
+        """The lifted tensors as they are now, by leaf name (a module's: `self.layers.0.weight`).
+
+        `grads` says afterwards whether any of them requires grad (they are read as data: see refuse_backward)."""
+        out, self.names, self.grads = {}, {}, False
         for i, (name, m) in enumerate(self.modules):
             for k, v in [*m.named_parameters(), *m.named_buffers()]:
                 # read as data (same storage): a jitted call is inference, its outputs carry no autograd history
                 out[f"{name}.{k}"] = v.detach() if v.requires_grad else v
                 self.names[f"{name}.{k}"] = (i, k)
+                self.grads = self.grads or v.requires_grad
         for i, (name, kind, holder, key) in enumerate(self.slots, len(self.modules)):
             v = _read(kind, holder, key)
             if isinstance(v, torch.Tensor):
                 out[name] = v.detach() if v.requires_grad else v
                 self.names[name] = (i, None)
+                self.grads = self.grads or v.requires_grad
         return out
 
     @contextlib.contextmanager
@@ -329,6 +333,47 @@ def context(lifted: Lifted) -> tuple:
     modules in training mode."""
     state, training = torch_state(), lifted.training() if lifted else ()
     return ((("<torch>", state),) if state else ()) + ((("<training>", training),) if training else ())
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """An output of a jitted call whose function reads tensors that require grad, made with grad mode on.
+
+    As in eager, it requires grad; unlike eager, a backward through it is refused: the call ran captured graphs
+    over the parameters read as data, so there is no gradient to give them (torch would say only that "element 0 of
+    tensors does not require grad")."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, fname):  # anchor: a leaf that requires grad, so the output does too
+        ctx.fname = fname
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise FgraphError(
+            f"fgraph.jit({ctx.fname}): a backward through the output of a jitted call; a jitted call is inference "
+            "only (its graphs read the parameters as data), so no gradient reaches them",
+            "train with the plain function or module (fgraph.disable_jit(), or call the module itself), and call "
+            "the jitted one for inference under torch.no_grad()",
+        )
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+def refuse_backward(fname: str, lifted: Lifted, out, keep: tuple = ()):
+    """The call's outputs, each floating tensor marked so that a backward through it is an fgraph error, when grad
+    mode is on and the function read tensors that require grad (`lifted.grads`); `keep`: objects handed back as
+    they are (donated state the function returns)."""
+    if not (lifted and lifted.grads and torch.is_grad_enabled()):
+        return out
+    kept = {id(k) for k in keep}
+    return pytree.tree_map(
+        lambda t: (
+            _InferenceOnly.apply(t, _ANCHOR, fname) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        ),
+        out,
+        is_leaf=lambda x: id(x) in kept,
+    )
 
 
 def check_transforms(fname: str) -> None:
