@@ -20,6 +20,17 @@ KeyPath = tuple  # of torch.utils._pytree key entries
 keystr = pytree.keystr
 
 
+def _register_node(cls, flatten, unflatten, flatten_with_keys) -> None:
+    """torch's pytree registration of one of fgraph's node classes (records, objects seen into), with key paths."""
+    pytree.register_pytree_node(
+        cls,
+        flatten,
+        unflatten,
+        flatten_with_keys_fn=flatten_with_keys,
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+    )
+
+
 def field(*, static: bool = False, **kwargs):
     """An attrs field; `static=True` puts its value in the treedef instead of the leaves."""
     if not isinstance(static, bool):
@@ -65,13 +76,7 @@ def register(cls: type) -> type:
             object.__setattr__(obj, k, v)
         return obj
 
-    pytree.register_pytree_node(
-        cls,
-        flatten,
-        unflatten,
-        flatten_with_keys_fn=flatten_with_keys,
-        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
-    )
+    _register_node(cls, flatten, unflatten, flatten_with_keys)
     return cls
 
 
@@ -177,13 +182,7 @@ def _register_object(cls: type) -> None:
         d[_DYNAMIC] = ctx[0]
         return obj
 
-    pytree.register_pytree_node(
-        cls,
-        flatten,
-        unflatten,
-        flatten_with_keys_fn=flatten_with_keys,
-        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
-    )
+    _register_node(cls, flatten, unflatten, flatten_with_keys)
     _OBJECTS.add(cls)
 
 

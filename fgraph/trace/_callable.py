@@ -357,7 +357,7 @@ class _InferenceOnly(torch.autograd.Function):
         )
 
 
-_ANCHOR = torch.zeros((), requires_grad=True)
+_ANCHOR = torch.zeros((), requires_grad=True, device="cpu")
 
 
 def refuse_backward(fname: str, lifted: Lifted, out, keep: tuple = ()):
