@@ -277,3 +277,33 @@ def test_any_output_pytree_follows_the_one_rule(spec, mode, copy_outputs):
                 assert t is s, kind
             elif kind.startswith(("x", "w")) or copy_outputs:
                 assert_copy(t, x, w, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_the_one_rule_and_wrapped_jitted_functions_on_cuda(mode):
+    """The CUDA cases, in captured graphs: an input in a tuple is a copy, a lifted tensor in a tuple is a copy, an
+    expanded output has eager's values, and a function wrapping a jitted one runs the wrapper (functools.wraps)."""
+    import functools
+
+    x = torch.arange(6.0, device="cuda").reshape(3, 2)
+    w = torch.arange(3.0, device="cuda")
+    pair, with_w = fgraph.jit(lambda x: (x, x * 2), mode=mode), fgraph.jit(lambda x: (w, x + 1), mode=mode)
+    expanded = fgraph.jit(lambda x: x.sum(0).expand(3, 2), mode=mode)
+    for _ in range(3):  # trace and capture, then replays
+        got = pair(x)
+        assert_same_values(got, (x, x * 2))
+        assert_copy(got[0], x)
+        lifted = with_w(x)
+        assert_same_values(lifted, (w, x + 1))
+        assert_copy(lifted[0], w)
+        assert torch.equal(expanded(x), x.sum(0).expand(3, 2))
+    jf = fgraph.jit(lambda t: t * t, mode=mode)
+
+    @functools.wraps(jf)
+    def twice(t):
+        return jf(t) * 2
+
+    t = torch.tensor(3.0, device="cuda")
+    assert fgraph.jit(twice, mode=mode)(t).item() == 18.0
+    assert fgraph.jit(torch.func.grad(jf), mode=mode)(t).item() == 6.0
