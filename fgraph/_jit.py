@@ -6,7 +6,6 @@ import contextlib
 import functools
 import inspect
 import itertools
-import logging
 import sys
 import time
 import types
@@ -39,9 +38,6 @@ from ._signature import (
 )
 from .capture import Entry, Stats, capture_session, compiler
 from .padding import check_aliases, check_lengths
-
-log = logging.getLogger("fgraph")
-
 
 _disabled = False
 
@@ -99,7 +95,7 @@ class Jitted(T.Inlined):
         # cache, fastpath, sealed, fallbacks, the warnings logged and the lock: per function object and options
         self.shared = shared_for(fn, given, lambda: Shared(name, signature, opts))
         self.cache, self.fastpath, self._lock = self.shared.cache, self.shared.fastpath, self.shared.lock
-        self.fallbacks, self._logged = self.shared.fallbacks, self.shared.logged
+        self.fallbacks = self.shared.fallbacks
 
     def __get__(self, obj, objtype=None):
         """The function itself from the class; from an instance, a Jitted of the bound method, one per instance.
@@ -275,9 +271,8 @@ class Jitted(T.Inlined):
     def _fallback(self, kind, call, what, fix):
         if self.options.strict and what is not None:
             raise SignatureError(f"fgraph.jit({self.name}, strict=True): {what}", fix)
-        if what is not None and (kind, call.sig.statics) not in self._logged:
-            self._logged.add((kind, call.sig.statics))
-            log.warning("fgraph.jit(%s): %s; running eagerly (logged once). Fix: %s", self.name, what, fix)
+        if what is not None:
+            self.log_once((kind, call.sig.statics), "%s; running eagerly (logged once). Fix: %s", what, fix)
         self.fallbacks[kind] += 1
         device = device_of(self.name, call)
         leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]

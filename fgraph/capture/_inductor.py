@@ -1,7 +1,7 @@
 """Inductor: the graph pieces between breaks compiled before capture, and the jit(compile=...) options.
 
-Inductor: the graph pieces between breaks compiled before capture (norms, RoPE, activations and residual adds fused;
-breaks untouched), and the jit(compile=...) options that configure it."""
+Norms, RoPE, activations and residual adds are fused; breaks stay as they are. One compilation per distinct piece,
+symbolic in the batch axis, serves every signature whose piece is the same graph (`Compiler`)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ class Compiled(torch.nn.Module):
     def __init__(self, module: fx.GraphModule, options: dict, static: bool = False):
         super().__init__()
         self.module, self.options, self.static = module, options, static
-        self.shared = compiler.symbolic(module, options)  # compiled (or found) now: capture shows the progress
+        # compiled (or found) now, so capture's bar shows the progress; a static piece compiles at its first call
+        self.shared = None if static else compiler.symbolic(module, options)
         self.fn, self.how = None, None
         # a piece that returns one bare tensor (split_module's single output): compiled code returns a 1-list, which
         # the program would hand on as the output itself (a list, never sliced back to N)
@@ -137,20 +138,26 @@ class Compiler:
         self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "seconds": 0.0}
 
     def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:
-        """The piece compiled for its traced (symbolic) input avals, compiled now or found."""
-        inputs = [n.meta.get("val") for n in module.graph.nodes if n.op == "placeholder"]
-        key, names = piece_key(module, inputs, options)
-        got = self.shared.get(key)
-        if got is not None:
-            self.counts["shared"] += 1
-            return got
-        mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
-        if mode is None or mode.shape_env is None:  # a static trace: its own fake mode, with a shape env for the cache
-            mode = FakeTensorMode(shape_env=ShapeEnv())
-            with mode:
-                inputs = [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v for v in inputs]
-        fn, assumed, ranges = self._assumed(module, inputs, options, mode, key, names)
-        got = self.shared[key] = Shared(fn, inputs, assumed, ranges)
+        """The piece compiled for its traced (symbolic) input avals, compiled now or found.
+
+        Found first by the piece itself (every signature of a trace runs the same piece module), then by its key."""
+        mine = module.meta.setdefault("fgraph_compiled", {})  # options -> Shared, for this piece module
+        by_options = repr(sorted(options.items()))
+        got = mine.get(by_options)
+        if got is None:
+            inputs = [n.meta.get("val") for n in module.graph.nodes if n.op == "placeholder"]
+            key, names = piece_key(module, inputs, options)
+            got = self.shared.get(key)
+            if got is None:
+                mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
+                if mode is None or mode.shape_env is None:  # a static trace: a fake mode with a shape env (the cache)
+                    mode, inputs = _static_fakes(inputs)
+                fn, assumed, ranges = self._assumed(module, inputs, options, mode, key, names)
+                got = self.shared[key] = Shared(fn, inputs, assumed, ranges)
+                mine[by_options] = got
+                return got
+            mine[by_options] = got
+        self.counts["shared"] += 1
         return got
 
     def _assumed(self, module, inputs, options, mode, key: str, names: dict):
@@ -177,10 +184,9 @@ class Compiler:
             env.replacements.update(replacements)
         path = _assumptions_path(key)
         if self.counts["loaded"] == loaded0:  # compiled here: what it assumed goes beside the cached compilation
-            canon = {s: names[s] for s in names}
             record = {
-                "guards": [str(g.xreplace(canon)) for g in assumed],
-                "ranges": {str(canon[s]): [lo, hi] for s, (lo, hi) in now.items()},
+                "guards": [str(g.xreplace(names)) for g in assumed],
+                "ranges": {str(names[s]): [lo, hi] for s, (lo, hi) in now.items()},
             }
             with contextlib.suppress(OSError):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -202,9 +208,7 @@ class Compiler:
     def static(self, module: fx.GraphModule, options: dict, args) -> Callable:
         """The piece compiled for these arguments' own static shapes (where the symbolic compilation's assumptions
         fail); shared by calls of the same avals."""
-        mode = FakeTensorMode(shape_env=ShapeEnv())
-        with mode:
-            inputs = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        mode, inputs = _static_fakes(args)
         key, _ = piece_key(module, inputs, options)  # the key of a static trace's piece of these avals too
         got = self.shared.get(key)
         if got is None:
@@ -233,6 +237,13 @@ class Compiler:
 
 
 compiler = Compiler()
+
+
+def _static_fakes(values: list) -> tuple[FakeTensorMode, list]:
+    """A fake mode with a shape env (Inductor's FX-graph cache needs one), and `values` as its static fakes."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        return mode, [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 def _bound(x) -> int | None:
