@@ -3,11 +3,12 @@
     python3 -m benchmarks.hf_bench            # GPU: a Qwen2.5-0.5B-shaped random-weight model, bf16, ctx 1024
     python3 -m benchmarks.hf_bench --smoke    # CPU: a tiny model, a few seconds
 
-B=1 and B=8. Contenders: HF eager (its default DynamicCache), HF + torch.compile (`model.forward =
+B=1 and B=8. Contenders: HF eager (its default DynamicCache, and the static cache), HF + torch.compile (`model.forward =
 torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`, cache_implementation="static") and HF +
 fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=["cache"])`, the static cache). The compiled
 contenders get one StaticCache each, early-initialised and reset between rounds (read in place). Tokens are checked
-against eager's before timing; rounds alternate between contenders; decode tokens/s = B * (N - 1) / (t(N) - t(1))
+against eager's before timing (with its DynamicCache, and with the static cache: the same math as the compiled
+contenders'; bf16 kernels may differ between the two); rounds alternate between contenders; decode tokens/s = B * (N - 1) / (t(N) - t(1))
 over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per cell to
 $OUT/hf_bench.jsonl (and stdout).
 """
@@ -58,7 +59,7 @@ def main(argv=None):
     from transformers import StaticCache
 
     base = make_model(smoke, device, dtype)
-    contenders = {"hf_eager": base}
+    contenders = {"hf_eager": base, "hf_eager_static": base}  # the reference of the static-cache contenders' math
     if not smoke:
         m = make_model(smoke, device, dtype)
         m.load_state_dict(base.state_dict())
@@ -92,12 +93,14 @@ def main(argv=None):
             m, kw = contenders[name], {}
             if name in caches:
                 caches[name].reset()
-                kw = dict(cache=caches[name])
+                kw = {hf_generate.cache_parameter(base): caches[name]}  # `cache` (5.x) or `past_key_values`
             with torch.no_grad():
                 return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True, **kw)
 
-        want = gen("hf_eager", new)
-        equal = {name: bool(torch.equal(gen(name, new), want)) for name in contenders}  # (also the warm-up)
+        want, want_static = gen("hf_eager", new), gen("hf_eager_static", new)
+        got = {name: gen(name, new) for name in contenders}  # (also the warm-up)
+        equal = {name: bool(torch.equal(t, want)) for name, t in got.items()}
+        equal_static = {name: bool(torch.equal(t, want_static)) for name, t in got.items()}
         times = {name: {1: [], new: []} for name in contenders}
         for _ in range(rounds):
             for n in (1, new):
@@ -114,6 +117,7 @@ def main(argv=None):
             row = {
                 "bench": "hf_bench", "device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "ctx": ctx,
                 "new_tokens": new, "contender": name, "tokens_equal_eager": equal[name],
+                "tokens_equal_eager_static": equal_static[name],
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
                 "decode_tok_s_max": max(rates), "rounds": rounds,
             }  # fmt: skip

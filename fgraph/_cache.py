@@ -24,7 +24,7 @@ from ._modes import Mode
 from ._pytree import check_static_fields
 from ._signature import Call, Signature, device_of, path_str
 from .capture import Entry, new_pool, ran
-from .trace import Traced
+from .trace import InitialisesState, Traced
 
 log = logging.getLogger("fgraph")
 
@@ -127,7 +127,16 @@ class Cache:
         if config.explain_cache_misses:  # the first miss too, as jax says "never seen function"
             why = self.closest(call.sig) if self.entries else "; the first of this function (none made before)"
             log.warning("fgraph.jit(%s): new signature %s%s", jitted.name, call.sig.describe(), why)
-        device = device_of(jitted.name, call)
+        try:
+            device = device_of(jitted.name, call)
+        except SignatureError as split_devices:  # unless this call is the one that moves them (a lazily made cache)
+            try:
+                Traced(jitted, call, device_of(jitted.name, call, strict=False))
+            except InitialisesState:
+                raise
+            except Exception as e:
+                raise split_devices from e
+            raise
         family = (  # grad mode apart: a trace that branched on it serves its own mode (below), any other both
             tuple(kv for kv in call.sig.statics if kv[0] != GRAD_MODE),
             call.sig.treespec,

@@ -19,8 +19,13 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from ._pytree import _RECORDS, _children, flattener
+from ._errors import SignatureError
+from ._pytree import _RECORDS, _children, flattener, is_seen_into
 from ._signature import Call, batch_specs, bucket_for, leaf_of, static_key, torch_state
+from .padding import check_aliases
+from .trace import LiftedView
+
+FRESH: Any = object()  # FastPath.layouts: an argument read afresh each call (another object than the last call's)
 
 
 class Layout(NamedTuple):
@@ -55,28 +60,42 @@ class FastPath:
     def __init__(self, fname: str, signature: inspect.Signature, static: tuple, batch: dict, buckets: tuple):
         params = signature.parameters
         self.fname, self.batch, self.buckets = fname, batch, buckets
-        self.names = list(params)
-        self.defaults = {k: p.default for k, p in params.items()}
+        kw = [k for k, p in params.items() if p.kind is p.VAR_KEYWORD]
+        self.varkw = kw[0] if kw else None  # `**kwargs`: the keywords no parameter names, as one dict
+        self.names = [k for k in params if k != self.varkw]
+        self.defaults = {k: params[k].default for k in self.names}
         self.static_sorted = tuple(sorted(static))
         # bound -> the statics tuple, in one C call (itemgetter returns a bare value for a single name)
         get = operator.itemgetter(*self.static_sorted) if self.static_sorted else (lambda b: ())
         self.statics_of = get if len(self.static_sorted) != 1 else (lambda b, g=get: (g(b),))
         self.dynamic = [k for k in params if k not in static]
+        # per argument: its layout by identity, or FRESH once a call passed another object there (then read afresh
+        # by its readers each call, its tensors checked by the entry's Slots)
         self.layouts: dict[str, Layout] = {}
         self.readers: dict[str, list[Callable]] = {}
         self.entries: dict[tuple, Any] = {}
 
-    def find(self, args: tuple, kwargs: dict) -> Hit | None:
+    def find(self, args: tuple, kwargs: dict, view=None) -> Hit | None:
         """The entry that serves this call with what the last calls proved, or None.
+
+        view: the calling jit object's LiftedView (of the tensors its function reads without taking them), if any.
 
         First sight of anything, errors and fallbacks are the slow path's."""
         names, defaults = self.names, self.defaults
         if len(args) > len(names):
             return None
         bound = dict(zip(names, args))
+        extra = None
         for k, v in kwargs.items():
-            if k in bound or k not in defaults:
+            if k in bound:
                 return None
+            if k not in defaults:
+                if self.varkw is None:
+                    return None
+                if extra is None:
+                    extra = {}
+                extra[k] = v
+                continue
             bound[k] = v
         if len(bound) < len(names):
             for k in names:
@@ -85,34 +104,45 @@ class FastPath:
                     if d is inspect.Parameter.empty:
                         return None
                     bound[k] = d
+        if self.varkw is not None:
+            bound[self.varkw] = {} if extra is None else extra
         try:
             statics = self.statics_of(bound)
             statics = tuple(map(static_key, statics))  # by type and value, as signatures key them (Static)
             hash(statics)
         except TypeError:
             return None
-        parts, leaves, held, n = [], [], [], None
+        parts, leaves, held, fresh, n = [], [], [], [], None
+        layouts = self.layouts
         for name in self.dynamic:
             v = bound[name]
-            if name in self.batch:
-                for read in self.readers.get(name, ()):  # known structures of this argument
-                    got = read(v)
-                    if got is not None:
-                        break
-                else:
-                    return None
-                lv, key, m = got
-                if m is not None and (n is None or m > n):
-                    n = m
-                parts.append(key)
-                leaves.extend(lv)
-            else:
-                c = self.layouts.get(name)
-                if c is None or c.tree is not v or (c.guard is not None and not c.guard()):
+            c = layouts.get(name)
+            if c is not None and c is not FRESH:  # (batched arguments have readers only)
+                if c.tree is not v or (c.guard is not None and not c.guard()):
                     return None
                 parts.append(c.key)
                 held.append(c.key)  # the identity-cached containers (not the batched args)
                 leaves.extend(c.leaves)
+                continue
+            for read in self.readers.get(name, ()):  # known structures of this argument
+                got = read(v)
+                if got is not None:
+                    break
+            else:
+                return None
+            lv, key, m = got
+            if m is not None and (n is None or m > n):
+                n = m
+            if name not in self.batch:  # its tensors: no container identity vouches for them
+                fresh.append((len(leaves), len(leaves) + len(lv)))
+            parts.append(key)
+            leaves.extend(lv)
+        if view is not None:
+            if not view.proven():
+                return None
+            leaves.extend(view.leaves)
+            held.append(view)  # vouches for them as a container passed again does (an entry verified with
+            # another view checks every address: it may have been captured with the tensors before a reload)
         bucket = bucket_for(self.buckets, n) if n else None
         if n is not None and bucket is None:  # past the largest bucket, or an empty batch
             return None
@@ -124,40 +154,58 @@ class FastPath:
         slots, seen = entry.slots, entry.verified
         if slots is not None:
             same = seen is not None and len(held) == len(seen) and all(map(operator.is_, held, seen))
-            if (slots.loose or not same) and slots.diverged(leaves, slots.loose if same else None):
+            loose = slots.loose_with(tuple(fresh)) if fresh else slots.loose
+            if (loose or not same) and slots.diverged(leaves, loose if same else None):
                 return None
+        traced = entry.traced
+        if fresh and (traced.written or traced.written_batched):  # a fresh tensor over memory the program writes
+            try:
+                check_aliases(self.fname, traced, leaves, None, only=[i for a, b in fresh for i in range(a, b)])
+            except SignatureError:
+                return None  # the slow path raises it
         return Hit(entry, leaves, n, bound, held)
 
-    def remember(self, call: Call, entry) -> None:
+    def remember(self, call: Call, entry, lifted=None, view=None):
         """Teach the replay path this call's layout.
 
-        Per argument, its flat leaves (by container identity) or, for batched arguments, the Batched spec of
-        each leaf."""
-        parts = []
+        Per argument, its flat leaves by container identity; or, for batched arguments and arguments passed as
+        another object than the last call's (state returned and passed back, a new input tensor each call), a reader
+        of its structure that flattens it afresh. lifted: the calling jit object's Lifted, when its function reads
+        tensors it does not take (a module's parameters); returns its view for the next calls to prove (`view`, the
+        last one, kept while it holds). The jit object keeps it: a Shared holds nothing of the function's."""
+        parts, offset = [], 0
         for name in self.dynamic:
             v = call.bound[name]
             lv, spec = pytree.tree_flatten(v)
-            if name in self.batch:
-                readers = self.readers.setdefault(name, [])
-                got = next((g for r in readers if (g := r(v)) is not None), None)  # the reader find() picks
-                if got is None:
-                    specs = batch_specs(
-                        self.fname, {name: self.batch[name]}, {name: v}, pytree.tree_flatten({name: v})[1], lv
-                    )
-                    nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
-                    spec_id = sum(map(len, self.readers.values()))  # unique among this function's readers
-                    readers.append(reader(flattener(spec), specs, spec_id, nones))
-                    got = readers[-1](v)
-                parts.append(got[1])
-            else:
-                key = layout_key(spec, lv)
-                c = self.layouts.get(name)
-                if c is None or c.tree is not v or c.key != key or (c.guard is not None and not c.guard()):
-                    self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec))
-                parts.append(c.key)
+            offset += len(lv)
+            c = self.layouts.get(name)
+            if name not in self.batch and c is not FRESH:
+                if c is None or c.tree is v:  # first seen, or passed again
+                    key = layout_key(spec, lv)
+                    if c is None or c.key != key or (c.guard is not None and not c.guard()):
+                        self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec))
+                    parts.append(c.key)
+                    continue
+                self.layouts[name] = FRESH  # another object where the last call passed one: read afresh from now on
+            readers = self.readers.setdefault(name, [])
+            got = next((g for r in readers if (g := r(v)) is not None), None)  # the reader find() picks
+            if got is None:
+                if name in self.batch:
+                    tree_spec = pytree.tree_flatten({name: v})[1]
+                    specs = batch_specs(self.fname, {name: self.batch[name]}, {name: v}, tree_spec, lv)
+                else:
+                    specs = [None] * len(lv)
+                nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
+                spec_id = sum(map(len, self.readers.values()))  # unique among this function's readers
+                readers.append(reader(flattener(spec), specs, spec_id, nones))
+                got = readers[-1](v)
+            parts.append(got[1])
         statics = tuple(call.bound[k] for k in self.static_sorted)
         statics = tuple(map(static_key, statics))
         self.entries[fast_key(statics, call.sig.bucket, parts)] = entry
+        if not lifted:
+            return None
+        return view if view is not None and view.proven() else LiftedView(lifted, call.leaves[offset:])
 
     def forget(self, entry) -> None:
         """Drop every key that leads to `entry` (its signature is being dropped)."""
@@ -197,6 +245,12 @@ def _node_children(x, spec) -> tuple[Callable[[Any], Any], tuple]:
 
     elif typ is list:
         read = tuple
+    elif is_seen_into(x):  # a plain object (an HF cache layer): every attribute, name and value
+
+        def read(o):
+            d = vars(o)
+            return (*d, *d.values())
+
     elif typ in _RECORDS:
         dynamic, static = _RECORDS[typ]
         names = [*dynamic, *static]
@@ -283,7 +337,8 @@ class _Key:
 def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
     """A batched argument's reader for the fast path: `tree -> (leaves, key, n)`, or None for another structure.
 
-    key: the structure's id and each leaf's (dtype, device, shape, requires_grad) as passed (unpadded: each token
+    key: the structure's id and each leaf's (dtype, device, shape, requires_grad; the strides of a non-contiguous
+    leaf without the batch axis, as signatures key it) as passed (unpadded: each token
     count met gets its own key, after one call down the slow path; requires_grad: the slow path refuses one under
     grad mode; Python leaves by value); n: the largest real token count among its Batched leaves (None if none).
     Generated per structure as one tuple display (a loop of small tuples costs more: docs/performance.md). nones:
@@ -292,8 +347,12 @@ def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
     a Batched tensor was, is another reader's: read returns None."""
     env = {"flatten": flatten, "_T": torch.Tensor, "_leaf": leaf_of}
     names = [f"a{i}" for i in range(len(specs))]
+    # a leaf without the batch axis is read in its own layout: keyed by its strides where not contiguous (leaf_of)
+    layout = {True: ", None if {a}.is_contiguous() else {a}.stride()", False: ""}
     key = "".join(
-        f"({a}.dtype, {a}.device, {a}.shape, {a}.requires_grad) if isinstance({a}, _T) else _leaf({a}), " for a in names
+        f"({a}.dtype, {a}.device, {a}.shape, {a}.requires_grad{layout[s is None].format(a=a)}) "
+        f"if isinstance({a}, _T) else _leaf({a}), "
+        for a, s in zip(names, specs)
     )
     rows = [f"{a}.shape[{s.axis}] - {s.extra}" for a, s in zip(names, specs) if s is not None]
     n = "None" if not rows else rows[0] if len(rows) == 1 else f"max({', '.join(rows)})"
@@ -303,7 +362,7 @@ def reader(flatten, specs, spec_id: int, nones: tuple[bool, ...]):
     src = (
         f"def read(x):\n  lv = flatten(x)\n  if lv is None:\n    return None\n{unpack}"
         f"  try:\n    return lv, ({spec_id}, {key}), {n}\n"
-        "  except AttributeError:\n    return None\n"  # no .shape: not a tensor where a Batched one was
+        "  except (AttributeError, IndexError):\n    return None\n"  # no .shape, or no batch axis: not such a tensor
     )
     exec(compile(src, "<fgraph batched reader>", "exec"), env)
     return env["read"]

@@ -90,8 +90,9 @@ class Jitted(T.Inlined):
         self.fn, self.name, self.signature = fn, name, signature
         self.lifted = T.Lifted(fn, set(signature.parameters))
         self.options = opts = _options.make(name, signature, self.lifted.roots(), given)
-        # the replay path binds calls itself: every parameter by name, and no lifted tensors to read per call
-        self._plain = T.plain_signature(signature) and not self.lifted
+        # the replay path binds calls itself: every parameter by name (and **kwargs)
+        self._plain = T.plain_signature(signature)
+        self._view = None  # the replay path's proof of the lifted tensors (FastPath.remember)
         # cache, fastpath, sealed, fallbacks, the warnings logged and the lock: per function object and options
         self.shared = shared_for(fn, given, lambda: Shared(name, signature, opts))
         self.cache, self.fastpath, self._lock = self.shared.cache, self.shared.fastpath, self.shared.lock
@@ -125,7 +126,9 @@ class Jitted(T.Inlined):
             return self.fn(*args, **kwargs)
         T.check_transforms(self.name)  # vmap / grad over a jitted call: an fgraph error
         with self._lock:
-            hit = self.fastpath.find(args, kwargs) if self._plain else None
+            # (a jit object serves the replay path once a slow call of its own found what its function reads)
+            taught = self._view is not None or (self.lifted.rescanned and not self.lifted)
+            hit = self.fastpath.find(args, kwargs, self._view) if self._plain and taught else None
             if hit is None:
                 return self._slow_call(args, kwargs)
             try:
@@ -135,6 +138,9 @@ class Jitted(T.Inlined):
                     self.bind(args, kwargs)  # path's EscapeError names it (the replay path does not look per call)
                 raise
             hit.entry.verified = hit.held
+            if self.lifted and torch.is_grad_enabled():  # outputs over parameters that require grad: no backward
+                self.lifted.grads = self._view.requires_grad()
+                return T.refuse_backward(self.name, self.lifted, out, self._donated_of(hit.bound))
             return out
 
     def bind(self, args: tuple, kwargs: dict) -> Call:
@@ -159,8 +165,6 @@ class Jitted(T.Inlined):
             if k in dynamic:
                 see_into(dynamic[k])
         dynamic = T.check_call(self.name, self.lifted, statics, dynamic)  # + the lifted tensors' current values
-        if self._plain and self.lifted:  # found at the first call: read per call, so no replay-path binding
-            self._plain = False
         flat, treespec = flatten_with_paths(dynamic)
         paths, leaves = [p for p, _ in flat], [x for _, x in flat]
         check_leaves(self.name, flat)
@@ -220,14 +224,17 @@ class Jitted(T.Inlined):
         )
         with first:
             out = entry.run(call.leaves, call.n, call.bound, self.options.copy_outputs, check=True)
-        if self._plain:  # (only plain views read the replay path: its entries take no lifted leaves)
-            self.fastpath.remember(call, entry)
+        if self._plain:
+            self._view = self.fastpath.remember(call, entry, self.lifted, self._view)
         entry.verified = None
         return T.refuse_backward(self.name, self.lifted, out, self._donated(call))
 
     def _donated(self, call) -> tuple:
         """The donated arguments of a call, as passed (handed back as the caller's own when returned)."""
-        return tuple(call.bound[k] for k in self.options.donate if k in call.bound)
+        return self._donated_of(call.bound)
+
+    def _donated_of(self, bound: dict) -> tuple:
+        return tuple(bound[k] for k in self.options.donate if k in bound)
 
     @contextlib.contextmanager
     def _padded_meets_unbatched(self, call: Call, tracing: bool = True):
@@ -274,7 +281,7 @@ class Jitted(T.Inlined):
         if what is not None:
             self.log_once((kind, call.sig.statics), "%s; running eagerly (logged once). Fix: %s", what, fix)
         self.fallbacks[kind] += 1
-        device = device_of(self.name, call)
+        device = device_of(self.name, call, strict=False)
         leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]
         tree = pytree.tree_unflatten(leaves, call.sig.treespec)
         for k in self.options.donate:  # the caller's own donated objects, which the call may initialise

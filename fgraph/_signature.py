@@ -428,12 +428,17 @@ def undeclared_batched(call: Call, lifted: set[str]) -> list[tuple[str, list[int
     return found
 
 
-def device_of(fname: str, call) -> str:
-    """The signature's device: where its non-batched tensors live (batched inputs may come from the host)."""
+def device_of(fname: str, call, strict: bool = True) -> str:
+    """The signature's device: where its non-batched tensors live (batched inputs may come from the host).
+
+    strict=False: the accelerator's when they are split between it and the host, where a SignatureError says so
+    otherwise (a call that runs eagerly may be the one that moves them: a lazily made cache)."""
     devs = {}
     for p, x, s in zip(call.paths, call.leaves, call.specs):
         if isinstance(x, torch.Tensor) and s is None:
             devs.setdefault(str(x.device) if x.device.type != "cuda" else f"cuda:{x.device.index or 0}", p)
+    if not strict and len(devs) == 2 and "cpu" in devs:
+        return next(d for d in devs if d != "cpu")
     if len(devs) > 1:
         (d1, p1), (d2, p2) = sorted(devs.items())[:2]
         raise SignatureError(

@@ -32,6 +32,7 @@ def test_one_trace_serves_every_bucket_of_a_routine():
         "replays": 5,
         "eager": 0,
         "calls": 5,
+        "fast": 1,  # the replay path: a token count seen before (each new one is bound once)
         "padded": 3 + 2 + 1 + 0 + 3,
         "copies": 0,
         "copied_bytes": 0,

@@ -27,12 +27,17 @@ from ._slots import Slots
 
 
 class Stats:
+    # fast: calls the replay path served (FastPath: no binding, flattening or checks beyond its proofs);
     # copies: calls that copied non-batched inputs into fgraph's buffers (Slots), copied_bytes: how much in all;
     # written_back: donated batched leaves the program wrote, copied back from fgraph's buffer into the caller's
-    __slots__ = tuple("traces captures warmups replays eager calls padded copies copied_bytes written_back".split())
+    __slots__ = (
+        *"traces captures warmups replays eager calls fast padded".split(),
+        *"copies copied_bytes written_back".split(),
+    )
 
     def __init__(self):
-        self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.padded = 0
+        self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.fast = 0
+        self.padded = 0
         self.copies = self.copied_bytes = self.written_back = 0
 
     def as_dict(self):
@@ -117,6 +122,7 @@ class Entry:
         `check` re-verifies that."""
         st = self.stats
         st.calls += 1
+        st.fast += not check
         if n is not None:
             st.padded += self.sig.bucket - n
         slots = self.slots

@@ -45,7 +45,17 @@ class Slots:
         # positions inside batched arguments (a tensor without a batch axis next to batched ones): those arguments
         # are flattened afresh every call, so no container identity vouches for these tensors (_fast_call)
         self.loose = [k for k, r in enumerate(root) if r in batched]
+        self._loose_with: dict[tuple, list[int]] = {}
         self.logged = False
+
+    def loose_with(self, ranges: tuple) -> list[int]:
+        """`loose` plus the positions whose leaves fall in these (start, end) ranges of a call's leaves: arguments
+        the replay path flattened afresh, whose tensors no container identity vouches for."""
+        got = self._loose_with.get(ranges)
+        if got is None:
+            inside = (k for k, i in enumerate(self.ix) if any(a <= i < b for a, b in ranges))
+            got = self._loose_with[ranges] = sorted({*self.loose, *inside})
+        return got
 
     def diverged(self, leaves: list, positions: list[int] | None = None) -> list[int]:
         """Positions whose tensor is neither at its captured address nor copied already.

@@ -238,19 +238,21 @@ def check_lengths(fname: str, groups: list, leaves: list) -> None:
             )
 
 
-def check_aliases(fname: str, traced, leaves: list, specs: list) -> None:
+def check_aliases(fname: str, traced, leaves: list, specs: list | None, only=None) -> None:
     """No leaf may share memory with another leaf the program writes in place. Eager reads that write through it;
     the jitted call does not: a batched leaf is read from a padded copy made before the call, and any tensor the
     graphs were not captured with is copied into fgraph's buffers (a written one copied back after). Checked on the
     slow path, where a call's layout is first seen and wherever a tensor the graphs read changes; the replay path
-    does not re-check (tests/test_footguns.py)."""
+    does not re-check the tensors a container passed again vouches for (tests/test_footguns.py). only: the leaves
+    to check (the replay path's fresh ones; default all); specs None: none batched."""
     written = [*traced.written, *sorted(traced.written_batched)]
     if not written:
         return
     by_storage: dict[int, list[int]] = {}
     for w in written:
         by_storage.setdefault(leaves[w].untyped_storage().data_ptr(), []).append(w)
-    for b, x in enumerate(leaves):
+    for b in range(len(leaves)) if only is None else only:
+        x = leaves[b]
         if not isinstance(x, torch.Tensor):
             continue
         for w in by_storage.get(x.untyped_storage().data_ptr(), ()):
@@ -258,7 +260,7 @@ def check_aliases(fname: str, traced, leaves: list, specs: list) -> None:
                 pb, pw = traced.paths[b], traced.paths[w]
                 how = (
                     f"{pb} is batched, so the jitted call reads it from a padded copy made before the call"
-                    if specs[b] is not None
+                    if specs is not None and specs[b] is not None
                     else "the jitted call reads a copy of its own of either one whenever a call passes tensors the "
                     "graphs were not captured with"
                 )

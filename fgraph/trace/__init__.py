@@ -15,6 +15,7 @@ from ._callable import describe as describe
 from ._callable import invoke as invoke
 from ._callable import plain_signature as plain_signature
 from ._callable import refuse_backward as refuse_backward
+from ._lifted_view import LiftedView as LiftedView
 from ._make import tracing as tracing
 from ._repeated import repeated as repeated
 from ._split import Piece as Piece

@@ -54,8 +54,8 @@ def describe(fn) -> tuple[str, inspect.Signature]:
 
 
 def plain_signature(sig: inspect.Signature) -> bool:
-    """Every parameter can be passed by name (what Jitted's replay path binds): no positional-only, *args, **kw."""
-    return all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in sig.parameters.values())
+    """Every parameter can be passed by name (what Jitted's replay path binds): no positional-only or *args."""
+    return all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in sig.parameters.values())
 
 
 class Lifted:

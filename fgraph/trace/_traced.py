@@ -219,9 +219,10 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
     """How the call changed what its donated arguments hold, beyond writing their tensors in place.
 
     None when it only wrote in place; InitialisesState when it made tensors where there were none (a lazily made
-    cache: that call runs eagerly, later ones are traced); a TraceError when it replaced a tensor by another (a
+    cache: that call runs eagerly, later ones are traced; it may replace what it held too, as a StaticCache moves its
+    counter to the keys' device); a TraceError when it replaced a tensor by another (a
     growing cache) or changed a Python value in it (graphs replay neither)."""
-    made = []
+    made, replaced = [], None
     for name in donated:
         was, was_static = before[name]
         was_leaves = dict(was)
@@ -229,16 +230,8 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
         for p, x in now:
             old = was_leaves.get(p, None)
             where = name + pytree.keystr(p)
-            if isinstance(old, torch.Tensor) and x is not old:
-                grew = isinstance(x, torch.Tensor) and tuple(x.shape) != tuple(old.shape)
-                raise TraceError(
-                    f"fgraph.jit({fname}): donated `{where}` ({_aval(old)}) is replaced by "
-                    f"{'a new tensor ' + _aval(x) if isinstance(x, torch.Tensor) else repr(x)}"
-                    f"{', grown' if grew else ''} by the function, where donated state is written in place (a cache "
-                    "that grows per call, such as transformers' DynamicCache, has no fixed-size graph)",
-                    "use a fixed-size cache written in place: transformers' generate(..., "
-                    'cache_implementation="static") or a StaticCache; or no cache: use_cache=False',
-                )
+            if isinstance(old, torch.Tensor) and x is not old and replaced is None:
+                replaced = (where, old, x)
             if p not in was_leaves and isinstance(x, torch.Tensor):
                 made.append(where)
         now_static = static_attrs(dyn[name])
@@ -250,6 +243,17 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
                 f"{was_static[k]!r} to {now_static[k]!r}: a Python value, which a captured graph cannot update",
                 f"keep `{name}{k}` in a tensor updated in place (or pass it as an argument)",
             )
+    if replaced is not None and not made:
+        where, old, x = replaced
+        grew = isinstance(x, torch.Tensor) and tuple(x.shape) != tuple(old.shape)
+        raise TraceError(
+            f"fgraph.jit({fname}): donated `{where}` ({_aval(old)}) is replaced by "
+            f"{'a new tensor ' + _aval(x) if isinstance(x, torch.Tensor) else repr(x)}"
+            f"{', grown' if grew else ''} by the function, where donated state is written in place (a cache "
+            "that grows per call, such as transformers' DynamicCache, has no fixed-size graph)",
+            "use a fixed-size cache written in place: transformers' generate(..., "
+            'cache_implementation="static") or a StaticCache; or no cache: use_cache=False',
+        )
     if made:
         return InitialisesState(
             f"the call makes donated `{made[0]}`"

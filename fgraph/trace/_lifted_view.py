@@ -1,0 +1,86 @@
+"""What the replay path proves of a callable's lifted tensors (a module's parameters and buffers, globals, cells).
+
+The slow path reads them afresh on every call (`Lifted.values`: a walk over every submodule). The replay path reads
+each one where it lives (`module._parameters[name]`: one dict lookup) and proves it is the tensor the last slow call
+read, over the same memory; the submodules' training flags are compared, and a module registering a parameter,
+buffer or submodule anywhere (torch's global registration hooks) ends every proof.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.nn.modules import module as _module
+
+from ._callable import Lifted, _read
+
+_generation = [0]  # bumped whenever any module registers a parameter, buffer or submodule
+_hooked = []
+
+
+def _bump(*args):
+    _generation[0] += 1
+
+
+def _hook_registrations() -> None:
+    if not _hooked:
+        _hooked.append(_module.register_module_parameter_registration_hook(_bump))
+        _hooked.append(_module.register_module_buffer_registration_hook(_bump))
+        _hooked.append(_module.register_module_module_registration_hook(_bump))
+
+
+class LiftedView:
+    """The lifted tensors as the last slow call read them, and a cheap proof that they are unchanged.
+
+    leaves: that call's lifted leaves (as `Lifted.values` gave them, detached), in its order."""
+
+    def __init__(self, lifted: Lifted, leaves: list):
+        _hook_registrations()
+        self.lifted, self.leaves, self.generation = lifted, leaves, _generation[0]
+        self.places = []  # (the dict holding it, its key) per module leaf
+        for i, key in lifted.names.values():
+            if key is None:
+                continue
+            owner, _, local = key.rpartition(".")
+            sub = lifted.modules[i][1].get_submodule(owner)
+            self.places.append((sub._parameters if local in sub._parameters else sub._buffers, local))
+        self.slots = [(kind, holder, key) for _, kind, holder, key in lifted.slots]
+        self.tensors = self._tensors()
+        self.slot_values = [_read(*s) for s in self.slots]
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.modules = [sub for _, m in lifted.modules for sub in m.modules()]
+        self.training = [m.training for m in self.modules]
+        assert len(self.tensors) == len(leaves), (len(self.tensors), len(leaves))
+
+    def _tensors(self) -> list:
+        """The lifted tensors where they live now (Parameters themselves, not detached)."""
+        now = [d[k] for d, k in self.places]
+        return now + [v for v in map(_read_slot, self.slots) if isinstance(v, torch.Tensor)]
+
+    def proven(self) -> bool:
+        """Whether every lifted tensor is the one last read, over the same memory, with the same training flags.
+
+        `.data =`, `.to()` and `.half()` keep a Parameter and put new memory under it: its data_ptr tells."""
+        if self.generation != _generation[0]:
+            return False
+        try:
+            now = [d[k] for d, k in self.places]
+        except KeyError:  # a parameter deleted
+            return False
+        is_ = operator.is_
+        if not all(map(is_, now, self.tensors)):
+            return False
+        if self.slots and not all(map(is_, map(_read_slot, self.slots), self.slot_values)):
+            return False
+        if [t.data_ptr() for t in self.tensors] != self.ptrs:
+            return False
+        return [m.training for m in self.modules] == self.training
+
+    def requires_grad(self) -> bool:
+        """Whether any lifted tensor requires grad now (read per call only under grad mode)."""
+        return any(t.requires_grad for t in self.tensors)
+
+
+def _read_slot(slot):
+    return _read(*slot)
