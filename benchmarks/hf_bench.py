@@ -8,7 +8,8 @@ torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`, cache_imp
 fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=["cache"])`, the static cache). The compiled
 contenders get one StaticCache each, early-initialised and reset between rounds (read in place). Tokens are checked
 against eager's before timing (with its DynamicCache, and with the static cache: the same math as the compiled
-contenders'; bf16 kernels may differ between the two); rounds alternate between contenders; decode tokens/s = B * (N - 1) / (t(N) - t(1))
+contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager repeats
+itself, and `first_different_token` where tokens part); rounds alternate between contenders; decode tokens/s = B * (N - 1) / (t(N) - t(1))
 over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per cell to
 $OUT/hf_bench.jsonl (and stdout).
 """
@@ -101,6 +102,8 @@ def main(argv=None):
         got = {name: gen(name, new) for name in contenders}  # (also the warm-up)
         equal = {name: bool(torch.equal(t, want)) for name, t in got.items()}
         equal_static = {name: bool(torch.equal(t, want_static)) for name, t in got.items()}
+        # the first new token that differs from eager's with the static cache (in any row; None: all equal)
+        differs = {name: _first_difference(t[:, ctx:], want_static[:, ctx:]) for name, t in got.items()}
         times = {name: {1: [], new: []} for name in contenders}
         for _ in range(rounds):
             for n in (1, new):
@@ -117,7 +120,7 @@ def main(argv=None):
             row = {
                 "bench": "hf_bench", "device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "ctx": ctx,
                 "new_tokens": new, "contender": name, "tokens_equal_eager": equal[name],
-                "tokens_equal_eager_static": equal_static[name],
+                "tokens_equal_eager_static": equal_static[name], "first_different_token": differs[name],
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
                 "decode_tok_s_max": max(rates), "rounds": rounds,
             }  # fmt: skip
@@ -131,6 +134,11 @@ def main(argv=None):
         for r in rows:
             f.write(json.dumps(r) + "\n")
     return rows
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    cols = (a != b).any(0).nonzero()
+    return int(cols[0]) if len(cols) else None
 
 
 if __name__ == "__main__":
