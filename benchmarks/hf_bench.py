@@ -5,8 +5,10 @@
 
 B=1 and B=8. Contenders: HF eager (its default DynamicCache, and the static cache), HF + torch.compile (`model.forward =
 torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`, cache_implementation="static") and HF +
-fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=["cache"])`, the static cache). The compiled
-contenders get one StaticCache each, early-initialised and reset between rounds (read in place). Tokens are checked
+fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=["cache"])`, the static cache). The static-cache
+contenders pass cache_implementation="static": generate makes the cache (its first prefill, eagerly for fgraph: the
+cache's tensors are made lazily) and reuses it, reset, in later calls of no more tokens (the first call makes the
+largest). Tokens are checked
 against eager's before timing (with its DynamicCache, and with the static cache: the same math as the compiled
 contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager repeats
 itself, and `first_different_token` where tokens part); rounds alternate between contenders; decode tokens/s = B * (N - 1) / (t(N) - t(1))
@@ -57,8 +59,6 @@ def main(argv=None):
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     ctx, new = args.ctx or (32 if smoke else 1024), args.new or (6 if smoke else 64)
     rounds = args.rounds or (2 if smoke else 5)
-    from transformers import StaticCache
-
     base = make_model(smoke, device, dtype)
     contenders = {"hf_eager": base, "hf_eager_static": base}  # the reference of the static-cache contenders' math
     if not smoke:
@@ -80,23 +80,15 @@ def main(argv=None):
     for B in args.batches:
         ids = torch.randint(0, base.config.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(B))
         ids = ids.to(device)
-        caches = {}
-        for name, m in contenders.items():
-            if name != "hf_eager":
-                # headroom: the warm-up and capture runs of a new signature write past the call's positions (put back)
-                c = StaticCache(config=m.config, max_cache_len=2 * ctx + new)
-                c.early_initialization(
-                    B, m.config.num_key_value_heads, m.config.hidden_size // m.config.num_attention_heads, dtype, device
-                )
-                caches[name] = c
+        if B != args.batches[0]:
+            torch._dynamo.reset()  # torch.compile's recompile limit counts every shape met; each batch starts anew
 
         def gen(name, n):
-            m, kw = contenders[name], {}
-            if name in caches:
-                caches[name].reset()
-                kw = {hf_generate.cache_parameter(base): caches[name]}  # `cache` (5.x) or `past_key_values`
+            kw = {} if name == "hf_eager" else {"cache_implementation": "static"}  # the cache generate makes
             with torch.no_grad():
-                return m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True, **kw)
+                return contenders[name].generate(
+                    ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True, **kw
+                )
 
         want, want_static = gen("hf_eager", new), gen("hf_eager_static", new)
         got = {name: gen(name, new) for name in contenders}  # (also the warm-up)
