@@ -13,7 +13,11 @@ against eager's before timing (with its DynamicCache, and with the static cache:
 contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager repeats
 itself, and `first_different_token` where tokens part); rounds alternate between contenders; decode tokens/s = B * (N - 1) / (t(N) - t(1))
 over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per cell to
-$OUT/hf_bench.jsonl (and stdout).
+$OUT/hf_bench.jsonl (and stdout), as each is measured.
+
+On the H200 (torch 2.11, transformers 5.17) torch.compile's contender crashes the process (a segfault in an
+Inductor kernel launch under cudagraph trees) with the default `--cache generate`, and hits its recompile limit
+under fullgraph=True with `--cache caller`: benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -54,6 +58,14 @@ def main(argv=None):
     p.add_argument("--ctx", type=int, default=None, help="prompt tokens (default 1024; smoke 32)")
     p.add_argument("--new", type=int, default=None, help="new tokens per timed generate (default 64; smoke 6)")
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument(
+        "--cache",
+        choices=["generate", "caller"],
+        default="generate",
+        help="generate: HF's recipe, cache_implementation='static' (a new StaticCache per generate); caller: one "
+        "early-initialised StaticCache per contender and batch, passed to every generate and reset between them",
+    )
+    p.add_argument("--skip", nargs="*", default=[], help="contenders left out (e.g. one that crashes here)")
     args = p.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
@@ -68,14 +80,17 @@ def main(argv=None):
         contenders["hf_compile_static"] = m
     m = make_model(smoke, device, dtype)
     m.load_state_dict(base.state_dict())
-    hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])  # `cache` (5.x) or `past_key_values` (4.x)
+    hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])  # `cache` or `past_key_values` (older)
     contenders["hf_fgraph_static"] = m
     if not smoke:  # the same with Inductor-compiled pieces (an HF model has no break: its forward is one piece)
         m = make_model(smoke, device, dtype)
         m.load_state_dict(base.state_dict())
         hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=True)
         contenders["hf_fgraph_static_compiled"] = m
+    for name in args.skip:
+        contenders.pop(name)
     out_dir = os.environ.get("OUT", ".")
+    os.makedirs(out_dir, exist_ok=True)
     rows = []
     for B in args.batches:
         ids = torch.randint(0, base.config.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(B))
@@ -83,8 +98,25 @@ def main(argv=None):
         if B != args.batches[0]:
             torch._dynamo.reset()  # torch.compile's recompile limit counts every shape met; each batch starts anew
 
+        caches = {}
+        if args.cache == "caller":
+            from transformers import StaticCache
+
+            for name, m in contenders.items():
+                if name != "hf_eager":
+                    # headroom: a new signature's warm-up and capture runs write past the call's positions (put back)
+                    caches[name] = c = StaticCache(config=m.config, max_cache_len=2 * ctx + new)
+                    heads, dim = m.config.num_key_value_heads, m.config.hidden_size // m.config.num_attention_heads
+                    c.early_initialization(B, heads, dim, dtype, device)
+
         def gen(name, n):
-            kw = {} if name == "hf_eager" else {"cache_implementation": "static"}  # the cache generate makes
+            if name == "hf_eager":
+                kw = {}
+            elif name in caches:
+                caches[name].reset()
+                kw = {hf_generate.cache_parameter(base): caches[name]}
+            else:
+                kw = {"cache_implementation": "static"}  # the cache generate makes
             with torch.no_grad():
                 return contenders[name].generate(
                     ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True, **kw
@@ -111,21 +143,48 @@ def main(argv=None):
             rates = [B * (new - 1) / max(tn - t1, 1e-9) for t1, tn in zip(times[name][1], times[name][new])]
             row = {
                 "bench": "hf_bench", "device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "ctx": ctx,
-                "new_tokens": new, "contender": name, "tokens_equal_eager": equal[name],
+                "new_tokens": new, "cache": args.cache, "contender": name, "tokens_equal_eager": equal[name],
                 "tokens_equal_eager_static": equal_static[name], "first_different_token": differs[name],
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
                 "decode_tok_s_max": max(rates), "rounds": rounds,
             }  # fmt: skip
             if name.startswith("hf_fgraph"):
-                s = contenders[name].forward.stats()
+                jitted = contenders[name].forward
+                s = jitted.stats()
                 row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
+                row["host_us"] = host_us(contenders[name], lambda: gen(name, 8))
             rows.append(row)
             print(json.dumps(row), flush=True)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "hf_bench.jsonl"), "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+            with open(os.path.join(out_dir, "hf_bench.jsonl"), "a") as f:  # per row: a later crash keeps it
+                f.write(json.dumps(row) + "\n")
     return rows
+
+
+def host_us(model, run, calls: int = 200) -> dict:
+    """Host microseconds per decode call for fgraph to find what serves it: the replay path (FastPath.find with the
+    jit object's LiftedView) and the slow path's binding (Jitted.bind: flatten, check, lifted values), on the last
+    decode call's arguments, the device idle (the median of 5 loops of `calls`)."""
+    jitted, seen = model.forward, []
+    find = jitted.fastpath.find
+    jitted.fastpath.find = lambda a, k, v=None: seen.append((a, k)) or find(a, k, v)
+    try:
+        run()
+    finally:
+        jitted.fastpath.find = find
+    a, k = seen[-1]
+    out = {}
+    with torch.no_grad():  # as generate calls it: grad mode is part of the replay path's key
+        assert find(a, k, jitted._view) is not None, "the replay path does not serve a decode call"
+        paths = {"replay_path": lambda: find(a, k, jitted._view), "slow_bind": lambda: jitted.bind(a, k)}
+        for what, fn in paths.items():
+            loops = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                loops.append((time.perf_counter() - t0) / calls * 1e6)
+            out[what] = round(statistics.median(loops), 1)
+    return out
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:

@@ -25,8 +25,6 @@ from ._signature import Call, batch_specs, bucket_for, leaf_of, static_key, torc
 from .padding import check_aliases
 from .trace import LiftedView
 
-FRESH: Any = object()  # FastPath.layouts: an argument read afresh each call (another object than the last call's)
-
 
 class Layout(NamedTuple):
     """A non-batched argument's flat layout as the last slow call saw it, cached by the container's identity."""
@@ -35,6 +33,7 @@ class Layout(NamedTuple):
     leaves: list
     key: _Key  # layout_key(structure, leaves)
     guard: Callable[[], bool] | None  # guard_for(tree): None when the tree is immutable
+    rkey: Any = None  # its reader's key, for an argument that has readers (passed as another object before)
 
 
 class Hit(NamedTuple):
@@ -69,8 +68,9 @@ class FastPath:
         get = operator.itemgetter(*self.static_sorted) if self.static_sorted else (lambda b: ())
         self.statics_of = get if len(self.static_sorted) != 1 else (lambda b, g=get: (g(b),))
         self.dynamic = [k for k in params if k not in static]
-        # per argument: its layout by identity, or FRESH once a call passed another object there (then read afresh
-        # by its readers each call, its tensors checked by the entry's Slots)
+        # per non-batched argument: the last slow call's object and layout (its identity proves the layout); an
+        # argument once passed as another object also has readers (read afresh, its tensors checked by the entry's
+        # Slots), and is keyed by the reader's key either way
         self.layouts: dict[str, Layout] = {}
         self.readers: dict[str, list[Callable]] = {}
         self.entries: dict[tuple, Any] = {}
@@ -112,18 +112,18 @@ class FastPath:
             hash(statics)
         except TypeError:
             return None
-        parts, leaves, held, fresh, n = [], [], [], [], None
+        parts, leaves, held, fresh, drop, n = [], [], [], [], [], None
         layouts = self.layouts
         for name in self.dynamic:
             v = bound[name]
-            c = layouts.get(name)
-            if c is not None and c is not FRESH:  # (batched arguments have readers only)
-                if c.tree is not v or (c.guard is not None and not c.guard()):
-                    return None
-                parts.append(c.key)
-                held.append(c.key)  # the identity-cached containers (not the batched args)
-                leaves.extend(c.leaves)
-                continue
+            c = layouts.get(name)  # (batched arguments have readers only)
+            if c is not None:
+                if c.tree is v and (c.guard is None or c.guard()):
+                    parts.append(c.key if c.rkey is None else c.rkey)
+                    held.append(c.key)  # the identity-cached containers (not the batched args)
+                    leaves.extend(c.leaves)
+                    continue
+                drop.append(name)  # another object: the layout lets go of the old one if this call is served
             for read in self.readers.get(name, ()):  # known structures of this argument
                 got = read(v)
                 if got is not None:
@@ -163,6 +163,8 @@ class FastPath:
                 check_aliases(self.fname, traced, leaves, None, only=[i for a, b in fresh for i in range(a, b)])
             except SignatureError:
                 return None  # the slow path raises it
+        for name in drop:
+            del layouts[name]
         return Hit(entry, leaves, n, bound, held)
 
     def remember(self, call: Call, entry, lifted=None, view=None):
@@ -179,27 +181,30 @@ class FastPath:
             lv, spec = pytree.tree_flatten(v)
             offset += len(lv)
             c = self.layouts.get(name)
-            if name not in self.batch and c is not FRESH:
-                if c is None or c.tree is v:  # first seen, or passed again
-                    key = layout_key(spec, lv)
-                    if c is None or c.key != key or (c.guard is not None and not c.guard()):
-                        self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec))
-                    parts.append(c.key)
-                    continue
-                self.layouts[name] = FRESH  # another object where the last call passed one: read afresh from now on
-            readers = self.readers.setdefault(name, [])
-            got = next((g for r in readers if (g := r(v)) is not None), None)  # the reader find() picks
-            if got is None:
-                if name in self.batch:
-                    tree_spec = pytree.tree_flatten({name: v})[1]
-                    specs = batch_specs(self.fname, {name: self.batch[name]}, {name: v}, tree_spec, lv)
-                else:
-                    specs = [None] * len(lv)
-                nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
-                spec_id = sum(map(len, self.readers.values()))  # unique among this function's readers
-                readers.append(reader(flattener(spec), specs, spec_id, nones))
-                got = readers[-1](v)
-            parts.append(got[1])
+            if name not in self.batch and c is not None and c.tree is not v:  # it changes between calls
+                self.readers.setdefault(name, [])
+            rkey = None
+            if name in self.readers or name in self.batch:
+                readers = self.readers.setdefault(name, [])
+                got = next((g for r in readers if (g := r(v)) is not None), None)  # the reader find() picks
+                if got is None:
+                    if name in self.batch:
+                        tree_spec = pytree.tree_flatten({name: v})[1]
+                        specs = batch_specs(self.fname, {name: self.batch[name]}, {name: v}, tree_spec, lv)
+                    else:
+                        specs = [None] * len(lv)
+                    nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
+                    spec_id = sum(map(len, self.readers.values()))  # unique among this function's readers
+                    readers.append(reader(flattener(spec), specs, spec_id, nones))
+                    got = readers[-1](v)
+                rkey = got[1]
+            if name in self.batch:
+                parts.append(rkey)
+                continue
+            key = layout_key(spec, lv)
+            if c is None or c.tree is not v or c.key != key or c.rkey != rkey or (c.guard and not c.guard()):
+                self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec), rkey)
+            parts.append(key if rkey is None else rkey)
         statics = tuple(call.bound[k] for k in self.static_sorted)
         statics = tuple(map(static_key, statics))
         self.entries[fast_key(statics, call.sig.bucket, parts)] = entry

@@ -70,7 +70,7 @@ class Cache:
         self.layers = [Layer(n) for _ in range(layers)]
 
 
-def step(x, past_key_values=None):  # the transformers 4.x spelling of the parameter
+def step(x, past_key_values=None):  # the older spelling of the parameter (transformers 4.x, 5.17)
     for layer in past_key_values.layers:
         layer.keys.index_copy_(0, layer.length.reshape(1), x[None])
         layer.length.add_(1)
@@ -160,14 +160,19 @@ def test_full_capture_of_the_recipe_on_the_gpu_gives_exact_tokens():
     assert f.stats()["total"]["captures"] >= 1 and f.stats()["total"]["replays"] >= 6
 
 
-def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache", ["generate", "caller"])
+def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, cache):
     from benchmarks import hf_bench
 
     monkeypatch.setenv("OUT", str(tmp_path))
-    rows = hf_bench.main(["--smoke", "--batches", "1", "--new", "3", "--rounds", "1"])
+    rows = hf_bench.main(["--smoke", "--batches", "1", "--new", "3", "--rounds", "1", "--cache", cache])
     assert {r["contender"] for r in rows} == {"hf_eager", "hf_eager_static", "hf_fgraph_static"}
     assert all(r["tokens_equal_eager_static"] and r["decode_tok_s_median"] > 0 for r in rows)
     (fg,) = (r["fgraph"] for r in rows if "fgraph" in r)
-    # decode's one signature; each generate makes a cache, whose prefill makes its tensors (eagerly): 3 generates
-    assert fg["signatures"] == 1 and fg["fallbacks"]["init"] == 3 and fg["total"]["fast"] > 0
+    if cache == "generate":  # decode's one signature; each of the 3 generates makes a cache, eagerly in its prefill
+        assert fg["signatures"] == 1 and fg["fallbacks"]["init"] == 3 and fg["total"]["fast"] > 0
+    else:  # the caller's cache, made up front: prefill and decode are traced, and decode steps replayed
+        assert fg["signatures"] == 2 and fg["fallbacks"]["init"] == 0 and fg["total"]["fast"] > 0
+    (host,) = (r["host_us"] for r in rows if "host_us" in r)
+    assert 0 < host["replay_path"] < host["slow_bind"]
     assert (tmp_path / "hf_bench.jsonl").read_text().count("\n") == 3

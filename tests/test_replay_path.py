@@ -2,6 +2,9 @@
 call, and proves what it skips: every way research code changes a module's tensors between calls is seen, and the
 call equals eager (removing any one of LiftedView's proofs fails one case here)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -187,3 +190,30 @@ def test_a_signature_replayed_after_another_saw_a_reload_reads_the_new_tensors(m
     m.lin.weight = nn.Parameter(torch.randn(4, 4))
     assert torch.equal(f(small), m(small))
     assert torch.equal(f(big), m(big))
+
+
+class State:  # a plain class: seen into as donated state
+    def __init__(self):
+        self.h = torch.zeros(4)
+
+
+def step_on(p, x, state):
+    state.h.add_(p["b"])
+    return x @ p["w"], state
+
+
+@torch.no_grad()
+def test_an_argument_passed_as_a_new_object_each_call_is_not_kept_alive():
+    """The layout of the last slow call's object is let go once the replay path serves another one: an old KV cache
+    or state object is freed with the caller's last reference to it."""
+    f = fgraph.jit(step_on, donate=["state"], batch={"x": Batched()}, mode="FULL", buckets=[4])
+    p, refs = _params(0), []
+    for _ in range(5):
+        state = State()
+        assert f(p, X, state)[1] is state
+        refs.append(weakref.ref(state))
+    del state
+    gc.collect()
+    # slow: the first call, the second (another object: learns to read it afresh), the third (another tensor at
+    # the state's address: copied from then on); the last two replayed
+    assert fast(f) == 2 and all(r() is None for r in refs)

@@ -295,8 +295,9 @@ def test_closed_over_and_global_tensors_are_lifted_and_read_in_place():
 
 
 def test_a_global_rebound_to_a_new_tensor_is_read_anew():
-    """Lifted tensors are read per call: the replay path, which would skip them, is not taken (removing that
-    guard in Jitted.__call__ makes this fail)."""
+    """A global the function reads, rebound to another tensor: the replay path's proof of its lifted tensors reads
+    each where it lives and sees another object (removing the slots' identity check in LiftedView.proven makes
+    this fail)."""
     global W
     old = W
     try:
