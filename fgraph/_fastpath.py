@@ -210,7 +210,10 @@ class FastPath:
         self.entries[fast_key(statics, call.sig.bucket, parts)] = entry
         if not lifted:
             return None
-        return view if view is not None and view.proven() else LiftedView(lifted, call.leaves[offset:])
+        if view is not None and view.proven():
+            return view
+        view = LiftedView(lifted, call.leaves[offset:])
+        return view if view.whole else None  # (None: the jit object's calls take the slow path)
 
     def forget(self, entry) -> None:
         """Drop every key that leads to `entry` (its signature is being dropped)."""

@@ -3,6 +3,7 @@ call, and proves what it skips: every way research code changes a module's tenso
 call equals eager (removing any one of LiftedView's proofs fails one case here)."""
 
 import gc
+import logging
 import weakref
 
 import pytest
@@ -217,3 +218,22 @@ def test_an_argument_passed_as_a_new_object_each_call_is_not_kept_alive():
     # slow: the first call, the second (another object: learns to read it afresh), the third (another tensor at
     # the state's address: copied from then on); the last two replayed
     assert fast(f) == 2 and all(r() is None for r in refs)
+
+
+@torch.no_grad()
+def test_state_passed_anew_each_call_is_copied_and_says_how_to_stop_it(caplog):
+    """A donated tensor other than the captured one, every call (a cache generate makes per call): copied in and back
+    out, counted, and logged once with the fix when a call copies more than 4 MiB."""
+
+    def grow(x, state):
+        state["h"].add_(1)
+        return x * 2
+
+    f = fgraph.jit(grow, donate=["state"], batch={"x": Batched()}, mode="FULL", buckets=[4])
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for _ in range(4):
+            state = {"h": torch.zeros((1 << 20) + 1)}  # over 4 MiB of float32
+            assert torch.equal(f(X, state), X * 2) and bool((state["h"] == 1).all())
+    assert f.stats()["total"]["copies"] == 2  # the first call reads in place, the second captures again
+    copies = [r.getMessage() for r in caplog.records if "MiB of inputs per call" in r.getMessage()]
+    assert len(copies) == 1 and "make one and pass it to every call" in copies[0]

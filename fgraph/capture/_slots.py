@@ -115,8 +115,9 @@ class Slots:
                 paths = [self.entry.paths[self.ix[k]] for k in self.copied]
                 log.warning(
                     "fgraph.jit(%s): %s: copies %.1f MiB of inputs per call (%s%s are not the tensors it was captured "
-                    "with). Fix: pass the same tensors each call, or call .reset() after replacing them so the graphs "
-                    "read the new ones in place",
+                    "with). Fix: pass the same tensors each call (a cache made anew per call, as transformers' "
+                    "generate makes its StaticCache: make one and pass it to every call), or call .reset() after "
+                    "replacing them so the graphs read the new ones in place",
                     fname,
                     self.entry.sig.describe(),
                     n / 2**20,

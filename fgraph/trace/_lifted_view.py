@@ -51,7 +51,8 @@ class LiftedView:
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.modules = [sub for _, m in lifted.modules for sub in m.modules()]
         self.training = [m.training for m in self.modules]
-        assert len(self.tensors) == len(leaves), (len(self.tensors), len(leaves))
+        # what it re-reads must be what the slow call read, leaf for leaf (else the caller serves no replay path)
+        self.whole = len(self.tensors) == len(leaves)
 
     def _tensors(self) -> list:
         """The lifted tensors where they live now (Parameters themselves, not detached)."""
