@@ -141,6 +141,7 @@ class FastPath:
             if not view.proven():
                 return None
             leaves.extend(view.leaves)
+            parts.append(view.key)  # the lifted leaves' layout: an entry traced with another set is not this one's
             held.append(view)  # vouches for them as a container passed again does (an entry verified with
             # another view checks every address: it may have been captured with the tensors before a reload)
         bucket = bucket_for(self.buckets, n) if n else None
@@ -205,15 +206,17 @@ class FastPath:
             if c is None or c.tree is not v or c.key != key or c.rkey != rkey or (c.guard and not c.guard()):
                 self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec), rkey)
             parts.append(key if rkey is None else rkey)
+        if lifted:
+            if view is None or not view.proven():
+                view = LiftedView(lifted, call.leaves[offset:])
+                view.key = _Key(("lifted", tuple(map(leaf_of, view.leaves)), tuple(view.training)))
+            if not view.whole:
+                return None  # the jit object's calls take the slow path
+            parts.append(view.key)
         statics = tuple(call.bound[k] for k in self.static_sorted)
         statics = tuple(map(static_key, statics))
         self.entries[fast_key(statics, call.sig.bucket, parts)] = entry
-        if not lifted:
-            return None
-        if view is not None and view.proven():
-            return view
-        view = LiftedView(lifted, call.leaves[offset:])
-        return view if view.whole else None  # (None: the jit object's calls take the slow path)
+        return view if lifted else None
 
     def forget(self, entry) -> None:
         """Drop every key that leads to `entry` (its signature is being dropped)."""

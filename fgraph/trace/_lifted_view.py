@@ -38,6 +38,7 @@ class LiftedView:
     def __init__(self, lifted: Lifted, leaves: list):
         _hook_registrations()
         self.lifted, self.leaves, self.generation = lifted, leaves, _generation[0]
+        self.key = None  # the replay path's key part for these leaves' layout (FastPath.remember sets it)
         self.places = []  # (the dict holding it, its key) per module leaf
         for i, key in lifted.names.values():
             if key is None:
@@ -48,11 +49,15 @@ class LiftedView:
         self.slots = [(kind, holder, key) for _, kind, holder, key in lifted.slots]
         self.tensors = self._tensors()
         self.slot_values = [_read(*s) for s in self.slots]
-        self.ptrs = [t.data_ptr() for t in self.tensors]
         self.modules = [sub for _, m in lifted.modules for sub in m.modules()]
         self.training = [m.training for m in self.modules]
-        # what it re-reads must be what the slow call read, leaf for leaf (else the caller serves no replay path)
+        # what it re-reads must be what the slow call read, leaf for leaf, each with an address (a tensor subclass
+        # may have none): else the caller serves no replay path
         self.whole = len(self.tensors) == len(leaves)
+        try:
+            self.ptrs = [t.data_ptr() for t in self.tensors]
+        except Exception:  # noqa: BLE001 (whatever a subclass raises: no proof, so no replay path)
+            self.ptrs, self.whole = [], False
 
     def _tensors(self) -> list:
         """The lifted tensors where they live now (Parameters themselves, not detached)."""
