@@ -173,3 +173,18 @@ def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, c
     (host,) = (r["host_us"] for r in rows if "host_us" in r)
     assert 0 < host["replay_path"] < host["slow_bind"]
     assert (tmp_path / "hf_bench.jsonl").read_text().count("\n") == 3
+
+
+def test_a_sliding_window_cache_is_a_clear_error():
+    """transformers' sliding-window StaticCache layers count tokens in a Python int, changed by every call, which no
+    graph replays: refused at trace time, with the way out an HF user can take."""
+    import transformers as tf
+
+    none = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg = tf.MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4, **none)  # fmt: skip
+    model = tf.MistralForCausalLM(cfg).eval()
+    model.generation_config.update(**none)
+    G.jit_forward(model, "FULL")
+    with pytest.raises(fgraph.TraceError, match=r"cumulative_length_int.*sliding-window.*\n.*use_cache=False"):
+        G.generate(model, IDS, 3)

@@ -238,10 +238,14 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
         changed = [k for k in now_static if k in was_static and not _same(now_static[k], was_static[k])]
         if changed and not made:
             k = changed[0]
+            library = type(dyn[name]).__module__.split(".")[0] == "transformers"  # code the user cannot change
             raise TraceError(
                 f"fgraph.jit({fname}): the function changes `{name}{k}` of donated state from "
-                f"{was_static[k]!r} to {now_static[k]!r}: a Python value, which a captured graph cannot update",
-                f"keep `{name}{k}` in a tensor updated in place (or pass it as an argument)",
+                f"{was_static[k]!r} to {now_static[k]!r}: a Python value, which a captured graph cannot update"
+                + (" (transformers' sliding-window cache layers count tokens in a Python int)" if library else ""),
+                "call it with use_cache=False, or jit a model without sliding-window layers"
+                if library
+                else f"keep `{name}{k}` in a tensor updated in place (or pass it as an argument)",
             )
     if replaced is not None and not made:
         where, old, x = replaced
