@@ -101,7 +101,7 @@ def main(argv=None):
         "tokens_equal": bool(torch.equal(got, want)),
         "tokens": got[:, args.prompt_len :].tolist(),
         "signatures": len(jitted.entries),
-        "stats": {k: stats["total"][k] for k in ("traces", "captures", "replays", "copies")},
+        "stats": {k: stats["total"][k] for k in ("traces", "captures", "replays", "fast", "copies")},
         "fallbacks": {k: v for k, v in stats["fallbacks"].items() if v},
     }
     print(json.dumps(out))

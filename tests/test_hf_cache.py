@@ -188,3 +188,11 @@ def test_a_sliding_window_cache_is_a_clear_error():
     G.jit_forward(model, "FULL")
     with pytest.raises(fgraph.TraceError, match=r"cumulative_length_int.*sliding-window.*\n.*use_cache=False"):
         G.generate(model, IDS, 3)
+
+
+def test_the_example_runs_generate_through_fgraph_and_says_what_served_it():
+    out = G.main(["--device", "cpu", "--new-tokens", "6", "--batch", "2", "--prompt-len", "5"])
+    assert out["tokens_equal"] and out["signatures"] == 1 and out["fallbacks"] == {"init": 1}
+    # decode: 5 calls, the last two the replay path's (the first three meet the layout, then new input tensors
+    # twice: read in place after a capture again, then copied)
+    assert out["stats"]["replays"] == 5 and out["stats"]["fast"] == 2
