@@ -94,20 +94,23 @@ def host_times(fs: dict, params, cache, batch, dev) -> dict:
     mode in turn, so drift of the host within the process (2x between two runs of the same cell, measured) is
     billed to every mode alike. {mode: host_time's dict, or a note}."""
     samples = {m: ([], [], []) for m in fs}
+    idle = {m: [] for m in fs}  # the same calls with the GPU idle: the host's own cost, no wait for the device
     notes = {}
     for _ in range(HOST_ROUNDS):
         for m, f in fs.items():
             got = host_samples(f, params, cache, batch, dev, HOST_CALLS)
             if isinstance(got, str):
                 notes[m] = {"host_note": got}
-            else:
-                for acc, xs in zip(samples[m], got):
-                    acc += xs
+                continue
+            for acc, xs in zip(samples[m], got):
+                acc += xs
+            idle[m] += host_samples(f, params, cache, batch, dev, HOST_CALLS, busy=False)[0]
     med = lambda xs: statistics.median(xs) * 1e6
     return {
         m: notes.get(m)
         or {
             "host_us": med(t),
+            "idle_host_us": med(idle[m]),
             "launch_us": med(la),
             "plan_us": med(p),
             "noplan_us": statistics.median(a - b for a, b in zip(la, p)) * 1e6,
@@ -116,12 +119,12 @@ def host_times(fs: dict, params, cache, batch, dev) -> dict:
     }
 
 
-def host_samples(f, params, cache, batch, dev, n: int):
+def host_samples(f, params, cache, batch, dev, n: int, busy: bool = True):
     """Seconds of n FULL decode calls: (entry -> return, entry -> graph launch, the plan hook inside it), or why
     there are none.
 
     Method: before each call the GPU is given ~3 ms of spinning (torch.cuda._sleep), so the call runs with the
-    GPU queue non-empty, as in a serving loop; perf_counter brackets the call, and the graph's replay and the
+    GPU queue non-empty, as in a serving loop (busy=False: the GPU idle, the queue drained before the call); perf_counter brackets the call, and the graph's replay and the
     entry's plan hook are wrapped (on this entry only) to stamp the launch and time the plan. A call that waited
     for the GPU (a hidden sync) would show as ~ms; the queue is drained after each sample, outside the timing."""
     entry = decode_entry(f, batch.tokens.shape[0])
@@ -144,7 +147,7 @@ def host_samples(f, params, cache, batch, dev, n: int):
     total, launch, planned = [], [], []
     try:
         for _ in range(n):
-            if cuda:
+            if cuda and busy:
                 torch.cuda._sleep(SLEEP_CYCLES)
             stamp["plan"] = 0.0
             t0 = time.perf_counter()

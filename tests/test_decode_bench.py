@@ -75,3 +75,12 @@ def test_each_backend_is_compared_with_torch_compile_at_its_own_page_size():
     assert "fa2 1.50x, fi 1.25x" in text  # 3.0 / 2.0 and 2.0 / 1.6 (not 3.0 / 1.6 = 1.88x)
     assert summarize.best_peer(cell, "flashinfer") == ("flashinfer/compile", 2.0)
     assert summarize.best_peer(cell) == ("compile", 3.0)
+
+
+def test_host_time_is_measured_with_the_gpu_busy_and_idle(tmp_path):
+    decode_bench.main(
+        ["--smoke", "--cells", "64:1", "--modes", "FULL", "--peers", "none", "--rounds", "1", "--out", str(tmp_path)]
+    )
+    d = json.load(open(tmp_path / "decode.json"))
+    (c,) = d["cells"]
+    assert c["torch/FULL/idle_host_us"] > 0 and c["torch/FULL/host_us"] > 0
