@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -158,12 +159,8 @@ class FastPath:
             loose = slots.loose_with(tuple(fresh)) if fresh else slots.loose
             if (loose or not same) and slots.diverged(leaves, loose if same else None):
                 return None
-        traced = entry.traced
-        if fresh and (traced.written or traced.written_batched):  # a fresh tensor over memory the program writes
-            try:
-                check_aliases(self.fname, traced, leaves, None, only=[i for a, b in fresh for i in range(a, b)])
-            except SignatureError:
-                return None  # the slow path raises it
+        if fresh and _over_written(self.fname, entry, leaves, fresh):
+            return None  # a fresh tensor over memory the program writes: the slow path raises it
         for name in drop:
             del layouts[name]
         return Hit(entry, leaves, n, bound, held)
@@ -225,6 +222,35 @@ class FastPath:
 
     def clear(self) -> None:
         self.layouts.clear(), self.readers.clear(), self.entries.clear()
+
+
+def _over_written(fname: str, entry, leaves: list, fresh: list) -> bool:
+    """Whether a fresh leaf shares memory with a leaf the program writes (check_aliases, on those leaves only).
+
+    The written leaves' storages are kept per entry while the same tensors (by weak reference) are passed there: a
+    cache held by identity is not walked again per call; only fresh leaves whose storage is among them are checked
+    in full."""
+    traced = entry.traced
+    written = traced.written_ix
+    if not written:
+        return False
+    known = getattr(entry, "_written_storages", None)
+    if known is None or any(r() is not leaves[w] for r, w in zip(known[0], written)):
+        refs = [weakref.ref(leaves[w]) for w in written]
+        known = entry._written_storages = (refs, {leaves[w].untyped_storage().data_ptr() for w in written})
+    near = [
+        i
+        for a, b in fresh
+        for i in range(a, b)
+        if isinstance(x := leaves[i], torch.Tensor) and x.untyped_storage().data_ptr() in known[1]
+    ]
+    if not near:
+        return False
+    try:
+        check_aliases(fname, traced, leaves, None, only=near)
+    except SignatureError:
+        return True
+    return False
 
 
 # -- guards ----------------------------------------------------------------------------------------------------

@@ -123,6 +123,7 @@ class Traced:
         self.written_batched = {
             i for ph, i in zip(placeholders, tensor_ix) if ph in writes and call.specs[i] is not None
         }
+        self.written_ix = [*self.written, *sorted(self.written_batched)]  # every leaf the program writes
         self.scratch = {i for i in self.written if root_of(self.paths[i]) in jitted.options.scratch}
         self._padding(jitted, call, gm, ph_paths)
         self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
