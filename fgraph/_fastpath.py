@@ -75,6 +75,7 @@ class FastPath:
         self.layouts: dict[str, Layout] = {}
         self.readers: dict[str, list[Callable]] = {}
         self.entries: dict[tuple, Any] = {}
+        self.written_storages: dict = {}  # entry -> (weak refs to the leaves it writes, their storages): _over_written
 
     def find(self, args: tuple, kwargs: dict, view=None) -> Hit | None:
         """The entry that serves this call with what the last calls proved, or None.
@@ -159,7 +160,7 @@ class FastPath:
             loose = slots.loose_with(tuple(fresh)) if fresh else slots.loose
             if (loose or not same) and slots.diverged(leaves, loose if same else None):
                 return None
-        if fresh and _over_written(self.fname, entry, leaves, fresh):
+        if fresh and self._over_written(entry, leaves, fresh):
             return None  # a fresh tensor over memory the program writes: the slow path raises it
         for name in drop:
             del layouts[name]
@@ -215,42 +216,42 @@ class FastPath:
         self.entries[fast_key(statics, call.sig.bucket, parts)] = entry
         return view if lifted else None
 
+    def _over_written(self, entry, leaves: list, fresh: list) -> bool:
+        """Whether a fresh leaf shares memory with a leaf the program writes (check_aliases, on those leaves only).
+
+        The written leaves' storages are kept per entry while the same tensors (by weak reference) are passed
+        there: a cache held by identity is not walked again per call; only fresh leaves whose storage is among them
+        are checked in full."""
+        traced = entry.traced
+        written = traced.written_ix
+        if not written:
+            return False
+        known = self.written_storages.get(entry)
+        if known is None or any(r() is not leaves[w] for r, w in zip(known[0], written)):
+            refs = [weakref.ref(leaves[w]) for w in written]
+            known = self.written_storages[entry] = (refs, {leaves[w].untyped_storage().data_ptr() for w in written})
+        near = [
+            i
+            for a, b in fresh
+            for i in range(a, b)
+            if isinstance(x := leaves[i], torch.Tensor) and x.untyped_storage().data_ptr() in known[1]
+        ]
+        if not near:
+            return False
+        try:
+            check_aliases(self.fname, traced, leaves, None, only=near)
+        except SignatureError:
+            return True
+        return False
+
     def forget(self, entry) -> None:
         """Drop every key that leads to `entry` (its signature is being dropped)."""
         for key in [k for k, e in self.entries.items() if e is entry]:
             del self.entries[key]
+        self.written_storages.pop(entry, None)
 
     def clear(self) -> None:
-        self.layouts.clear(), self.readers.clear(), self.entries.clear()
-
-
-def _over_written(fname: str, entry, leaves: list, fresh: list) -> bool:
-    """Whether a fresh leaf shares memory with a leaf the program writes (check_aliases, on those leaves only).
-
-    The written leaves' storages are kept per entry while the same tensors (by weak reference) are passed there: a
-    cache held by identity is not walked again per call; only fresh leaves whose storage is among them are checked
-    in full."""
-    traced = entry.traced
-    written = traced.written_ix
-    if not written:
-        return False
-    known = getattr(entry, "_written_storages", None)
-    if known is None or any(r() is not leaves[w] for r, w in zip(known[0], written)):
-        refs = [weakref.ref(leaves[w]) for w in written]
-        known = entry._written_storages = (refs, {leaves[w].untyped_storage().data_ptr() for w in written})
-    near = [
-        i
-        for a, b in fresh
-        for i in range(a, b)
-        if isinstance(x := leaves[i], torch.Tensor) and x.untyped_storage().data_ptr() in known[1]
-    ]
-    if not near:
-        return False
-    try:
-        check_aliases(fname, traced, leaves, None, only=near)
-    except SignatureError:
-        return True
-    return False
+        self.layouts.clear(), self.readers.clear(), self.entries.clear(), self.written_storages.clear()
 
 
 # -- guards ----------------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ def check_aliases(fname: str, traced, leaves: list, specs: list | None, only=Non
     slow path, where a call's layout is first seen and wherever a tensor the graphs read changes; the replay path
     does not re-check the tensors a container passed again vouches for (tests/test_footguns.py). only: the leaves
     to check (the replay path's fresh ones; default all); specs None: none batched."""
-    written = [*traced.written, *sorted(traced.written_batched)]
+    written = traced.written_ix
     if not written:
         return
     by_storage: dict[int, list[int]] = {}

@@ -48,7 +48,7 @@ class LiftedView:
             self.places.append((sub._parameters if local in sub._parameters else sub._buffers, local))
         self.slots = [(kind, holder, key) for _, kind, holder, key in lifted.slots]
         self.tensors = self._tensors()
-        self.slot_values = [_read(*s) for s in self.slots]
+        self.slot_values = list(map(_read_slot, self.slots))
         self.modules = [sub for _, m in lifted.modules for sub in m.modules()]
         self.training = [m.training for m in self.modules]
         # what it re-reads must be what the slow call read, leaf for leaf, each with an address (a tensor subclass
