@@ -24,8 +24,18 @@ import fgraph
 NO_SPECIAL_TOKENS = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-def tiny(arch: str = "qwen2", device: str = "cpu", dtype=torch.float32, seed: int = 0):
-    """A random 2-layer Qwen2 or Llama: hidden 64, 4 heads (2 KV heads), vocab 128, weights ~0.15."""
+def tiny(
+    arch: str = "qwen2",
+    device: str = "cpu",
+    dtype=torch.float32,
+    seed: int = 0,
+    layers: int = 2,
+    max_positions: int = 256,
+    special_tokens: dict = NO_SPECIAL_TOKENS,
+):
+    """A random Qwen2 or Llama (2 layers by default): hidden 64, 4 heads (2 KV heads), vocab 128, weights ~0.15.
+
+    special_tokens: none by default, so generate never stops early ({}: the config's own)."""
     import transformers as tf
 
     cfg_cls, model_cls = {
@@ -36,19 +46,19 @@ def tiny(arch: str = "qwen2", device: str = "cpu", dtype=torch.float32, seed: in
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         attn_implementation="eager",
-        **NO_SPECIAL_TOKENS,
+        **special_tokens,
     )
     torch.manual_seed(seed)
     model = model_cls(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():  # away from init's tiny values, so tokens differ per position
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    model.generation_config.update(**NO_SPECIAL_TOKENS)
+    model.generation_config.update(**special_tokens)
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -21,25 +21,10 @@ import fgraph
 
 
 def tiny_llama(device: str = "cpu", dtype=torch.float32, seed: int = 0, layers: int = 2):
-    """A random 2-layer Llama: hidden 64, 4 heads (2 KV heads), vocab 128."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random 2-layer Llama: hidden 64, 4 heads (2 KV heads), vocab 128 (the config's own special tokens)."""
+    from examples.hf_generate import tiny
 
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # away from init's tiny values, so tokens differ per position
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    return model.to(device=device, dtype=dtype).eval()
+    return tiny("llama", device, dtype, seed, layers=layers, max_positions=128, special_tokens={})
 
 
 def jit_model(model, mode: str = "FULL_AND_PIECEWISE", buckets=(1, 2, 4, 8)):
