@@ -3,22 +3,25 @@
     python3 -m benchmarks.hf_bench            # GPU: a Qwen2.5-0.5B-shaped random-weight model, bf16, ctx 1024
     python3 -m benchmarks.hf_bench --smoke    # CPU: a tiny model, a few seconds
 
-B=1 and B=8. Contenders: HF eager (its default DynamicCache, and the static cache), HF + torch.compile (`model.forward =
-torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`, cache_implementation="static") and HF +
-fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=["cache"])`, the static cache). The static-cache
-contenders pass cache_implementation="static": generate makes the cache (its first prefill, eagerly for fgraph: the
-cache's tensors are made lazily) and reuses it, reset, in later calls of no more tokens (the first call makes the
-largest). Tokens are checked
-against eager's before timing (with its DynamicCache, and with the static cache: the same math as the compiled
-contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager repeats
-itself, and `first_different_token` where tokens part); rounds alternate between contenders; decode tokens/s = B * (N - 1) / (t(N) - t(1))
-over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per cell to
-$OUT/hf_bench.jsonl (and stdout), as each is measured.
+B=1 and B=8. Contenders: HF eager (its default DynamicCache, and the static cache), HF + torch.compile and HF +
+fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=[<the cache parameter>])`, the static cache).
 
-On the H200 (torch 2.11, transformers 5.17) torch.compile's contender crashes the process (a segfault in an
-Inductor kernel launch under cudagraph trees) with the default `--cache generate`, and hits its recompile limit
-under fullgraph=True with `--cache caller` (`--no-fullgraph` and `--skip` are the ways left to try):
-docs/performance.md.
+torch.compile's contender is transformers' own static-cache recipe by default (`--compile generate`): `generate(...,
+cache_implementation="static")` compiles the decode call itself (`torch.compile(model.__call__, mode=
+"reduce-overhead")`, its CompileConfig's defaults) and runs the prefill eagerly. `--compile forward` is the older recipe,
+`model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`: there the prefill runs compiled
+too, and it makes the static cache's tensors lazily inside the compiled graph (transformers' docs ask for
+`early_initialization` then); on the H200 (torch 2.11, transformers 5.17) that process segfaults in an Inductor kernel
+launch under cudagraph trees (docs/performance.md).
+
+The static-cache contenders pass cache_implementation="static": generate makes the cache (its first prefill, eagerly
+for fgraph: the cache's tensors are made lazily) and reuses it, reset, in later calls of no more tokens (the first call
+makes the largest); `--cache caller` passes one early-initialised StaticCache per contender and batch instead. Tokens
+are checked against eager's before timing (with its DynamicCache, and with the static cache: the same math as the
+compiled contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager
+repeats itself, and `first_different_token` where tokens part); rounds alternate between contenders; decode tokens/s =
+B * (N - 1) / (t(N) - t(1)) over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per
+cell to $OUT/hf_bench.jsonl (and stdout), as each is measured.
 """
 
 from __future__ import annotations
@@ -68,9 +71,11 @@ def main(argv=None):
     )
     p.add_argument("--skip", nargs="*", default=[], help="contenders left out (e.g. one that crashes here)")
     p.add_argument(
-        "--no-fullgraph",
-        action="store_true",
-        help="torch.compile without fullgraph=True (HF's recipe sets it; graph breaks then run eagerly)",
+        "--compile",
+        choices=["generate", "forward"],
+        default="generate",
+        help="generate: transformers compiles the decode call itself (its static-cache default); forward: "
+        "model.forward = torch.compile(model.forward, mode='reduce-overhead', fullgraph=True)",
     )
     args = p.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
@@ -82,7 +87,8 @@ def main(argv=None):
     if not smoke:
         m = make_model(smoke, device, dtype)
         m.load_state_dict(base.state_dict())
-        m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=not args.no_fullgraph)
+        if args.compile == "forward":
+            m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
         contenders["hf_compile_static"] = m
     m = make_model(smoke, device, dtype)
     m.load_state_dict(base.state_dict())
@@ -123,10 +129,10 @@ def main(argv=None):
                 kw = {hf_generate.cache_parameter(base): caches[name]}
             else:
                 kw = {"cache_implementation": "static"}  # the cache generate makes
+            # transformers compiles the decode call itself only for this contender, when asked to
+            kw["disable_compile"] = not (name == "hf_compile_static" and args.compile == "generate")
             with torch.no_grad():
-                return contenders[name].generate(
-                    ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True, **kw
-                )
+                return contenders[name].generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
 
         want, want_static = gen("hf_eager", new), gen("hf_eager_static", new)
         got = {name: gen(name, new) for name in contenders}  # (also the warm-up)
@@ -149,7 +155,7 @@ def main(argv=None):
             rates = [B * (new - 1) / max(tn - t1, 1e-9) for t1, tn in zip(times[name][1], times[name][new])]
             row = {
                 "bench": "hf_bench", "device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "ctx": ctx,
-                "new_tokens": new, "cache": args.cache, "fullgraph": not args.no_fullgraph, "contender": name, "tokens_equal_eager": equal[name],
+                "new_tokens": new, "cache": args.cache, "compile": args.compile, "contender": name, "tokens_equal_eager": equal[name],
                 "tokens_equal_eager_static": equal_static[name], "first_different_token": differs[name],
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
                 "decode_tok_s_max": max(rates), "rounds": rounds,
