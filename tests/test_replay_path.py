@@ -62,9 +62,11 @@ CHANGES = {  # each a change to the module between calls, and the proof that see
     "buffer assigned": lambda m: setattr(m, "scale", torch.tensor(5.0)),  # identity
     "submodule replaced": lambda m: setattr(m, "lin", nn.Linear(4, 4)),  # the registration hooks
     "layer appended": lambda m: m.layers.append(nn.Linear(4, 4)),  # the registration hooks
+    "layer deleted": lambda m: m.layers and m.layers.__delitem__(-1),  # no hook: the submodule dicts' sizes
+    "submodule deleted": lambda m: m.layers and delattr(m.layers, str(len(m.layers) - 1)),  # the dict kept: its size
     "parameter registered": lambda m: m.register_parameter("extra", nn.Parameter(torch.ones(4))),
     "train mode": lambda m: m.train(),  # the training flags
-    "one submodule in train mode": lambda m: m.layers[0].train(),
+    "one submodule in train mode": lambda m: m.lin.train(),
 }
 
 
@@ -77,7 +79,7 @@ def test_every_change_to_a_modules_tensors_is_seen(mode, change):
     f(X), f(X)
     before = fast(f)
     CHANGES[change](m)
-    for x in (X[:2], X, X):  # another N first: its slow call must leave no entry of the old module in use for N=3
+    for x in (X, X[:2], X, X):  # another N too: its slow call must leave no entry of the old module in use for N=3
         torch.testing.assert_close(f(x), m(x), msg=change)  # (a padded matmul rounds as BLAS does at its size)
     assert fast(f) - before <= 2  # the change's call went the slow way; the calls after it are replayed again
 
@@ -255,3 +257,49 @@ def test_any_sequence_of_calls_and_module_changes_equals_eager(mode, ops):
             continue
         x = torch.randn(op, 4, generator=torch.Generator().manual_seed(k))
         torch.testing.assert_close(f(x), m(x), msg=str(ops[: k + 1]))  # (a padded matmul rounds at its size)
+
+
+class Sliced(nn.Module):
+    """transformers' decoder loop: `self.layers[:n]` makes a new ModuleList (its layers registered into it) a call."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+@torch.no_grad()
+def test_a_registration_outside_the_jitted_modules_leaves_the_replay_path_on():
+    m = Sliced().eval()
+    f = fgraph.jit(m, batch={"x": Batched()}, buckets=[4])
+    f(X), f(X)
+    before = fast(f)
+    Sliced()(X), nn.Linear(4, 4)  # another module's eager forward (a new list sliced) and a new module
+    assert torch.equal(f(X), m(X)) and fast(f) == before + 1
+
+
+@torch.no_grad()
+def test_torch_compile_beside_a_jitted_module_does_not_recompile():
+    """Dynamo traces torch's registration hooks inside compiled code: fgraph's hook must leave it nothing to guard on,
+    or every eager registration anywhere recompiles the compiled function (transformers' own compiled decode hit its
+    recompile limit beside a jitted model)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    jitted = Sliced().eval()
+    f = fgraph.jit(jitted, batch={"x": Batched()}, buckets=[4])
+    f(X), f(X)
+    m = Sliced().eval()
+    compiled = torch.compile(m, backend=backend)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(X), m(X))
+        jitted.layers.append(nn.Linear(4, 4))  # a registration fgraph watches: it ends the jitted module's proof
+        f(X)
+    assert len(graphs) == 1

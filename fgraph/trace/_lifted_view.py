@@ -2,24 +2,32 @@
 
 The slow path reads them afresh on every call (`Lifted.values`: a walk over every submodule). The replay path reads
 each one where it lives (`module._parameters[name]`: one dict lookup) and proves it is the tensor the last slow call
-read, over the same memory; the submodules' training flags are compared, and a module registering a parameter,
-buffer or submodule anywhere (torch's global registration hooks) ends every proof.
+read, over the same memory; the submodules' training flags and the sizes of their submodule dicts are compared (a
+deletion fires no hook; a deleted parameter or buffer is a missing key), and a watched module registering a parameter, buffer or submodule
+(torch's global registration hooks) ends every proof.
 """
 
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 from torch.nn.modules import module as _module
 
 from ._callable import Lifted, _read
 
-_generation = [0]  # bumped whenever any module registers a parameter, buffer or submodule
+_generation = [0]  # bumped whenever a watched module registers a parameter, buffer or submodule
+_watched = weakref.WeakSet()  # every module a LiftedView proves (a lifted module and its submodules)
 _hooked = []
 
 
-def _bump(*args):
+def _bump(module, name, value):
+    # Under torch.compile dynamo traces this hook too: transformers' forward slices a ModuleList (a new list, its
+    # layers registered into it) each call, and a guard on the counter would recompile that code after every eager
+    # registration anywhere. A module no view proves changes no proof.
+    if torch.compiler.is_dynamo_compiling() or module not in _watched:
+        return
     _generation[0] += 1
 
 
@@ -50,7 +58,11 @@ class LiftedView:
         self.tensors = self._tensors()
         self.slot_values = list(map(_read_slot, self.slots))
         self.modules = [sub for _, m in lifted.modules for sub in m.modules()]
+        _watched.update(self.modules)
         self.training = [m.training for m in self.modules]
+        # `del module.sub`, `del layers[i]`, ModuleList.insert: no registration hook; each changes a dict's size
+        self.children = [m._modules for m in self.modules]
+        self.sizes = list(map(len, self.children))
         # what it re-reads must be what the slow call read, leaf for leaf, each with an address (a tensor subclass
         # may have none): else the caller serves no replay path
         self.whole = len(self.tensors) == len(leaves)
@@ -81,7 +93,7 @@ class LiftedView:
             return False
         if [t.data_ptr() for t in self.tensors] != self.ptrs:
             return False
-        return [m.training for m in self.modules] == self.training
+        return [m.training for m in self.modules] == self.training and list(map(len, self.children)) == self.sizes
 
     def requires_grad(self) -> bool:
         """Whether any lifted tensor requires grad now (read per call only under grad mode)."""
