@@ -83,6 +83,7 @@ def main(argv=None):
     ctx, new = args.ctx or (32 if smoke else 1024), args.new or (6 if smoke else 64)
     rounds = args.rounds or (2 if smoke else 5)
     base = make_model(smoke, device, dtype)
+    cache_param = hf_generate.cache_parameter(base)  # `cache` or `past_key_values` (older)
     contenders = {"hf_eager": base, "hf_eager_static": base}  # the reference of the static-cache contenders' math
     if not smoke:
         m = make_model(smoke, device, dtype)
@@ -126,7 +127,7 @@ def main(argv=None):
                 kw = {}
             elif name in caches:
                 caches[name].reset()
-                kw = {hf_generate.cache_parameter(base): caches[name]}
+                kw = {cache_param: caches[name]}
             else:
                 kw = {"cache_implementation": "static"}  # the cache generate makes
             # transformers compiles the decode call itself only for this contender, when asked to
@@ -160,11 +161,14 @@ def main(argv=None):
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
                 "decode_tok_s_max": max(rates), "rounds": rounds,
             }  # fmt: skip
-            if name.startswith("hf_fgraph"):
-                jitted = contenders[name].forward
-                s = jitted.stats()
+            if name.startswith("hf_fgraph"):  # (its counts before the calls below)
+                s = contenders[name].forward.stats()
                 row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
                 row["host_us"] = host_us(contenders[name], lambda: gen(name, 8))
+            compiled_here = name == "hf_compile_static" and args.compile == "generate"
+            row["call_us"] = call_us(
+                contenders[name], "_compiled_call" if compiled_here else "forward", lambda: gen(name, 8)
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(os.path.join(out_dir, "hf_bench.jsonl"), "a") as f:  # per row: a later crash keeps it
@@ -197,6 +201,28 @@ def host_us(model, run, calls: int = 200) -> dict:
                 loops.append((time.perf_counter() - t0) / calls * 1e6)
             out[what] = round(statistics.median(loops), 1)
     return out
+
+
+def call_us(obj, attr: str, run) -> float:
+    """Microseconds per decode call of `obj.attr` (the model's forward, or the call transformers compiled) in `run`,
+    the device synchronised before and after each: what of a generated token's time is the model's."""
+    fn, each = getattr(obj, attr), []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(*args, **kwargs):
+        sync()
+        t0 = time.perf_counter()
+        got = fn(*args, **kwargs)
+        sync()
+        each.append((time.perf_counter() - t0) * 1e6)
+        return got
+
+    setattr(obj, attr, timed)
+    try:
+        run()
+    finally:
+        setattr(obj, attr, fn)
+    return round(statistics.median(each[1:]), 1)  # the decode calls (the first may be the prefill)
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
