@@ -77,6 +77,11 @@ def main(argv=None):
         help="generate: transformers compiles the decode call itself (its static-cache default); forward: "
         "model.forward = torch.compile(model.forward, mode='reduce-overhead', fullgraph=True)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="GPU: kernels and kernel time per generated token, per contender (torch.profiler, after the timing)",
+    )
     args = p.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
@@ -169,6 +174,8 @@ def main(argv=None):
             row["call_us"] = call_us(
                 contenders[name], "_compiled_call" if compiled_here else "forward", lambda: gen(name, 8)
             )
+            if args.profile and device == "cuda" and name != "hf_eager":
+                row["per_token"] = kernels_per_token(lambda n, name=name: gen(name, n))
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(os.path.join(out_dir, "hf_bench.jsonl"), "a") as f:  # per row: a later crash keeps it
@@ -223,6 +230,23 @@ def call_us(obj, attr: str, run) -> float:
     finally:
         setattr(obj, attr, fn)
     return round(statistics.median(each[1:]), 1)  # the decode calls (the first may be the prefill)
+
+
+def kernels_per_token(gen, n: int = 9) -> dict:
+    """GPU kernels (and their time) a generated token costs: a generate of n tokens less one of 1, over n - 1."""
+    from torch.profiler import ProfilerActivity, profile
+
+    got = {}
+    for k in (1, n):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            gen(k)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        got[k] = (len(kernels), sum(e.time_range.elapsed_us() for e in kernels))
+    return {
+        "kernels": round((got[n][0] - got[1][0]) / (n - 1), 1),
+        "kernel_us": round((got[n][1] - got[1][1]) / (n - 1), 1),
+    }
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> int | None:
