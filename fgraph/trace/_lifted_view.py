@@ -2,9 +2,9 @@
 
 The slow path reads them afresh on every call (`Lifted.values`: a walk over every submodule). The replay path reads
 each one where it lives (`module._parameters[name]`: one dict lookup) and proves it is the tensor the last slow call
-read, over the same memory; the submodules' training flags and the sizes of their submodule dicts are compared (a
-deletion fires no hook; a deleted parameter or buffer is a missing key), and a watched module registering a parameter, buffer or submodule
-(torch's global registration hooks) ends every proof.
+read, over the same memory. It compares the submodules' training flags and the sizes of their submodule dicts (a
+deletion fires no hook; a deleted parameter or buffer is a missing key), and a watched module registering a
+parameter, buffer or submodule (torch's global registration hooks) ends every proof.
 """
 
 from __future__ import annotations
