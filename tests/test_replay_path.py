@@ -303,3 +303,37 @@ def test_torch_compile_beside_a_jitted_module_does_not_recompile():
         jitted.layers.append(nn.Linear(4, 4))  # a registration fgraph watches: it ends the jitted module's proof
         f(X)
     assert len(graphs) == 1
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])  # (NONE captures nothing: nothing to copy)
+def test_copies_of_mixed_dtypes_go_one_dtype_to_a_foreach_call(mode, monkeypatch):
+    """CUDA fuses a foreach copy into multi-tensor kernels only when its lists hold one dtype; else it copies tensor by
+    tensor. A cache made anew per call (bfloat16 keys, an int64 counter per layer, as transformers' StaticCache) and
+    inputs of several dtypes are copied one foreach call per dtype, and every call still equals eager."""
+    dtypes = []
+    real = torch._foreach_copy_
+
+    def spy(dst, src, **kw):
+        dtypes.append({t.dtype for t in (*dst, *src)})
+        return real(dst, src, **kw)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+
+    def step_mixed(x, cache):
+        for layer in cache:
+            layer["k"].add_(x)
+            layer["n"].add_(1)
+        return x * 2, cache
+
+    def make(seed):  # two layers: bfloat16 keys and an int64 counter each
+        g = torch.Generator().manual_seed(seed)
+        return [{"k": torch.randn(4, generator=g).bfloat16(), "n": torch.tensor(seed + i)} for i in range(2)]
+
+    f = fgraph.jit(step_mixed, donate=["cache"], mode=mode)
+    for k in range(5):
+        mine, theirs, x = make(k), make(k), torch.randn(4, generator=torch.Generator().manual_seed(9 + k)).bfloat16()
+        assert torch.equal(f(x, mine)[0], step_mixed(x, theirs)[0])
+        assert all(torch.equal(a[n], b[n]) for a, b in zip(mine, theirs) for n in "kn")
+    assert f.stats()["total"]["copies"] > 0
+    assert dtypes and all(len(d) == 1 for d in dtypes), dtypes

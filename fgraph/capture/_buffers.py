@@ -144,18 +144,39 @@ def _numpy(t: torch.Tensor):
     return t.numpy() if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES else None
 
 
+def copy_groups(dst: list) -> list[list[int]]:
+    """The positions of dst, grouped by device and dtype (first-seen order)."""
+    got: dict = {}
+    for i, t in enumerate(dst):
+        got.setdefault((t.device, t.dtype), []).append(i)
+    return list(got.values())
+
+
+def foreach_copy(dst: list, src: list, groups: list[list[int]] | None = None) -> None:
+    """dst[i].copy_(src[i]) for every i: one `_foreach_copy_` per device and dtype of dst.
+
+    CUDA fuses a foreach copy into multi-tensor kernels only when every tensor of its lists has one device and dtype;
+    lists that mix them are copied one kernel per tensor (a transformers StaticCache: bfloat16 keys and values, an
+    int64 counter per layer). groups: copy_groups(dst), for a caller that keeps it."""
+    for ix in groups if groups is not None else copy_groups(dst):
+        if len(ix) == len(dst):
+            torch._foreach_copy_(dst, src)
+        else:
+            torch._foreach_copy_([dst[i] for i in ix], [src[i] for i in ix])
+
+
 def _pad_all(targets, targets_np, real, leaves, specs, heads: dict) -> None:
     """Pad each leaf into its target, skipping padding still in place from the previous call.
 
     Pad each leaf into its target; `real` holds the rows last written per target (-1: unknown), so padding still in
     place from the previous call is not written again. The usual call (every leaf as long as the last call's, or
-    filling its target) is one `_foreach_copy_` into cached views of the targets' heads: a single C++ call for all
-    leaves (cheaper than a loop of numpy slice writes: docs/performance.md). heads[None] remembers such a call (leaf
-    shapes, views, rows): a call with the same shapes, whose targets nobody wrote since, goes straight to that copy
-    (a decode loop at a fixed batch size)."""
+    filling its target) is one `_foreach_copy_` per dtype into cached views of the targets' heads: a C++ call for
+    all leaves of a dtype (cheaper than a loop of numpy slice writes: docs/performance.md). heads[None] remembers such
+    a call (leaf shapes, views, rows, dtype groups): a call with the same shapes, whose targets nobody wrote since,
+    goes straight to that copy (a decode loop at a fixed batch size)."""
     last = heads.get(None)
     if last is not None and real == last[2] and [x.shape for x in leaves] == last[0]:
-        torch._foreach_copy_(last[1], leaves)
+        foreach_copy(last[1], leaves, last[3])
         return
     dst, src = [], []
     for k, (t, x, s) in enumerate(zip(targets, leaves, specs)):
@@ -179,9 +200,9 @@ def _pad_all(targets, targets_np, real, leaves, specs, heads: dict) -> None:
             continue
         valid = s.pad_into_numpy(x.numpy(), tn, tail_valid=have == real[k])
         real[k] = have if valid else -1
-    if dst:
-        torch._foreach_copy_(dst, src)
+    groups = copy_groups(dst)
+    foreach_copy(dst, src, groups)
     if dst and len(dst) == len(leaves):
-        heads[None] = ([x.shape for x in leaves], dst, list(real))
+        heads[None] = ([x.shape for x in leaves], dst, list(real), groups)
     else:
         heads.pop(None, None)

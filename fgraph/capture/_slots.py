@@ -17,6 +17,7 @@ import logging
 import torch
 
 from .._state import root_of
+from ._buffers import copy_groups, foreach_copy
 
 log = logging.getLogger("fgraph")
 
@@ -46,6 +47,7 @@ class Slots:
         # are flattened afresh every call, so no container identity vouches for these tensors (_fast_call)
         self.loose = [k for k, r in enumerate(root) if r in batched]
         self._loose_with: dict[tuple, list[int]] = {}
+        self._groups: dict[tuple, list[list[int]]] = {}  # copied positions -> their dtype groups (foreach_copy)
         self.logged = False
 
     def loose_with(self, ranges: tuple) -> list[int]:
@@ -100,13 +102,21 @@ class Slots:
             leaves[self.ix[k]] = self.targets[k]
         return leaves
 
+    def _copy(self, pairs: list) -> None:
+        """(position, into, from) triples: one foreach copy per dtype (a cache made anew per call is ~100 tensors:
+        a few calls, fused launches)."""
+        ks, into, come = zip(*pairs)
+        groups = self._groups.get(ks)
+        if groups is None:
+            groups = self._groups[ks] = copy_groups(into)
+        foreach_copy(into, come, groups)
+
     def copy_in(self, leaves: list, stats, fname: str) -> None:
-        # one foreach copy for all of them: a cache made anew per call is ~100 tensors (one call, fused launches)
-        pairs = [(t, x) for k in self.copied if (x := leaves[self.ix[k]]) is not (t := self.targets[k])]
+        pairs = [(k, t, x) for k in self.copied if (x := leaves[self.ix[k]]) is not (t := self.targets[k])]
         if not pairs:
             return
-        into, come = zip(*pairs)
-        torch._foreach_copy_(into, come)
+        self._copy(pairs)
+        into = [t for _, t, _ in pairs]
         n = sum(t.numel() * t.element_size() for t in into)
         if n:
             stats.copies += 1
@@ -129,11 +139,12 @@ class Slots:
     def copy_back(self, leaves: list) -> None:
         """Donated state the graph wrote into fgraph's buffer goes back into the caller's tensor."""
         pairs = [
-            (x, t) for k in self.copied if self.donated[k] and (x := leaves[self.ix[k]]) is not (t := self.targets[k])
+            (k, x, t)
+            for k in self.copied
+            if self.donated[k] and (x := leaves[self.ix[k]]) is not (t := self.targets[k])
         ]
         if pairs:
-            back, written = zip(*pairs)
-            torch._foreach_copy_(back, written)
+            self._copy(pairs)
 
     def describe(self) -> list[str]:
         copied = set(self.copied)
