@@ -203,7 +203,7 @@ class FastPath:
             key = layout_key(spec, lv)
             if c is None or c.tree is not v or c.key != key or c.rkey != rkey or (c.guard and not c.guard()):
                 self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec), rkey)
-            parts.append(key if rkey is None else rkey)
+            parts.append(c.key if rkey is None else c.rkey)  # the objects find() appends: equal by identity
         if lifted:
             if view is None or not view.proven():
                 view = LiftedView(lifted, call.leaves[offset:])

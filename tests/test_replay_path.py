@@ -337,3 +337,22 @@ def test_copies_of_mixed_dtypes_go_one_dtype_to_a_foreach_call(mode, monkeypatch
         assert all(torch.equal(a[n], b[n]) for a, b in zip(mine, theirs) for n in "kn")
     assert f.stats()["total"]["copies"] > 0
     assert dtypes and all(len(d) == 1 for d in dtypes), dtypes
+
+
+@torch.no_grad()
+def test_the_replay_path_compares_no_tree_structures(monkeypatch):
+    """An argument passed again is keyed by the very layout object its entry was stored with: the lookup is an
+    identity check, not a walk of its tree structure (a 24-layer cache's TreeSpec compared node by node per call)."""
+    import torch.utils._pytree as pytree
+
+    f = fgraph.jit(step, donate=["state"], batch={"x": Batched()}, mode="FULL", buckets=[2, 4])
+    p, state = _params(0), {"h": torch.zeros(4)}
+    for x in (X, X, X[:2]):  # the second token count's slow call stores its entry beside the first's layouts
+        f(p, x, state)
+    compared = []
+    eq = pytree.TreeSpec.__eq__
+    monkeypatch.setattr(pytree.TreeSpec, "__eq__", lambda a, b: compared.append(1) or eq(a, b))
+    before = fast(f)
+    for x in (X[:2], X, X[:2]):
+        f(p, x, state)
+    assert fast(f) == before + 3 and not compared
