@@ -144,8 +144,15 @@ def _numpy(t: torch.Tensor):
     return t.numpy() if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES else None
 
 
+def _fuses(t: torch.Tensor) -> bool:
+    """Whether foreach copies into t's device fuse (CUDA's do; the CPU's copy tensor by tensor whatever the dtypes)."""
+    return not t.is_cpu
+
+
 def copy_groups(dst: list) -> list[list[int]]:
-    """The positions of dst, grouped by device and dtype (first-seen order)."""
+    """The positions of dst, grouped by device and dtype (first-seen order); one group where copies do not fuse."""
+    if not any(map(_fuses, dst)):
+        return [list(range(len(dst)))] if dst else []
     got: dict = {}
     for i, t in enumerate(dst):
         got.setdefault((t.device, t.dtype), []).append(i)
@@ -158,11 +165,12 @@ def foreach_copy(dst: list, src: list, groups: list[list[int]] | None = None) ->
     CUDA fuses a foreach copy into multi-tensor kernels only when every tensor of its lists has one device and dtype;
     lists that mix them are copied one kernel per tensor (a transformers StaticCache: bfloat16 keys and values, an
     int64 counter per layer). groups: copy_groups(dst), for a caller that keeps it."""
-    for ix in groups if groups is not None else copy_groups(dst):
-        if len(ix) == len(dst):
-            torch._foreach_copy_(dst, src)
-        else:
-            torch._foreach_copy_([dst[i] for i in ix], [src[i] for i in ix])
+    groups = copy_groups(dst) if groups is None else groups
+    if len(groups) == 1:
+        torch._foreach_copy_(dst, src)
+        return
+    for ix in groups:
+        torch._foreach_copy_([dst[i] for i in ix], [src[i] for i in ix])
 
 
 def _pad_all(targets, targets_np, real, leaves, specs, heads: dict) -> None:
