@@ -18,14 +18,21 @@ import torch
 
 @contextlib.contextmanager
 def put_back(tensors: list[torch.Tensor]):
-    """Restore `tensors` in place when the block ends (raised or not): same storage, the values they had."""
+    """Restore `tensors` in place when the block ends (raised or not): same storage, the values they had.
+
+    Yields the restore itself, for a block that runs the function more than once and must start each run from
+    these values (warm-up, then capture)."""
     saved = [t.clone() for t in tensors]
-    try:
-        yield
-    finally:
+
+    def restore() -> None:
         with torch.no_grad():
             for t, s in zip(tensors, saved):
                 t.copy_(s)
+
+    try:
+        yield restore
+    finally:
+        restore()
 
 
 def root_of(path: str) -> str:

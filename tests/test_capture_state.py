@@ -125,11 +125,45 @@ def test_the_put_back_is_what_keeps_state_right(monkeypatch):
 
     from fgraph.capture import _entry
 
-    monkeypatch.setattr(_entry, "put_back", lambda tensors: contextlib.nullcontext())
+    monkeypatch.setattr(_entry, "put_back", lambda tensors: contextlib.nullcontext(lambda: None))
     f = fgraph.jit(counter_step, donate=["state"], batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
     state = {"n": torch.zeros(())}
     f(torch.ones(3), state)
     assert state["n"].item() == 3
+
+
+def push(x, state):
+    """Append x at the state's counter (a static KV cache's write: transformers' StaticLayer indexes by its count)."""
+    state["buf"].index_copy_(0, state["n"], x[None])
+    state["n"].add_(1)
+    return x * 2, state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL", "FULL_AND_PIECEWISE"])
+def test_each_warm_up_and_capture_run_starts_from_the_calls_state(mode, compile, device):
+    """A capture runs the function more than once before the call's result stands (warm-up, then capture): each
+    run must start from the call's own state. A run that saw the state the one before it left would write one slot
+    further, past a full buffer's end on the last call: an IndexError on the CPU, a device-side assert on a GPU.
+    New tensors on the last call make it capture there (the slots read them from then on)."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, generator=g).to(device) for _ in range(3)]
+
+    def fresh(state):  # the same values in new tensors
+        return {k: v.clone() for k, v in state.items()}
+
+    f = fgraph.jit(push, donate=["state"], mode=mode, compile=compile)
+    mine = {"buf": torch.zeros(3, 4, device=device), "n": torch.zeros(1, dtype=torch.int64, device=device)}
+    want = fresh(mine)
+    for k, x in enumerate(xs):
+        if k == len(xs) - 1:
+            mine = fresh(mine)  # the last slot: a capture again
+        out, _ = f(x, mine)
+        ref, _ = push(x, want)
+        torch.testing.assert_close(out, ref)
+        assert all(torch.equal(mine[n], want[n]) for n in want), k
+    assert f.stats()["total"]["captures"] >= 2
 
 
 # -- scratch: state whose padded rows write only into a scratch area --------------------------------------------

@@ -208,7 +208,7 @@ class Entry:
         # donated leaves the program writes go back to their values after warm-up and capture (fgraph/_state.py);
         # scratch ones are left to the function's padding contract when capture runs on all-padding inputs
         touched = [call.leaves[i] for i in self.traced.written if not (call.n == 0 and i in self.traced.scratch)]
-        with P.execution() as token, put_back(touched):  # one execution: its plan serves warm-up and capture
+        with P.execution() as token, put_back(touched) as restore:  # one execution: its plan serves both
             ready = self._plan(host, call.n, call.statics, capturing=True)
             # Warm-up initialises libraries lazily (handles, workspaces) outside the capture: once per trace is enough,
             # unless Inductor compiles each signature's pieces, or a break inside a FULL graph keeps host state per
@@ -217,8 +217,9 @@ class Entry:
             # breaks eagerly in the capture pass itself. An eager run costs a step of the eager model.
             if self.traced.warmed and compile is None and (ready or self.mode is Mode.PIECEWISE):
                 warmups = 0
-            for _ in range(warmups):
+            for _ in range(warmups):  # each run from the call's state: a counter-indexed write stays in bounds
                 G.run(self.module, *args)
+                restore()
             self.stats.warmups += warmups
             self.traced.warmed = self.traced.warmed or warmups > 0
             if self.device.startswith("cuda"):
