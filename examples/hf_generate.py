@@ -9,7 +9,8 @@ The StaticCache generate makes is seen into as a pytree of its tensors (keys, va
 layer): donated state, written in place. Its layers are made lazily by the first forward (prefill), which runs
 eagerly; every decode step then replays one signature's graphs. `disable_compile=True` keeps generate from wrapping
 the call in torch.compile on the GPU. By default a tiny random-weight Qwen2 (no network, runs on CPU in seconds);
-`--model DIR` loads a checkpoint. Prints the tokens, whether they equal eager generate's, and fgraph's stats.
+`--model DIR` loads a checkpoint; `--compile` compiles the pieces with Inductor (the speed: docs/performance.md).
+Prints the tokens, whether they equal eager generate's, and fgraph's stats.
 """
 
 from __future__ import annotations
@@ -91,6 +92,12 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=6)
     p.add_argument("--new-tokens", type=int, default=6)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="Inductor-compiled pieces (compile=True): an HF model's attention is no fgraph break, so uncompiled "
+        "graphs replay eager's kernels; compiled ones fuse them, at a compilation's cost on first use",
+    )
     args = p.parse_args(argv)
     if args.model:
         from transformers import AutoModelForCausalLM
@@ -102,12 +109,13 @@ def main(argv=None):
     ids = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
     ids = ids.to(args.device)
     want = generate(model, ids, args.new_tokens)
-    jitted = jit_forward(model, args.mode)
+    jitted = jit_forward(model, args.mode, compile=args.compile)
     got = generate(model, ids, args.new_tokens)
     stats = jitted.stats()
     out = {
         "device": args.device,
         "mode": args.mode,
+        "compile": args.compile,
         "tokens_equal": bool(torch.equal(got, want)),
         "tokens": got[:, args.prompt_len :].tolist(),
         "signatures": len(jitted.entries),

@@ -198,3 +198,9 @@ def test_the_example_runs_generate_through_fgraph_and_says_what_served_it():
     # decode: 5 calls, the last two the replay path's (the first three meet the layout, then new input tensors
     # twice: read in place after a capture again, then copied)
     assert out["stats"]["replays"] == 5 and out["stats"]["fast"] == 2
+
+
+def test_the_example_compiles_the_pieces_on_request():
+    """`--compile`: Inductor's kernels in the graphs (float32 on the CPU: these tokens equal eager's)."""
+    out = G.main(["--device", "cpu", "--new-tokens", "6", "--batch", "2", "--prompt-len", "5", "--compile"])
+    assert out["compile"] and out["tokens_equal"] and out["stats"]["replays"] == 5
