@@ -122,8 +122,8 @@ def main(argv=None):
 
             for name, m in contenders.items():
                 if name != "hf_eager":
-                    # headroom: a new signature's warm-up and capture runs write past the call's positions (put back)
-                    caches[name] = c = StaticCache(config=m.config, max_cache_len=2 * ctx + new)
+                    # as long as generate's own would be for the longest generate here (loop_us's, or the timed)
+                    caches[name] = c = StaticCache(config=m.config, max_cache_len=ctx + max(new, LOOP_TOKENS))
                     heads, dim = m.config.num_key_value_heads, m.config.hidden_size // m.config.num_attention_heads
                     c.early_initialization(B, heads, dim, dtype, device)
 
@@ -234,7 +234,10 @@ def call_us(obj, attr: str, run) -> float:
     return round(statistics.median(each[1:]), 1)  # the decode calls (the first may be the prefill)
 
 
-def loop_us(model, gen, n: int = 17) -> float:
+LOOP_TOKENS = 17
+
+
+def loop_us(model, gen, n: int = LOOP_TOKENS) -> float:
     """Microseconds a generated token costs in generate's own loop (input preparation, logits processing, stopping
     checks), outside the model: its forward answers every decode call with the prefill's output (no model work), a
     generate of n tokens less one of 1, over n - 1. The floor under every contender's time per token."""
