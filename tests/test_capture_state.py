@@ -166,6 +166,26 @@ def test_each_warm_up_and_capture_run_starts_from_the_calls_state(mode, compile,
     assert f.stats()["total"]["captures"] >= 2
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(MODES), st.lists(st.sampled_from(["same", "new tensors", "reset"]), min_size=1, max_size=8))
+def test_any_sequence_of_counter_indexed_writes_leaves_what_eager_leaves(mode, ops):
+    """Calls that append into a buffer exactly as long as they need, the state passed again, as new tensors (a
+    capture again, then copies) or after a reset (captures from scratch): every output and state equals eager's."""
+    f = fgraph.jit(push, donate=["state"], mode=mode)
+    mine = {"buf": torch.zeros(len(ops), 4), "n": torch.zeros(1, dtype=torch.int64)}
+    want = {k: v.clone() for k, v in mine.items()}
+    g = torch.Generator().manual_seed(len(ops))
+    for k, op in enumerate(ops):
+        if op == "new tensors":
+            mine = {n: v.clone() for n, v in mine.items()}
+        elif op == "reset":
+            f.reset()
+        x = torch.randn(4, generator=g)
+        out, _ = f(x, mine)
+        ref, _ = push(x, want)
+        assert torch.equal(out, ref) and all(torch.equal(mine[n], want[n]) for n in want), (ops, k)
+
+
 # -- scratch: state whose padded rows write only into a scratch area --------------------------------------------
 def write_rows(x, slots, table):
     """Write each row of x into table[slot]: padded rows carry slot 0, the table's scratch row."""
