@@ -181,7 +181,14 @@ class Jitted(T.Inlined):
         return Call(sig, statics, paths, leaves, specs, n, dict(bound.arguments))
 
     def _slow_call(self, args, kwargs):
-        call = self.cache.for_grad_mode(self.bind(args, kwargs))
+        try:
+            call = self.cache.for_grad_mode(self.bind(args, kwargs))
+        except T.LazyParameters as e:  # this call makes them: eagerly, as the module would
+            if self.options.strict:
+                raise SignatureError(f"fgraph.jit({self.name}, strict=True): {e.what}", e.fix) from None
+            self.log_once(("lazy",), "%s (logged once). Fix: %s", e.what, e.fix)
+            self.fallbacks["init"] += 1
+            return self.fn(*args, **kwargs)
         if (why := self.ungraphed(call)) is not None:  # an empty batch: counted, not logged (nothing to fix)
             return self._fallback(why[0], call, why[1], "raise buckets=[..., N] or split the batch")
         entry = self.cache.entries.get(call.sig)

@@ -360,3 +360,25 @@ def test_the_replay_path_compares_no_tree_structures(monkeypatch):
     for x in (X[:2], X, X[:2]):
         f(p, x, state)
     assert fast(f) == before + 3 and not compared
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", MODES)
+def test_a_lazy_modules_first_call_makes_its_parameters_eagerly(mode, caplog):
+    """nn.LazyLinear makes its weight in its first forward: that call runs eagerly (logged, counted as `init`),
+    and the calls after it are traced with the weight it made, equal to the module's own."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2)).eval()
+    f = fgraph.jit(m, batch={"input": Batched()}, mode=mode, buckets=[4])
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for k, n in enumerate((3, 3, 2, 3, 3)):
+            x = torch.randn(n, 5, generator=torch.Generator().manual_seed(k))
+            torch.testing.assert_close(f(x), m(x))  # (a padded matmul rounds as BLAS does at its size)
+    assert f.stats()["fallbacks"]["init"] == 1 and f.stats()["total"]["traces"] == 1 and fast(f) >= 1
+    assert any("lazy module's parameter" in r.getMessage() for r in caplog.records)
+
+
+def test_a_lazy_module_under_strict_is_a_signature_error():
+    f = fgraph.jit(nn.LazyLinear(2), strict=True)
+    with pytest.raises(fgraph.SignatureError, match="lazy module's parameter.*\n.*run the module once"):
+        f(torch.randn(3, 5))

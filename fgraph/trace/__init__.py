@@ -7,6 +7,7 @@ tensors it reads without taking them (`Lifted`, `invoke`), the split at break pr
 """
 
 from ._callable import Inlined as Inlined
+from ._callable import LazyParameters as LazyParameters
 from ._callable import Lifted as Lifted
 from ._callable import check_call as check_call
 from ._callable import check_transforms as check_transforms

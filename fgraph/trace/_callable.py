@@ -58,6 +58,14 @@ def plain_signature(sig: inspect.Signature) -> bool:
     return all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in sig.parameters.values())
 
 
+class LazyParameters(Exception):
+    """A lifted module holds parameters not made yet (torch's lazy modules make them in their first forward)."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(what)
+        self.what, self.fix = what, fix
+
+
 class Lifted:
     """The tensors a callable reads without taking them as arguments.
 
@@ -190,6 +198,12 @@ class Lifted:
         out, self.names, self.grads = {}, {}, False
         for i, (name, m) in enumerate(self.modules):
             for k, v in [*m.named_parameters(), *m.named_buffers()]:
+                if torch.nn.parameter.is_lazy(v):  # nn.LazyLinear before its first forward: no shape to trace
+                    raise LazyParameters(
+                        f"`{name}.{k}` is a lazy module's parameter, made by its first forward: this call runs "
+                        "eagerly, later ones are traced",
+                        "run the module once before jitting it to trace its first call as well",
+                    )
                 # read as data (same storage): a jitted call is inference, its outputs carry no autograd history
                 out[f"{name}.{k}"] = v.detach() if v.requires_grad else v
                 self.names[f"{name}.{k}"] = (i, k)
