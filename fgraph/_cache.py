@@ -23,6 +23,7 @@ from ._fastpath import FastPath
 from ._modes import Mode
 from ._pytree import check_static_fields
 from ._signature import Call, Signature, device_of, path_str
+from ._state import outside_inference_mode
 from .capture import Entry, new_pool, ran
 from .trace import InitialisesState, Traced
 
@@ -164,15 +165,16 @@ class Cache:
         """Warm up and capture `entry` on `call` (a graphless mode only runs it), into the function's pool."""
         opts = self.owner.options
         graphed = entry.mode is not Mode.NONE
-        entry.capture(
-            call,
-            self._pool(entry.device) if graphed else None,
-            opts.warmups if graphed else 0,
-            opts.compile if graphed else None,
-            config.inputs_in_graph,
-            donate=opts.donate,
-            batched=tuple(opts.batch),
-        )
+        with outside_inference_mode():  # the buffers and graphs it makes serve calls in any mode
+            entry.capture(
+                call,
+                self._pool(entry.device) if graphed else None,
+                opts.warmups if graphed else 0,
+                opts.compile if graphed else None,
+                config.inputs_in_graph,
+                donate=opts.donate,
+                batched=tuple(opts.batch),
+            )
         if config.log_captures and graphed:
             log.warning(
                 "fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB",
@@ -201,7 +203,8 @@ class Cache:
                 "pass the same tensors each call (update them in place), or call .reset() after replacing them",
             )
         old = entry.graphs
-        entry.slots.move(moved, self.owned, call.leaves)
+        with outside_inference_mode():  # fgraph's buffers for the moved slots
+            entry.slots.move(moved, self.owned, call.leaves)
         c = call._replace(leaves=entry.slots.args(call.leaves))
         entry.uncapture()
         # warm-up and capture run the function: Entry.capture puts back the donated tensors they write

@@ -38,3 +38,16 @@ def put_back(tensors: list[torch.Tensor]):
 def root_of(path: str) -> str:
     """The argument name a key path starts with: `cache.k[3]` -> `cache`."""
     return path.split("[")[0].split(".")[0]
+
+
+@contextlib.contextmanager
+def outside_inference_mode():
+    """fgraph's own tensors (input buffers, copied slots, captured outputs) made as normal tensors, grad off.
+
+    Made under torch.inference_mode() they would be inference tensors, which a later call outside that mode (under
+    no_grad) cannot write in place."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield

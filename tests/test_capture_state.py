@@ -326,3 +326,27 @@ def test_each_cuda_graph_capture_owns_its_cublas_workspace(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: seen.append("clear"), raising=False)
     G.CudaGraph(None).capture(lambda x: x + 1, torch.ones(2))
     assert seen == ["clear", "capture begins", "capture ends", "clear"]
+
+
+GRAD_MODES = {
+    "inference_mode": torch.inference_mode,
+    "no_grad": torch.no_grad,
+    "grad": torch.enable_grad,
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(MODES), st.lists(st.sampled_from(sorted(GRAD_MODES)), min_size=2, max_size=6))
+def test_calls_in_any_sequence_of_grad_and_inference_modes_equal_eager(mode, modes):
+    """fgraph's buffers, slots and captured outputs are its own, made outside inference mode: made inside it, they
+    were inference tensors that a later call under no_grad could not write (torch's raw "Inplace update to
+    inference tensor outside InferenceMode")."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2)).eval()
+    f = fgraph.jit(m, batch={"input": Batched()}, mode=mode, buckets=[4])
+    for k, name in enumerate(modes):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(k))
+        with GRAD_MODES[name]():
+            got = f(x)
+        with torch.no_grad():
+            torch.testing.assert_close(got, m(x), msg=str(modes[: k + 1]))  # (a padded matmul rounds at its size)
