@@ -165,16 +165,15 @@ class Cache:
         """Warm up and capture `entry` on `call` (a graphless mode only runs it), into the function's pool."""
         opts = self.owner.options
         graphed = entry.mode is not Mode.NONE
-        with outside_inference_mode():  # the buffers and graphs it makes serve calls in any mode
-            entry.capture(
-                call,
-                self._pool(entry.device) if graphed else None,
-                opts.warmups if graphed else 0,
-                opts.compile if graphed else None,
-                config.inputs_in_graph,
-                donate=opts.donate,
-                batched=tuple(opts.batch),
-            )
+        entry.capture(  # in the call's grad and inference modes (its signature's): it writes the caller's state
+            call,
+            self._pool(entry.device) if graphed else None,
+            opts.warmups if graphed else 0,
+            opts.compile if graphed else None,
+            config.inputs_in_graph,
+            donate=opts.donate,
+            batched=tuple(opts.batch),
+        )
         if config.log_captures and graphed:
             log.warning(
                 "fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB",
@@ -203,7 +202,7 @@ class Cache:
                 "pass the same tensors each call (update them in place), or call .reset() after replacing them",
             )
         old = entry.graphs
-        with outside_inference_mode():  # fgraph's buffers for the moved slots
+        with outside_inference_mode():  # buffers shared by signatures of either inference mode: writable by both
             entry.slots.move(moved, self.owned, call.leaves)
         c = call._replace(leaves=entry.slots.args(call.leaves))
         entry.uncapture()

@@ -215,11 +215,14 @@ class TorchState(NamedTuple):
     """Torch's global settings that a trace, or the kernels its graphs captured, depend on.
 
     The ones torch.compile guards too: the default dtype (`torch.zeros(3)`), the autocast contexts in force (the
-    dtype of every matmul under them), and float32 matmul precision (TF32 kernels or not)."""
+    dtype of every matmul under them), and float32 matmul precision (TF32 kernels or not); and inference mode: a
+    capture under it makes fgraph's buffers inference tensors, which no call outside it may write in place, and one
+    outside it cannot write the inference tensors a caller made under it, so each mode captures its own."""
 
     default_dtype: torch.dtype
     autocast: tuple  # (device type, dtype) of each autocast context in force
     matmul_precision: str
+    inference_mode: bool = False
 
     def __repr__(self) -> str:  # what differs from torch's defaults, as explain shows a signature
         parts = [f"autocast({d}, {str(t).removeprefix('torch.')})" for d, t in self.autocast]
@@ -227,6 +230,8 @@ class TorchState(NamedTuple):
             parts.append(f"default dtype {str(self.default_dtype).removeprefix('torch.')}")
         if self.matmul_precision != "highest":
             parts.append(f"matmul precision {self.matmul_precision}")
+        if self.inference_mode:
+            parts.append("inference mode")
         return "[" + ", ".join(parts) + "]"
 
 
@@ -235,10 +240,11 @@ def torch_state() -> TorchState | None:
 
     On every call's fast path: three reads at the defaults, the tuple only when one differs."""
     dtype, precision = torch.get_default_dtype(), torch.get_float32_matmul_precision()
-    if dtype is torch.float32 and precision == "highest" and not _any_autocast():
+    inference = torch.is_inference_mode_enabled()
+    if dtype is torch.float32 and precision == "highest" and not inference and not _any_autocast():
         return None
     autocast = tuple((d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d))
-    return TorchState(dtype, autocast, precision)
+    return TorchState(dtype, autocast, precision, inference)
 
 
 def _any_autocast() -> bool:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fgraph
@@ -350,3 +350,20 @@ def test_calls_in_any_sequence_of_grad_and_inference_modes_equal_eager(mode, mod
             got = f(x)
         with torch.no_grad():
             torch.testing.assert_close(got, m(x), msg=str(modes[: k + 1]))  # (a padded matmul rounds at its size)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(MODES), st.lists(st.sampled_from(sorted(GRAD_MODES)), min_size=2, max_size=6))
+@example("FULL", ["inference_mode"] * 3 + ["no_grad"] * 3)  # both copy one path through buffers they share
+def test_state_made_under_any_mode_is_written_as_eager_writes_it(mode, modes):
+    """Donated state made inside the call's mode each call (as generate makes its cache under inference_mode or
+    no_grad): inference tensors are written in inference mode only, so each mode captures its own signature."""
+    f = fgraph.jit(push, donate=["state"], mode=mode)
+    for k, name in enumerate(modes):
+        with GRAD_MODES[name]():
+            state = {"buf": torch.zeros(2, 4), "n": torch.tensor([k % 2])}
+            want = {n: v.clone() for n, v in state.items()}
+            x = torch.full((4,), float(k))
+            out, _ = f(x, state)
+            ref, _ = push(x, want)
+        assert torch.equal(out, ref) and all(torch.equal(state[n], want[n]) for n in want), (modes, k)
