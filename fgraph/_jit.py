@@ -200,7 +200,12 @@ class Jitted(T.Inlined):
                     "unseen",
                     call,
                     f"signature {call.sig.describe()} was not captured" + self.cache.closest(call.sig),
-                    f"add it to {self.name}.capture(...)",
+                    f"add it to {self.name}.capture(...)"
+                    + (  # torch's settings are the caller's: capture() takes no argument for them
+                        f", called under the same torch settings ({dict(call.sig.statics)['<torch>']})"
+                        if "<torch>" in dict(call.sig.statics)
+                        else ""
+                    ),
                 )
             if self.cache.made >= config.max_signatures:
                 return self._fallback(

@@ -367,3 +367,18 @@ def test_state_made_under_any_mode_is_written_as_eager_writes_it(mode, modes):
             out, _ = f(x, state)
             ref, _ = push(x, want)
         assert torch.equal(out, ref) and all(torch.equal(state[n], want[n]) for n in want), (modes, k)
+
+
+def test_a_function_captured_under_no_grad_says_how_to_serve_inference_mode(caplog):
+    """Sealed by capture() under no_grad, a call under inference mode is another signature: it runs eagerly, and the
+    log names the torch setting to capture under."""
+    f = fgraph.jit(counter_step, donate=["state"], batch={"x": Batched()}, buckets=[4])
+    state = {"n": torch.zeros(())}
+    with torch.no_grad():
+        f.capture(torch.ones(4), state, progress=False)
+    with caplog.at_level(logging.WARNING, logger="fgraph"), torch.inference_mode():
+        out, _ = f(torch.ones(3), state)
+    assert torch.equal(out, torch.full((3,), 2.0)) and state["n"].item() == 1
+    assert f.stats()["fallbacks"]["unseen"] == 1
+    (msg,) = [r.getMessage() for r in caplog.records if "was not captured" in r.getMessage()]
+    assert "capture(...), called under the same torch settings ([inference mode])" in msg
