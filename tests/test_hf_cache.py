@@ -204,3 +204,17 @@ def test_the_example_compiles_the_pieces_on_request():
     """`--compile`: Inductor's kernels in the graphs (float32 on the CPU: these tokens equal eager's)."""
     out = G.main(["--device", "cpu", "--new-tokens", "6", "--batch", "2", "--prompt-len", "5", "--compile"])
     assert out["compile"] and out["tokens_equal"] and out["stats"]["replays"] == 5
+
+
+def test_a_cache_passed_but_not_donated_is_named_with_the_fix():
+    """`fgraph.jit(model)` without donating the cache: generate's StaticCache is an argument fgraph does not see into,
+    so its counter is read but no input (or, once the class is seen into in this process for a donated one, written
+    in place but not donated). The error names the tensor's key path inside the argument and the fix (donate it),
+    which then gives eager's tokens."""
+    model, want = G.tiny(), G.generate(G.tiny(), IDS, 4)
+    name = G.cache_parameter(model)
+    read = rf"`{name}\.layers\[0\]\.\w+`.*argument `{name}` is a StaticCache.*\nFix: donate it: .*donate=\['{name}'\]"
+    written = rf"into {name}\.layers\[0\]\.\w+, which is not donated\nFix: add '{name}' to donate="
+    with pytest.raises(fgraph.TraceError, match=f"{read}|{written}"):
+        G.generate(fgraph.jit(model), IDS, 4)
+    assert torch.equal(G.generate(fgraph.jit(model, donate=[name]), IDS, 4), want)

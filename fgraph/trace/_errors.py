@@ -64,6 +64,31 @@ class Names:
         self.symbols: dict[str, list[str]] = {}  # "s26" -> key paths of the leaves whose batch axis it is
         self.keep: list = []  # the inputs themselves (ids stay valid while they live)
         self.mode = None  # the trace's fake mode
+        self.args: dict = {}  # the caller's own arguments by name (where a tensor read but not input may live)
+
+    def inside_argument(self, t, depth: int = 5, budget: int = 5000) -> tuple[str, str] | None:
+        """(key path, argument name) of `t` inside an argument's plain objects, lists, tuples or dicts, if there.
+
+        A tensor there is read without being an input when fgraph does not see into its object: an argument of a
+        plain class is seen into only when donated (an HF StaticCache passed but not donated)."""
+        todo = [(v, name, name, 0) for name, v in self.args.items()]
+        while todo and budget > 0:
+            v, path, arg, d = todo.pop()
+            budget -= 1
+            if v is t:
+                return path, arg
+            if d >= depth or isinstance(v, (torch.Tensor, torch.nn.Module, type, types.ModuleType, str, bytes)):
+                continue
+            if isinstance(v, dict):
+                kids = [(w, f"{path}[{k!r}]") for k, w in v.items()]
+            elif isinstance(v, (list, tuple)):
+                kids = [(w, f"{path}[{i}]") for i, w in enumerate(v)]
+            elif isinstance(getattr(v, "__dict__", None), dict) and not callable(v):
+                kids = [(w, f"{path}.{a}") for a, w in vars(v).items()]
+            else:
+                continue
+            todo.extend((w, p, arg, d + 1) for w, p in kids)
+        return None
 
     def symbol(self, expr, path: str) -> None:
         self.symbols.setdefault(str(expr), []).append(path)
@@ -146,6 +171,16 @@ def translate(fname: str, e: Exception, names: Names) -> TraceError:
         ]
         who = (_name_of(real[0], e) if real else None) or "a tensor"
         shape = f" ({str(real[0].dtype).removeprefix('torch.')}{list(real[0].shape)})" if real else ""
+        inside = names.inside_argument(real[0]) if real else None
+        if inside is not None:
+            path, arg = inside
+            kind = type(names.args[arg]).__name__
+            return TraceError(
+                f"fgraph.jit({fname}): `{path}`{shape} at {line} is read by the function but is not one of its "
+                f"inputs: argument `{arg}` is a {kind}, whose tensors fgraph sees into only when it is donated",
+                f"donate it: fgraph.jit(..., donate=[{arg!r}]) (its tensors are then inputs, written in place; a "
+                "transformers cache: docs/contract.md, Hugging Face)",
+            )
         return TraceError(
             f"fgraph.jit({fname}): {who}{shape} at {line} is read by the function but is not one of its inputs "
             "(a captured graph would freeze its value and address)",

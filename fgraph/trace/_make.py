@@ -200,6 +200,7 @@ def trace(
     arguments by name): where a value made while tracing must not be left (EscapeError, fgraph/trace/_escapes.py).
     gm.meta["grad_mode"]: the grad mode the function read, else None."""
     shapes, names = None, E.Names()
+    names.args = reach[1] if reach is not None else {}
     paths = paths or [f"input {i}" for i in range(len(example))]
     # one tensor passed for two leaves (tied weights) is two inputs: fake tensors are made once per tensor object,
     # so both placeholders would share one fake and every use of either be traced through the later one; a later
