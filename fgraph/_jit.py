@@ -375,10 +375,18 @@ class Jitted(T.Inlined):
 
         Counters (Stats: traces, captures, warm-ups, replays, eager, calls, padded, copies, copied bytes) per
         signature (keyed by its description, plus the leaves that tell apart signatures described alike). Jit
-        objects of one function and equal options share them: each shows the calls of all."""
-        per = self.cache.stats()
+        objects of one function and equal options share them: each shows the calls of all. A jitted module's also
+        count the calls its methods made through its jitted forward (`jit(model).generate(...)`)."""
+        per, fallbacks = dict(self.cache.stats()), dict(self.fallbacks)
+        forward = self.__dict__.get("_forward")
+        if forward is not None:
+            inner = forward.stats()
+            per.update({f"forward {k}": v for k, v in inner["signatures"].items()})
+            fallbacks = {
+                k: fallbacks.get(k, 0) + inner["fallbacks"].get(k, 0) for k in {*fallbacks, *inner["fallbacks"]}
+            }
         total = {k: sum(d[k] for d in per.values()) for k in Stats.__slots__}
-        return {"signatures": per, "total": total, "fallbacks": dict(self.fallbacks)}
+        return {"signatures": per, "total": total, "fallbacks": fallbacks}
 
     def reset(self):
         """Drop every trace and graph (after replacing params or state with new tensors).
