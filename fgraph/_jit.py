@@ -202,8 +202,8 @@ class Jitted(T.Inlined):
                     f"signature {call.sig.describe()} was not captured" + self.cache.closest(call.sig),
                     f"add it to {self.name}.capture(...)"
                     + (  # torch's settings are the caller's: capture() takes no argument for them
-                        f", called under the same torch settings ({dict(call.sig.statics)['<torch>']})"
-                        if "<torch>" in dict(call.sig.statics)
+                        f", called under the same torch settings ({settings})"
+                        if (settings := dict(call.sig.statics).get("<torch>")) is not None
                         else ""
                     ),
                 )
@@ -382,9 +382,7 @@ class Jitted(T.Inlined):
         if forward is not None:
             inner = forward.stats()
             per.update({f"forward {k}": v for k, v in inner["signatures"].items()})
-            fallbacks = {
-                k: fallbacks.get(k, 0) + inner["fallbacks"].get(k, 0) for k in {*fallbacks, *inner["fallbacks"]}
-            }
+            fallbacks = {k: n + inner["fallbacks"][k] for k, n in fallbacks.items()}  # (the same kinds, in order)
         total = {k: sum(d[k] for d in per.values()) for k in Stats.__slots__}
         return {"signatures": per, "total": total, "fallbacks": fallbacks}
 

@@ -42,10 +42,11 @@ def root_of(path: str) -> str:
 
 @contextlib.contextmanager
 def outside_inference_mode():
-    """fgraph's own tensors (input buffers, copied slots, captured outputs) made as normal tensors, grad off.
+    """Tensors made here are normal tensors, grad off: the slot buffers signatures of either inference mode share.
 
-    Made under torch.inference_mode() they would be inference tensors, which a later call outside that mode (under
-    no_grad) cannot write in place."""
+    Made under torch.inference_mode() they would be inference tensors, which a call outside that mode (under
+    no_grad) cannot write in place. (A signature's own buffers and graphs are made in its own mode: inference mode
+    is part of the signature, TorchState.)"""
     if not torch.is_inference_mode_enabled():
         yield
         return

@@ -102,21 +102,21 @@ class Slots:
             leaves[self.ix[k]] = self.targets[k]
         return leaves
 
-    def _copy(self, pairs: list) -> None:
+    def _copy(self, pairs: list) -> tuple:
         """(position, into, from) triples: one foreach copy per dtype (a cache made anew per call is ~100 tensors:
-        a few calls, fused launches)."""
+        a few calls, fused launches). Returns the tensors copied into."""
         ks, into, come = zip(*pairs)
         groups = self._groups.get(ks)
         if groups is None:
             groups = self._groups[ks] = copy_groups(into)
         foreach_copy(into, come, groups)
+        return into
 
     def copy_in(self, leaves: list, stats, fname: str) -> None:
         pairs = [(k, t, x) for k in self.copied if (x := leaves[self.ix[k]]) is not (t := self.targets[k])]
         if not pairs:
             return
-        self._copy(pairs)
-        into = [t for _, t, _ in pairs]
+        into = self._copy(pairs)
         n = sum(t.numel() * t.element_size() for t in into)
         if n:
             stats.copies += 1
