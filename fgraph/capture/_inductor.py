@@ -20,7 +20,9 @@ from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .._config import config as fgraph_config
 from .._errors import SignatureError
+from . import _small_m
 
 
 def inductor_options(fname: str, compile) -> dict | None:
@@ -71,6 +73,7 @@ class Compiled(torch.nn.Module):
 
     def __init__(self, module: fx.GraphModule, options: dict, static: bool = False):
         super().__init__()
+        module = with_linear(module)
         self.module, self.options, self.static = module, options, static
         # compiled (or found) now, so capture's bar shows the progress; a static piece compiles at its first call
         self.shared = None if static else compiler.symbolic(module, options)
@@ -88,6 +91,19 @@ class Compiled(torch.nn.Module):
                 self.fn, self.how = compiler.static(self.module, self.options, args), "static"
         out = self.fn(*args)
         return out[0] if self.single and isinstance(out, (tuple, list)) else out
+
+
+def with_linear(module: fx.GraphModule) -> fx.GraphModule:
+    """The piece with its few-row matmuls as `fgraph::linear` (fgraph.config.small_m_gemv), made once per piece."""
+    if not fgraph_config.small_m_gemv:
+        return module
+    got = module.meta.get("fgraph_linear")
+    if got is None:
+        other = fx.GraphModule(module, copy.deepcopy(module.graph))
+        n = _small_m.rewrite(other)
+        compiler.counts["linear"] += n
+        got = module.meta["fgraph_linear"] = other if n else module
+    return got
 
 
 class Shared:
@@ -135,7 +151,8 @@ class Compiler:
         self.shared: dict[str, Shared] = {}
         # compiled / loaded: compile_fx calls Inductor ran / served from its FX-graph cache (static: those made for
         # one bucket's own shapes); shared: pieces served by a compilation this process already had
-        self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "seconds": 0.0}
+        # linear: matmuls of the signatures' pieces rewritten into fgraph::linear (fgraph/capture/_small_m.py)
+        self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "linear": 0, "seconds": 0.0}
 
     def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:
         """The piece compiled for its traced (symbolic) input avals, compiled now or found.

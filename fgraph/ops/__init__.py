@@ -1,4 +1,5 @@
-"""Break primitives: fgraph's own (`attention`, `moe`), and the op-author API to write one.
+"""Break primitives: fgraph's own (`attention`, `moe`), and the op-author API to write one; `linear`, the few-row
+matmul compiled pieces call (not a break).
 
 The op-author API is `fgraph.extend`, re-exported here."""
 
@@ -13,4 +14,5 @@ from fgraph.extend import once_per_execution as once_per_execution
 from fgraph.extend import primitive as primitive
 
 from . import attention as attention
+from . import linear as linear
 from . import moe as moe

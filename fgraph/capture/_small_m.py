@@ -1,0 +1,82 @@
+"""Matmuls of a weight's transpose in a CUDA piece, rewritten into `fgraph::linear` before Inductor compiles it.
+
+`F.linear(x, w, b)` traces to `addmm(b, x, t(w))` (`mm(x, t(w))` without a bias; `x @ w.T` to `mm(x, permute(w))`).
+Inductor would hand either to cuBLAS, which at decode sizes (M <= 16 rows) runs the small projections far below
+copy bandwidth and splits long K into two kernels. `fgraph::linear` takes x and w as they are and, at run time, picks
+the tuned no-split-K kernel for few rows or cuBLAS (fgraph/ops/_gemv.py). A rewrite needs: x 2-D of a half dtype on
+the piece's device, w 2-D with contiguous rows, a bias 1-D, rows that may be few (a symbolic M, or M <= 16), and
+addmm's scalars at their defaults. Anything else stays as traced."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..ops import linear as L
+
+aten = torch.ops.aten
+_TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
+
+
+def _transposed(node) -> fx.Node | None:
+    """w where `node` is w's 2-D transpose (t, permute [1, 0], transpose 0 1), else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in _TRANSPOSES:
+        return None
+    w = node.args[0]
+    if node.target is aten.permute.default and list(node.args[1]) not in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
+        return None
+    if node.target is aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+        return None
+    return w if isinstance(w, fx.Node) else None
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _few_rows(m) -> bool:
+    return isinstance(m, torch.SymInt) or m <= L.MAX_ROWS
+
+
+def _fits(x, w, b, device_type: str) -> bool:
+    x, w, b = _val(x), _val(w), (None if b is None else _val(b))
+    return (
+        isinstance(x, torch.Tensor)
+        and isinstance(w, torch.Tensor)
+        and x.device.type == device_type
+        and x.dim() == 2
+        and w.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype
+        and w.stride()[1] == 1
+        and _few_rows(x.shape[0])
+        and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1 and b.dtype == x.dtype))
+    )
+
+
+def rewrite(gm: fx.GraphModule, device_type: str = "cuda") -> int:
+    """Rewrite `gm`'s eligible matmuls in place; the number rewritten."""
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+            continue
+        if node.target is aten.mm.default:
+            b, (x, wt) = None, node.args[:2]
+        elif node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1 and len(node.args) == 3:
+            b, x, wt = node.args
+        else:
+            continue
+        w = _transposed(wt)
+        if w is None or not _fits(x, w, b, device_type):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(L.op, (x, w, b))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        if not wt.users:
+            gm.graph.erase_node(wt)
+        done += 1
+    if done:
+        gm.recompile()
+    return done

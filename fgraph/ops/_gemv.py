@@ -1,0 +1,142 @@
+"""A matmul of few rows as one Triton kernel with no split-K: y [M, N] = x [M, K] @ w [N, K]^T (+ b [N]), M <= 16.
+
+At decode, M is the batch: cuBLAS then picks tiles meant for large M and, for long K, a split-K with a second
+reduction kernel, and runs the small projections of a 0.5B model at 9-31 % of copy bandwidth. Here each program
+owns BLOCK_N output columns for all M rows: it streams its [BLOCK_N, K] slab of w once (the bytes that matter),
+accumulates in float32 and adds the bias in the same kernel. Rows M <= 4 multiply-and-reduce in registers; up to 16
+rows use tl.dot with the rows padded to 16.
+
+Which kernel serves a shape is measured, not guessed: the first call of a (rows, N, K, dtype, bias) key outside a
+CUDA-graph capture times each candidate config and cuBLAS itself, replayed in a CUDA graph (kernel time with its
+launch gaps, as in a decode graph), and keeps the fastest; so a shape where cuBLAS wins stays on cuBLAS. A key met
+first inside a capture (no timing possible there) runs cuBLAS, counted as `untuned`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+MAX_ROWS = 16
+# (BLOCK_N, BLOCK_K, num_warps): register tiles BLOCK_M x BLOCK_N x BLOCK_K <= 8K elements on the reduce path
+_REDUCE = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8)]
+_DOT = [(16, 128, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 64, 4)]
+
+# tuned: keys timed; triton / cublas: tuned keys each serves; untuned: keys met first inside a capture (cuBLAS)
+counts = {"tuned": 0, "triton": 0, "cublas": 0, "untuned": 0}
+_choice: dict[tuple, tuple | None] = {}  # key -> (BLOCK_N, BLOCK_K, warps) or None (cuBLAS)
+
+
+@functools.cache
+def kernel():
+    """The Triton kernel; None without Triton."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def gemv(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok, m_ok = rn < N, rm < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_rows = w_ptr + rn.to(tl.int64)[:, None] * sw
+        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            if DOT:
+                acc += tl.dot(x, tl.trans(w))
+            else:
+                acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + rm.to(tl.int64)[:, None] * sy + rn[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    return gemv
+
+
+def eligible(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether the kernel can serve these tensors (else cuBLAS runs): CUDA, half precision, rows contiguous."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype
+        and w.dim() == 2
+        and w.shape[1] == x.shape[1]
+        and x.stride(1) == 1
+        and w.stride(1) == 1
+        and (b is None or (b.dtype == x.dtype and b.shape == (w.shape[0],) and b.is_contiguous()))
+        and kernel() is not None
+    )
+
+
+def _block_m(m: int) -> tuple[int, bool]:
+    """(BLOCK_M, DOT) for m rows."""
+    return (1 << (m - 1).bit_length(), False) if m <= 4 else (16, True)
+
+
+def _launch(cfg: tuple, x, w, b, y) -> None:
+    block_n, block_k, warps = cfg
+    (M, K), N = x.shape, w.shape[0]
+    block_m, dot = _block_m(M)
+    grid = (-(-N // block_n),)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
+        kernel()[grid](x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                       HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+                       num_warps=warps)  # fmt: skip
+
+
+def _cublas(x, w, b, out=None):
+    return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
+
+
+def candidates(m: int, n: int, k: int) -> list[tuple]:
+    """The configs worth timing for m rows of an [n, k] weight."""
+    block_m, dot = _block_m(m)
+    got = [c for c in (_DOT if dot else _REDUCE) if dot or block_m * c[0] * c[1] <= 8192]
+    return [c for c in got if c[0] <= max(16, n) and c[1] <= max(64, 2 * k)]
+
+
+def _tune(key, x, w, b) -> tuple | None:
+    """Time every candidate and cuBLAS on these tensors (each replayed in a CUDA graph); the fastest."""
+    from triton.testing import do_bench_cudagraph
+
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    best, best_ms = None, do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
+    for cfg in candidates(x.shape[0], w.shape[0], w.shape[1]):
+        ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y), rep=10)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    counts["tuned"] += 1
+    counts["triton" if best is not None else "cublas"] += 1
+    return best
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ b): the tuned kernel where eligible, else cuBLAS (torch.mm / addmm)."""
+    if not eligible(x, w, b):
+        return _cublas(x, w, b)
+    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, x.device.index)
+    if key not in _choice:
+        if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: cuBLAS, as without the kernel
+            counts["untuned"] += 1
+            return _cublas(x, w, b)
+        _choice[key] = _tune(key, x, w, b)
+    cfg = _choice[key]
+    if cfg is None:
+        return _cublas(x, w, b)
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    _launch(cfg, x, w, b, y)
+    return y

@@ -1,0 +1,200 @@
+"""fgraph::linear, the few-row matmul compiled CUDA pieces call: it is torch.mm / torch.addmm wherever its kernel
+does not run; a piece's matmuls of a weight's transpose are rewritten into it only where it may serve them; on the
+GPU its kernel matches the float32 product as closely as cuBLAS does, inside a CUDA graph too, and a key first met
+inside a capture runs cuBLAS."""
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fgraph
+from fgraph.capture import _small_m, compiler
+from fgraph.ops import _gemv
+from fgraph.ops import linear as L
+
+bf16 = torch.bfloat16
+
+
+def rand(*shape, dtype=bf16, device="cpu", seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+def linears(gm) -> int:
+    return sum(n.target is L.op for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("dtype", [bf16, torch.float32])
+def test_off_the_kernel_fgraph_linear_is_mm_and_addmm_bit_for_bit(dtype):
+    x, w, b = rand(3, 40, dtype=dtype), rand(24, 40, dtype=dtype, seed=1), rand(24, dtype=dtype, seed=2)
+    assert torch.equal(L.op(x, w, b), torch.addmm(b, x, w.t()))
+    assert torch.equal(L.op(x, w, None), torch.mm(x, w.t()))
+    torch.library.opcheck(torch.ops.fgraph.linear, (x, w, b))
+    torch.library.opcheck(torch.ops.fgraph.linear, (x, w, None))
+
+
+def model(x, x3, w, b, e):
+    """Every spelling of a matmul with a weight's transpose the rewrite takes."""
+    return F.linear(x, w, b), F.linear(x3, w), x @ w.T, x @ w.t(), torch.matmul(x3, e.transpose(0, 1))
+
+
+def args(m=2, dtype=bf16):
+    return rand(m, 8, dtype=dtype), rand(m, 1, 8, dtype=dtype, seed=1), rand(4, 8, dtype=dtype, seed=2), rand(
+        4, dtype=dtype, seed=3
+    ), rand(4, 8, dtype=dtype, seed=4)
+
+
+def rewritten(fn, a, tracing_mode="real", device_type="cpu"):
+    """(the traced module, a rewritten copy, the number rewritten)."""
+    gm = make_fx(fn, tracing_mode=tracing_mode)(*a)
+    other = make_fx(fn, tracing_mode=tracing_mode)(*a)
+    return gm, other, _small_m.rewrite(other, device_type)
+
+
+def test_each_spelling_of_a_weight_transpose_matmul_is_rewritten_and_computes_the_same_bits():
+    gm, other, n = rewritten(model, args())
+    assert n == 5 and linears(other) == 5
+    assert not any(node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for node in other.graph.nodes)
+    for want, got in zip(gm(*args()), other(*args())):
+        assert torch.equal(want, got)
+
+
+def test_a_symbolic_row_count_is_rewritten_whatever_the_example_size():
+    # a compiled piece serves every bucket of its trace: the op decides per call (M <= 16: the kernel)
+    _, other, n = rewritten(model, args(m=32), tracing_mode="symbolic")
+    assert n == 5
+    for want, got in zip(model(*args(m=5)), other(*args(m=5))):
+        assert torch.equal(want, got)
+
+
+def test_what_the_op_cannot_serve_stays_as_traced():
+    x, w = rand(2, 8), rand(4, 8, seed=1)
+    cases = {
+        "float32": (lambda x, w: F.linear(x, w), (x.float(), w.float())),
+        "more rows than the kernel takes": (lambda x, w: F.linear(x, w), (rand(32, 8), w)),
+        "not a transpose": (lambda x, w: x @ w, (x, rand(8, 4, seed=1))),
+        "a weight whose rows are not contiguous": (lambda x, u: x @ u.t().T, (x, rand(8, 4, seed=1))),
+        "addmm's scalars": (lambda x, w: torch.addmm(rand(4), x, w.t(), beta=2), (x, w)),
+        "a 2-D addend": (lambda x, w: torch.addmm(rand(2, 4), x, w.t()), (x, w)),
+        "another device": (lambda x, w: F.linear(x, w), (x, w)),
+    }
+    for why, (fn, a) in cases.items():
+        _, other, n = rewritten(fn, a, device_type="cuda" if why == "another device" else "cpu")
+        assert n == 0 and linears(other) == 0, why
+
+
+@contextlib.contextmanager
+def rewriting_on_cpu(monkeypatch):
+    """Compiled pieces rewritten as CUDA ones are (the rewrite is for CUDA pieces; here its CPU path is checked)."""
+    rewrite = _small_m.rewrite
+    monkeypatch.setattr(_small_m, "rewrite", lambda gm, device_type="cuda": rewrite(gm, "cpu"))
+    yield
+
+
+def mlp(params, x):
+    h = F.linear(x, params["w1"], params["b1"]).relu()
+    return F.linear(h, params["w2"]) + x
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_compiled_pieces_call_fgraph_linear_when_the_switch_is_on_and_equal_eager(on, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fgraph.config, "small_m_gemv", on)
+    params = {"w1": rand(48, 16, seed=1), "b1": rand(48, seed=2), "w2": rand(16, 48, seed=3)}
+    with rewriting_on_cpu(monkeypatch):
+        before = compiler.counts["linear"]
+        # (a lambda: its own jit state)
+        f = fgraph.jit(lambda params, x: mlp(params, x), batch={"x": fgraph.Batched()}, buckets=[1, 4], compile=True)
+        for m in (1, 3, 4):  # 3: padded into bucket 4
+            x = rand(m, 16, seed=10 + m)
+            torch.testing.assert_close(f(params, x), mlp(params, x))
+    assert compiler.counts["linear"] - before == (2 * 2 if on else 0)  # two matmuls in each bucket's piece
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
+)
+def test_every_candidate_config_computes_the_product_in_the_interpreter():
+    for m, (n, k), bias in [(1, (20, 40), True), (3, (64, 96), False), (5, (33, 513), True), (16, (64, 96), False)]:
+        x, w = rand(m, k, dtype=torch.float16), rand(n, k, dtype=torch.float16, seed=1)
+        b = rand(n, dtype=torch.float16, seed=2) if bias else None
+        want = x.float() @ w.float().t() + (b.float() if bias else 0)
+        for cfg in _gemv.candidates(m, n, k):
+            y = torch.empty(m, n, dtype=torch.float16)
+            _gemv._launch(cfg, x, w, b, y)
+            torch.testing.assert_close(y.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
+# -- on the GPU ------------------------------------------------------------------------------------------------
+# (rows, N, K, bias): decode shapes of the 0.5B (qkv with its bias, o, down) and 8B (o), and sizes off every block
+GPU_SHAPES = [(1, 1152, 896, True), (8, 896, 4864, False), (16, 4096, 4096, False), (3, 1000, 777, True)]
+
+
+def err(y, want) -> float:
+    return (y.float() - want).abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [bf16, torch.float16])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_every_candidate_kernel_is_as_close_to_the_float32_product_as_cublas(shape, dtype):
+    m, n, k, bias = shape
+    x, w = rand(m, k, dtype=dtype, device="cuda"), rand(n, k, dtype=dtype, device="cuda", seed=1) / k**0.5
+    b = rand(n, dtype=dtype, device="cuda", seed=2) if bias else None
+    want = x.float() @ w.float().t() + (b.float() if bias else 0)
+    floor = err(_gemv._cublas(x, w, b), want)
+    for cfg in _gemv.candidates(m, n, k):
+        y = torch.empty(m, n, dtype=dtype, device="cuda")
+        _gemv._launch(cfg, x, w, b, y)
+        assert err(y, want) <= 2 * floor + 1e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_the_tuned_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
+    m, n, k, bias = shape
+    x, w = rand(m, k, device="cuda"), rand(n, k, device="cuda", seed=1) / k**0.5
+    b = rand(n, device="cuda", seed=2) if bias else None
+    L.op(x, w, b)  # tunes the key outside the capture, as fgraph's warm-up does
+    assert (m, n, k, bf16, bias, x.device.index) in _gemv._choice
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = L.op(x, w, b)
+    for seed in (5, 6):  # new rows in the same memory, as a decode step's inputs
+        x.copy_(rand(m, k, device="cuda", seed=seed))
+        g.replay()
+        assert torch.equal(y, L.op(x, w, b))
+
+
+@pytest.mark.gpu
+def test_a_key_first_met_inside_a_capture_runs_cublas_and_is_counted():
+    x, w = rand(2, 512, device="cuda"), rand(520, 512, device="cuda", seed=1)
+    assert (2, 520, 512, bf16, False, x.device.index) not in _gemv._choice
+    before = dict(_gemv.counts)
+    torch.mm(x, w.t())  # (cuBLAS's own set-up, outside the capture)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = L.op(x, w, None)
+    g.replay()
+    assert _gemv.counts["untuned"] == before["untuned"] + 1 and _gemv.counts["tuned"] == before["tuned"]
+    assert torch.equal(y, torch.mm(x, w.t()))
+
+
+@pytest.mark.gpu
+def test_a_compiled_cuda_step_calls_fgraph_linear_and_equals_eager(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    params = {
+        "w1": rand(256, 128, device="cuda", seed=1),
+        "b1": rand(256, device="cuda", seed=2),
+        "w2": rand(128, 256, device="cuda", seed=3) / 16,
+    }
+    before = compiler.counts["linear"]
+    batch = {"x": fgraph.Batched()}
+    f = fgraph.jit(lambda params, x: mlp(params, x), batch=batch, buckets=[1, 8], mode="FULL", compile=True)
+    for m in (1, 5, 8):
+        x = rand(m, 128, device="cuda", seed=10 + m)
+        torch.testing.assert_close(f(params, x), mlp(params, x))
+    assert compiler.counts["linear"] - before == 2 * 2
