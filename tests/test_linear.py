@@ -42,9 +42,13 @@ def model(x, x3, w, b, e):
 
 
 def args(m=2, dtype=bf16):
-    return rand(m, 8, dtype=dtype), rand(m, 1, 8, dtype=dtype, seed=1), rand(4, 8, dtype=dtype, seed=2), rand(
-        4, dtype=dtype, seed=3
-    ), rand(4, 8, dtype=dtype, seed=4)
+    return (
+        rand(m, 8, dtype=dtype),
+        rand(m, 1, 8, dtype=dtype, seed=1),
+        rand(4, 8, dtype=dtype, seed=2),
+        rand(4, dtype=dtype, seed=3),
+        rand(4, 8, dtype=dtype, seed=4),
+    )
 
 
 def rewritten(fn, a, tracing_mode="real", device_type="cpu"):
@@ -57,7 +61,8 @@ def rewritten(fn, a, tracing_mode="real", device_type="cpu"):
 def test_each_spelling_of_a_weight_transpose_matmul_is_rewritten_and_computes_the_same_bits():
     gm, other, n = rewritten(model, args())
     assert n == 5 and linears(other) == 5
-    assert not any(node.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for node in other.graph.nodes)
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    assert not any(node.target in matmuls for node in other.graph.nodes)
     for want, got in zip(gm(*args()), other(*args())):
         assert torch.equal(want, got)
 
