@@ -1,0 +1,130 @@
+"""fgraph::linear's kernel against cuBLAS: each decode GEMM alone, then the whole FULL+C decode step with
+fgraph.config.small_m_gemv off and on, in one process, alternating rounds, logits checked against eager.
+
+  python3 scripts/ab_gemv.py [--presets qwen2.5-0.5b llama3-8b] [--batches 1 8 64] [--ctx 1024] [--rounds 5]
+
+Part 1 (`gemm` rows): per preset, layer GEMM and row count, cuBLAS's time and every candidate config's, each
+replayed in a CUDA graph (triton.testing.do_bench_cudagraph: kernel time with its launch gaps), the fastest, and
+what the op's tuner picks; % of copy bandwidth = the weight's bytes over the time, against this run's copy rate.
+Part 2 (`step` rows): the step's median ms (CUDA events, back-to-back calls) and spread over rounds per variant,
+capture seconds (compile and tuning included), the matmuls rewritten and the op's tuned keys; the logits' largest
+difference from eager's over eager's largest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.utils._pytree as pytree
+
+import fgraph
+from benchmarks.common import copy_bandwidth, decode_batch, device_name, jit_step, time_ms
+from examples import llama
+from fgraph.capture import compiler
+from fgraph.ops import _gemv
+from fgraph.ops import attention as A
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row, default=str), flush=True)
+
+
+def gemm_shapes(cfg) -> dict:
+    """name -> (N, K, bias) of a layer's GEMMs and the head (the weight [N, K])."""
+    D, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    return {
+        "qkv": ((hq + 2 * hkv) * D, cfg.dim, bool(getattr(cfg, "qkv_bias", False))),
+        "o": (cfg.dim, hq * D, False),
+        "gate_up": (2 * cfg.intermediate, cfg.dim, False),
+        "down": (cfg.dim, cfg.intermediate, False),
+        "head": (cfg.vocab_size, cfg.dim, False),
+    }
+
+
+def part_gemms(name, cfg, batches, bw) -> None:
+    from triton.testing import do_bench_cudagraph
+
+    for gemm, (n, k, bias) in gemm_shapes(cfg).items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+        for m in [B for B in batches if B <= _gemv.MAX_ROWS]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            us = {"cublas": 1e3 * do_bench_cudagraph(lambda: _gemv._cublas(x, w, b, out=y), rep=20)}
+            for cfg_ in _gemv.candidates(m, n, k):
+                us[str(cfg_)] = 1e3 * do_bench_cudagraph(lambda c=cfg_: _gemv._launch(c, x, w, b, y), rep=20)
+            best = min((v, c) for c, v in us.items() if c != "cublas")
+            _gemv._choice.pop((m, n, k, torch.bfloat16, bias, x.device.index), None)
+            chose = _gemv._tune(None, x, w, b)
+            pct = lambda t: round(100 * 2 * n * k / (t * 1e-6) / bw, 1)  # noqa: E731
+            emit({"part": "gemm", "model": name, "gemm": gemm, "M": m, "N": n, "K": k, "bias": bias,
+                  "cublas_us": round(us["cublas"], 2), "cublas_pct_bw": pct(us["cublas"]),
+                  "best_triton_us": round(best[0], 2), "best_triton": best[1], "best_pct_bw": pct(best[0]),
+                  "tuner_picks": str(chose) if chose else "cublas",
+                  "all_us": {c: round(v, 2) for c, v in us.items()}})  # fmt: skip
+
+
+def part_steps(name, cfg, batches, ctx, rounds, backend) -> None:
+    dtype = torch.bfloat16
+    params = llama.init_params(cfg, dtype, "cuda", seed=0)
+    ps = A.page_size_for(backend)
+    cache = llama.init_cache(cfg, 1 + max(batches) * -(-ctx // ps), ps, dtype, "cuda")
+    step = llama.make_step(cfg, backend=backend, max_seq_len=ctx)
+    batches_ = {B: decode_batch(cfg.vocab_size, B, ctx, ps)[0] for B in batches}
+    on = lambda b: pytree.tree_map(lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t, b)  # noqa: E731
+    with torch.no_grad():
+        eager = {B: step(params, cache, on(b), "decode")[0].float() for B, b in batches_.items()}
+    jitted = {}
+    for variant, flag in (("cublas", False), ("fgraph_linear", True)):
+        fgraph.config.small_m_gemv = flag
+        before, tuned0 = dict(compiler.counts), _gemv.counts["tuned"]
+        t0 = time.perf_counter()
+        f = jit_step(llama.make_step(cfg, backend=backend, max_seq_len=ctx), "FULL+C", sorted(batches))
+        for B in batches:
+            f.capture(params, cache, batches_[B], routine="decode", progress=False)
+        emit({"part": "capture", "model": name, "variant": variant, "capture_s": round(time.perf_counter() - t0, 1),
+              "rewritten": compiler.counts["linear"] - before["linear"], "keys_tuned": _gemv.counts["tuned"] - tuned0,
+              "gemv_counts": dict(_gemv.counts)})  # fmt: skip
+        jitted[variant] = f
+    fgraph.config.small_m_gemv = True
+    for B, b in batches_.items():
+        errs = {}
+        for variant, f in jitted.items():
+            got = f(params, cache, b, routine="decode")[0].float()
+            errs[variant] = round(((got - eager[B]).abs().max() / eager[B].abs().max()).item(), 4)
+        times = {v: [] for v in jitted}
+        for _ in range(rounds):  # alternating: cublas, fgraph_linear, cublas, ...
+            for variant, f in jitted.items():
+                times[variant].append(time_ms(lambda f=f: f(params, cache, b, routine="decode")))
+        for variant, ts in times.items():
+            emit({"part": "step", "model": name, "backend": backend, "B": B, "ctx": ctx, "variant": variant,
+                  "ms_median": round(statistics.median(ts), 4), "ms_spread": round(max(ts) - min(ts), 4),
+                  "rel_err_vs_eager": errs[variant], "device": device_name("cuda")})  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--backend", default="flash_attn")
+    p.add_argument("--parts", nargs="+", default=["gemm", "step"])
+    a = p.parse_args()
+    bw = copy_bandwidth()
+    emit({"device": device_name("cuda"), "torch": torch.__version__, "copy_bw_gb_s": round(bw / 1e9)})
+    for name in a.presets:
+        cfg = llama.preset(name)
+        if "gemm" in a.parts:
+            part_gemms(name, cfg, a.batches, bw)
+        if "step" in a.parts:
+            part_steps(name, cfg, a.batches, a.ctx, a.rounds, a.backend)
+            torch.cuda.empty_cache()  # (the step's graphs and cache went with it)
+
+
+if __name__ == "__main__":
+    main()
