@@ -141,7 +141,11 @@ def main(argv=None):
                 return contenders[name].generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
 
         want, want_static = gen("hf_eager", new), gen("hf_eager_static", new)
-        got = {name: gen(name, new) for name in contenders}  # (also the warm-up)
+        got, first_s = {}, {}
+        for name in contenders:  # (also the warm-up; its time: start-up, traces, captures and compiles included)
+            t0 = time.perf_counter()
+            got[name] = gen(name, new)
+            first_s[name] = round(time.perf_counter() - t0, 2)
         equal = {name: bool(torch.equal(t, want)) for name, t in got.items()}
         equal_static = {name: bool(torch.equal(t, want_static)) for name, t in got.items()}
         # the first new token that differs from eager's with the static cache (in any row; None: all equal)
@@ -164,7 +168,7 @@ def main(argv=None):
                 "new_tokens": new, "cache": args.cache, "compile": args.compile, "contender": name, "tokens_equal_eager": equal[name],
                 "tokens_equal_eager_static": equal_static[name], "first_different_token": differs[name],
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
-                "decode_tok_s_max": max(rates), "rounds": rounds,
+                "decode_tok_s_max": max(rates), "rounds": rounds, "first_generate_s": first_s[name],
             }  # fmt: skip
             if name.startswith("hf_fgraph"):  # (its counts before the calls below)
                 s = contenders[name].forward.stats()

@@ -64,7 +64,7 @@ def part_gemms(name, cfg, batches, bw) -> None:
             emit({"part": "gemm", "model": name, "gemm": gemm, "M": m, "N": n, "K": k, "bias": bias,
                   "cublas_us": round(us["cublas"], 2), "cublas_pct_bw": pct(us["cublas"]),
                   "best_triton_us": round(best[0], 2), "best_triton": best[1], "best_pct_bw": pct(best[0]),
-                  "tuner_picks": str(chose) if chose else "cublas",
+                  "best_over_cublas": round(best[0] / us["cublas"], 3), "tuner_picks": str(chose) if chose else "cublas",
                   "all_us": {c: round(v, 2) for c, v in us.items()}})  # fmt: skip
 
 

@@ -3,13 +3,13 @@
 At decode, M is the batch: cuBLAS then picks tiles meant for large M and, for long K, a split-K with a second
 reduction kernel, and runs the small projections of a 0.5B model at 9-31 % of copy bandwidth. Here each program
 owns BLOCK_N output columns for all M rows: it streams its [BLOCK_N, K] slab of w once (the bytes that matter),
-accumulates in float32 and adds the bias in the same kernel. Rows M <= 4 multiply-and-reduce in registers; up to 16
-rows use tl.dot with the rows padded to 16.
+accumulates in float32 and adds the bias in the same kernel: up to 4 rows multiply-and-reduce in registers, or (any
+row count up to 16) use tl.dot with the rows padded to 16.
 
 Which kernel serves a shape is measured, not guessed: the first call of a (rows, N, K, dtype, bias) key outside a
 CUDA-graph capture times each candidate config and cuBLAS itself, replayed in a CUDA graph (kernel time with its
-launch gaps, as in a decode graph), and keeps the fastest; so a shape where cuBLAS wins stays on cuBLAS. A key met
-first inside a capture (no timing possible there) runs cuBLAS, counted as `untuned`.
+launch gaps, as in a decode graph), and keeps the fastest where it beats cuBLAS by a margin (MARGIN); elsewhere
+cuBLAS stays. A key met first inside a capture (no timing possible there) runs cuBLAS, counted as `untuned`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,20 @@ import functools
 import torch
 
 MAX_ROWS = 16
-# (BLOCK_N, BLOCK_K, num_warps): register tiles BLOCK_M x BLOCK_N x BLOCK_K <= 8K elements on the reduce path
-_REDUCE = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8)]
-_DOT = [(16, 128, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 64, 4)]
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT). The reduce path (rows <= 4) keeps BLOCK_M x BLOCK_N x BLOCK_K
+# <= 16K elements in registers; the dot path pads the rows to 16 and lets Triton pipeline w's tiles (cp.async), which
+# keeps more bytes in flight: the large matrices need it
+_REDUCE = [(4, 512, 4, 3, False), (8, 512, 4, 3, False), (16, 256, 4, 3, False), (16, 512, 8, 3, False)]
+_DOT = [(16, 128, 4, 3, True), (16, 256, 4, 4, True), (32, 128, 4, 3, True), (32, 256, 4, 3, True),
+        (64, 128, 4, 3, True), (16, 512, 8, 3, True)]  # fmt: skip
+# a config replaces cuBLAS only when it is this much faster alone: cuBLAS's kernels start while the kernel before
+# them drains, so a kernel's time alone overstates what replacing cuBLAS saves inside a decode graph
+# (docs/performance.md: 5-10 % faster alone measured as 1 % slower in the step)
+MARGIN = 0.85
 
 # tuned: keys timed; triton / cublas: tuned keys each serves; untuned: keys met first inside a capture (cuBLAS)
 counts = {"tuned": 0, "triton": 0, "cublas": 0, "untuned": 0}
-_choice: dict[tuple, tuple | None] = {}  # key -> (BLOCK_N, BLOCK_K, warps) or None (cuBLAS)
+_choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 
 @functools.cache
@@ -82,20 +89,15 @@ def eligible(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     )
 
 
-def _block_m(m: int) -> tuple[int, bool]:
-    """(BLOCK_M, DOT) for m rows."""
-    return (1 << (m - 1).bit_length(), False) if m <= 4 else (16, True)
-
-
 def _launch(cfg: tuple, x, w, b, y) -> None:
-    block_n, block_k, warps = cfg
+    block_n, block_k, warps, stages, dot = cfg
     (M, K), N = x.shape, w.shape[0]
-    block_m, dot = _block_m(M)
+    block_m = 16 if dot else 1 << (M - 1).bit_length()
     grid = (-(-N // block_n),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
         kernel()[grid](x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                        HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-                       num_warps=warps)  # fmt: skip
+                       num_warps=warps, num_stages=stages)  # fmt: skip
 
 
 def _cublas(x, w, b, out=None):
@@ -104,17 +106,18 @@ def _cublas(x, w, b, out=None):
 
 def candidates(m: int, n: int, k: int) -> list[tuple]:
     """The configs worth timing for m rows of an [n, k] weight."""
-    block_m, dot = _block_m(m)
-    got = [c for c in (_DOT if dot else _REDUCE) if dot or block_m * c[0] * c[1] <= 8192]
-    return [c for c in got if c[0] <= max(16, n) and c[1] <= max(64, 2 * k)]
+    got = _DOT + ([c for c in _REDUCE if (1 << (m - 1).bit_length()) * c[0] * c[1] <= 16384] if m <= 4 else [])
+    return [c for c in got if c[0] <= max(16, n) and c[1] <= max(128, 2 * k)]
 
 
 def _tune(key, x, w, b) -> tuple | None:
-    """Time every candidate and cuBLAS on these tensors (each replayed in a CUDA graph); the fastest."""
+    """Time every candidate and cuBLAS on these tensors (each replayed in a CUDA graph); the fastest config if it
+    beats cuBLAS by MARGIN, else None (cuBLAS)."""
     from triton.testing import do_bench_cudagraph
 
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    best, best_ms = None, do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
+    cublas_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
+    best, best_ms = None, MARGIN * cublas_ms
     for cfg in candidates(x.shape[0], w.shape[0], w.shape[1]):
         ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y), rep=10)
         if ms < best_ms:
