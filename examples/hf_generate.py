@@ -94,11 +94,15 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument(
         "--compile",
-        action="store_true",
-        help="Inductor-compiled pieces (compile=True): an HF model's attention is no fgraph break, so uncompiled "
-        "graphs replay eager's kernels; compiled ones fuse them, at a compilation's cost on first use",
+        action=argparse.BooleanOptionalAction,
+        help="Inductor-compiled pieces (compile=True); default: on CUDA, as Engine and the CLI (an HF model's "
+        "attention "
+        "is no fgraph break, so uncompiled graphs replay eager's kernels; compiled ones fuse them, at a "
+        "compilation's cost on first use); --no-compile: graphs of eager's own kernels",
     )
     args = p.parse_args(argv)
+    if args.compile is None:
+        args.compile = args.device.startswith("cuda")
     if args.model:
         from transformers import AutoModelForCausalLM
 

@@ -200,10 +200,12 @@ def test_the_example_runs_generate_through_fgraph_and_says_what_served_it():
     assert out["stats"]["replays"] == 5 and out["stats"]["fast"] == 2
 
 
-def test_the_example_compiles_the_pieces_on_request():
+def test_the_example_compiles_the_pieces_on_request_and_by_default_only_on_cuda():
     """`--compile`: Inductor's kernels in the graphs (float32 on the CPU: these tokens equal eager's)."""
-    out = G.main(["--device", "cpu", "--new-tokens", "6", "--batch", "2", "--prompt-len", "5", "--compile"])
+    args = ["--device", "cpu", "--new-tokens", "6", "--batch", "2", "--prompt-len", "5"]
+    out = G.main([*args, "--compile"])
     assert out["compile"] and out["tokens_equal"] and out["stats"]["replays"] == 5
+    assert not G.main(args)["compile"]
 
 
 def test_a_cache_passed_but_not_donated_is_named_with_the_fix():
