@@ -96,8 +96,7 @@ def main(argv=None):
         "--compile",
         action=argparse.BooleanOptionalAction,
         help="Inductor-compiled pieces (compile=True); default: on CUDA, as Engine and the CLI (an HF model's "
-        "attention "
-        "is no fgraph break, so uncompiled graphs replay eager's kernels; compiled ones fuse them, at a "
+        "attention is no fgraph break, so uncompiled graphs replay eager's kernels; compiled ones fuse them, at a "
         "compilation's cost on first use); --no-compile: graphs of eager's own kernels",
     )
     args = p.parse_args(argv)
