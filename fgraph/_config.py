@@ -39,7 +39,7 @@ class config(metaclass=_Checked):
     # of served by the one symbolic compilation (0: none); explain says which (docs/performance.md: what it measures)
     compile_static_max = 0
     # compiled CUDA pieces run their matmuls of a small weight's transpose as fgraph::linear: at <= 16 rows a
-    # no-split-K kernel where it times faster than cuBLAS (fgraph/capture/_small_m.py, fgraph/ops/_gemv.py;
+    # no-split-K kernel where it times faster than cuBLAS (fgraph/capture/_small_m.py and _gemv.py;
     # docs/performance.md: what it measures)
     small_m_gemv = True
     # retraces are bounded and loud (torch's recompile limit is the model): a warning once a function has made this

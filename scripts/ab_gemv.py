@@ -24,8 +24,7 @@ import torch.utils._pytree as pytree
 import fgraph
 from benchmarks.common import copy_bandwidth, decode_batch, device_name, jit_step, time_ms
 from examples import llama
-from fgraph.capture import compiler
-from fgraph.ops import _gemv
+from fgraph.capture import _gemv, compiler
 from fgraph.ops import attention as A
 
 

@@ -14,9 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import fgraph
-from fgraph.capture import _small_m, compiler
-from fgraph.ops import _gemv
-from fgraph.ops import linear as L
+from fgraph.capture import _gemv, _small_m, compiler
 
 bf16 = torch.bfloat16
 
@@ -26,14 +24,14 @@ def rand(*shape, dtype=bf16, device="cpu", seed=0):
 
 
 def linears(gm) -> int:
-    return sum(n.target is L.op for n in gm.graph.nodes)
+    return sum(n.target is _gemv.op for n in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("dtype", [bf16, torch.float32])
 def test_off_the_kernel_fgraph_linear_is_mm_and_addmm_bit_for_bit(dtype):
     x, w, b = rand(3, 40, dtype=dtype), rand(24, 40, dtype=dtype, seed=1), rand(24, dtype=dtype, seed=2)
-    assert torch.equal(L.op(x, w, b), torch.addmm(b, x, w.t()))
-    assert torch.equal(L.op(x, w, None), torch.mm(x, w.t()))
+    assert torch.equal(_gemv.op(x, w, b), torch.addmm(b, x, w.t()))
+    assert torch.equal(_gemv.op(x, w, None), torch.mm(x, w.t()))
     torch.library.opcheck(torch.ops.fgraph.linear, (x, w, b))
     torch.library.opcheck(torch.ops.fgraph.linear, (x, w, None))
 
@@ -178,15 +176,15 @@ def test_the_tuned_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
     m, n, k, bias = shape
     x, w = rand(m, k, device="cuda"), rand(n, k, device="cuda", seed=1) / k**0.5
     b = rand(n, device="cuda", seed=2) if bias else None
-    L.op(x, w, b)  # tunes the key outside the capture, as fgraph's warm-up does
+    _gemv.op(x, w, b)  # tunes the key outside the capture, as fgraph's warm-up does
     assert (m, n, k, bf16, bias, x.device.index) in _gemv._choice
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = L.op(x, w, b)
+        y = _gemv.op(x, w, b)
     for seed in (5, 6):  # new rows in the same memory, as a decode step's inputs
         x.copy_(rand(m, k, device="cuda", seed=seed))
         g.replay()
-        assert torch.equal(y, L.op(x, w, b))
+        assert torch.equal(y, _gemv.op(x, w, b))
 
 
 @pytest.mark.gpu
@@ -197,7 +195,7 @@ def test_a_key_first_met_inside_a_capture_runs_cublas_and_is_counted():
     torch.mm(x, w.t())  # (cuBLAS's own set-up, outside the capture)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = L.op(x, w, None)
+        y = _gemv.op(x, w, None)
     g.replay()
     assert _gemv.counts["untuned"] == before["untuned"] + 1 and _gemv.counts["tuned"] == before["tuned"]
     assert torch.equal(y, torch.mm(x, w.t()))

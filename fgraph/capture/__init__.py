@@ -3,7 +3,7 @@
 Per signature an `Entry` (its program's own top level, its graphs, input buffers and counters) that warms up,
 captures (PIECEWISE: a graph per piece between breaks; FULL: one graph) and runs calls; CUDA graphs that own their
 memory and workspaces; the input buffers batched leaves are padded into; the `Slots` a graph reads by address (in
-place or copied); Inductor compiling pieces before capture.
+place or copied); Inductor compiling pieces before capture, their small matmuls as `fgraph::linear`.
 """
 
 from ._buffers import DoneEvent as DoneEvent

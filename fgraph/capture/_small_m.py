@@ -3,7 +3,7 @@
 `F.linear(x, w, b)` traces to `addmm(b, x, t(w))` (`mm(x, t(w))` without a bias; `x @ w.T` to `mm(x, permute(w))`).
 Inductor would hand either to cuBLAS, which at decode sizes (M <= 16 rows) runs the small projections far below
 copy bandwidth and splits long K into two kernels. `fgraph::linear` takes x and w as they are and, at run time, picks
-the tuned no-split-K kernel for few rows or cuBLAS (fgraph/ops/_gemv.py). A rewrite needs: x 2-D of a half dtype on
+the tuned no-split-K kernel for few rows or cuBLAS (`_gemv`). A rewrite needs: x 2-D of a half dtype on
 the piece's device, w 2-D with contiguous rows and at most SMALL_WEIGHT bytes, a bias 1-D, rows that may be few (a
 symbolic M, or M <= 16), and addmm's scalars at their defaults. Anything else stays as traced.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..ops import linear as L
+from . import _gemv
 
 aten = torch.ops.aten
 _TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
@@ -41,7 +41,7 @@ def _val(node):
 
 
 def _few_rows(m) -> bool:
-    return isinstance(m, torch.SymInt) or m <= L.MAX_ROWS
+    return isinstance(m, torch.SymInt) or m <= _gemv.MAX_ROWS
 
 
 def _fits(x, w, b, device_type: str) -> bool:
@@ -78,7 +78,7 @@ def rewrite(gm: fx.GraphModule, device_type: str = "cuda") -> int:
         if w is None or not _fits(x, w, b, device_type):
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(L.op, (x, w, b))
+            new = gm.graph.call_function(_gemv.op, (x, w, b))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

@@ -1,5 +1,4 @@
-"""Break primitives: fgraph's own (`attention`, `moe`), and the op-author API to write one; `linear`, the few-row
-matmul compiled pieces call (not a break).
+"""Break primitives: fgraph's own (`attention`, `moe`), and the op-author API to write one.
 
 The op-author API is `fgraph.extend`, re-exported here."""
 
@@ -14,5 +13,4 @@ from fgraph.extend import once_per_execution as once_per_execution
 from fgraph.extend import primitive as primitive
 
 from . import attention as attention
-from . import linear as linear
 from . import moe as moe

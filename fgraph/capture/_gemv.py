@@ -1,4 +1,10 @@
-"""A matmul of few rows as one Triton kernel with no split-K: y [M, N] = x [M, K] @ w [N, K]^T (+ b [N]), M <= 16.
+"""`fgraph::linear`: y [M, N] = x [M, K] @ w [N, K]^T (+ b [N]), for compiled pieces to call at decode sizes; at M <= 16
+rows one Triton kernel with no split-K where that is faster than cuBLAS.
+
+Not a break primitive: a graph piece keeps it inside. Compiling a piece for CUDA rewrites its matmuls of a small
+weight's transpose into this op (`_small_m`) when `fgraph.config.small_m_gemv` is on. Anywhere the kernel does not
+serve (CPU, float32, more rows, a config that lost to cuBLAS) it is torch.mm / torch.addmm, the ops it replaced,
+bit for bit.
 
 At decode, M is the batch: cuBLAS then picks tiles meant for large M and, for long K, a split-K with a second
 reduction kernel, and runs the small projections of a 0.5B model at 9-31 % of copy bandwidth. Here each program
@@ -143,3 +149,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     _launch(cfg, x, w, b, y)
     return y
+
+
+@torch.library.custom_op("fgraph::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return linear(x, w, b)
+
+
+@_linear_op.register_fake
+def _(x, w, b):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+op = torch.ops.fgraph.linear.default
