@@ -293,16 +293,16 @@ class PieceRunner(torch.nn.Module):
 
     def __init__(self, piece, module, Graph, pool):
         super().__init__()
-        self.piece, self.module, self.graph, self.out = piece, module, None, None
+        self.piece, self.module, self.graph, self.out, self.write = piece, module, None, None, None
         self._Graph, self._pool = Graph, pool
 
     def forward(self, *args):
         if self.piece.is_break:  # (eager: on the CPU, as every piece is, it runs the program)
             out = G.run(self.module, *args) if self._Graph is G.HostGraph else self.module(*args)
             if self.out is None:
-                self.out = out
+                self.out, self.write = out, G.refiller(out)
             else:
-                G.refill(self.out, out)
+                self.write(out)
             return self.out
         if self.graph is None:
             self.graph = self._Graph(self._pool)
