@@ -308,38 +308,30 @@ def _attrs_frozen(t) -> bool:
     return getattr(t.__setattr__, "__name__", "") == "_frozen_setattrs"
 
 
-def _node_children(x, spec) -> tuple[Callable[[Any], Any], tuple]:
-    """A reader of a node's contents and a snapshot of them, for identity checks.
+def _node_children(x, spec) -> tuple[str, Callable[[Any], Any] | None]:
+    """How a guard reads a node's contents (its children and anything in its tree structure), for identity checks.
 
-    Returns (read, snapshot): read(x) returns what x holds now (children and anything in its tree structure) for an
-    identity comparison with the snapshot."""
+    Returns (how, read): how is "dict" (keys then values), "vars" (an object seen into, an HF cache layer: its
+    attributes' names then values), "seq" (a list's items) or "read" (read(x) returns a tuple)."""
     typ = spec.type
     if typ is dict or isinstance(x, dict):
-
-        def read(d):
-            return (*d, *d.values())
-
-    elif typ is list:
-        read = tuple
-    elif is_seen_into(x):  # a plain object (an HF cache layer): every attribute, name and value
-
-        def read(o):
-            d = vars(o)
-            return (*d, *d.values())
-
-    elif typ in _RECORDS:
+        return "dict", None
+    if typ is list:
+        return "seq", None
+    if is_seen_into(x):
+        return "vars", None
+    if typ in _RECORDS:
         dynamic, static = _RECORDS[typ]
         names = [*dynamic, *static]
         get = operator.attrgetter(*names) if names else (lambda o: ())
-        read = get if len(names) != 1 else (lambda o, g=get: (g(o),))
-    else:
-        flatten = pytree.SUPPORTED_NODES[typ].flatten_fn
+        return "read", get if len(names) != 1 else (lambda o, g=get: (g(o),))
+    flatten = pytree.SUPPORTED_NODES[typ].flatten_fn
 
-        def read(o):
-            children, ctx = flatten(o)
-            return (*children, ctx)
+    def read(o):
+        children, ctx = flatten(o)
+        return (*children, ctx)
 
-    return read, tuple(read(x))
+    return "read", read
 
 
 def guard_for(tree, spec: pytree.TreeSpec) -> Callable[[Any], bool] | None:
@@ -348,33 +340,52 @@ def guard_for(tree, spec: pytree.TreeSpec) -> Callable[[Any], bool] | None:
     None when its whole structure is immutable (its identity is the proof). Each mutable node is re-read and
     compared by identity (a container replaced inside it, a longer list, a changed static field of a mutable record
     all fail it). The guard holds the nodes below the root, not the root itself: it is passed the tree (proven the
-    same object by its caller), so a layout may hold its argument weakly."""
-    checks = []
+    same object by its caller), so a layout may hold its argument weakly.
+
+    Generated per tree as straight-line Python (as `flattener`): every node's length, then one identity comparison
+    of all their contents in a row, a C loop; a call per node cost more than the comparisons (a 24-layer cache's 26
+    nodes). The lengths keep each node's contents in place in the row."""
+    env: dict = {"_is": operator.is_, "_all": all, "_map": map, "_vars": vars, "_len": len}
+    lines, lens, row, snap = [], [], [], []
 
     def visit(x, sp):
         if sp.is_leaf():
             return
         if not _immutable(x):
-            read, snap = _node_children(x, sp)
-            checks.append((read, None if x is tree else x, snap))
+            i = len(lens)
+            how, read = _node_children(x, sp)
+            if x is tree:
+                lines.append(f"n{i} = root")
+            else:
+                env[f"n{i}"] = x
+            if how == "read":
+                env[f"r{i}"] = read
+                lines.append(f"d{i} = r{i}(n{i})")
+                d = read(x)
+            else:
+                lines.append(f"d{i} = _vars(n{i})" if how == "vars" else f"d{i} = n{i}")
+                d = vars(x) if how == "vars" else x
+            keyed = how in ("dict", "vars")  # names then values
+            lens.append(len(d))
+            row.append(f"*d{i}, *d{i}.values()" if keyed else f"*d{i}")
+            snap.extend((*d, *d.values()) if keyed else d)
         kids = _children(sp)
         values = pytree.SUPPORTED_NODES[sp.type].flatten_fn(x)[0]
         for v, k in zip(values, kids):
             visit(v, k)
 
     visit(tree, spec)
-    if not checks:
+    if not lens:
         return None
-    is_ = operator.is_
-
-    def guard(root) -> bool:
-        for read, node, snap in checks:
-            now = read(root if node is None else node)
-            if len(now) != len(snap) or not all(map(is_, now, snap)):
-                return False
-        return True
-
-    return guard
+    env["LENS"], env["SNAP"] = tuple(lens), tuple(snap)
+    src = (
+        "def guard(root):\n"
+        + "".join(f"  {ln}\n" for ln in lines)
+        + f"  if ({''.join(f'_len(d{i}), ' for i in range(len(lens)))}) != LENS:\n    return False\n"
+        + f"  return _all(_map(_is, ({', '.join(row)},), SNAP))\n"
+    )
+    exec(compile(src, "<fgraph guard>", "exec"), env)
+    return env["guard"]
 
 
 # -- keys -----------------------------------------------------------------------------------------------------

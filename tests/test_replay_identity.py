@@ -3,6 +3,7 @@ call) is proven by identity from its second call as the same object on, as an ar
 path is: every change to it between calls is still seen, every call equals eager, and the object is let go with the
 caller's last reference to it."""
 
+import copy
 import gc
 import weakref
 
@@ -109,3 +110,86 @@ def test_state_proven_by_identity_is_let_go_with_the_callers_last_reference():
     del cache
     gc.collect()
     assert all(r() is None for r in refs) and "cache" not in f.fastpath.layouts
+
+
+class Node:  # a plain object seen into
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _contents(x) -> list:
+    """Every object a tree holds, node by node in a walk (names, values, items): what a guard must see changed."""
+    if isinstance(x, dict):
+        return [x, len(x), *x, *[y for v in x.values() for y in [v, *_contents(v)]]]
+    if isinstance(x, Node):
+        d = vars(x)
+        return [x, len(d), *d, *[y for v in d.values() for y in [v, *_contents(v)]]]
+    if isinstance(x, list):
+        return [x, len(x), *[y for v in x for y in [v, *_contents(v)]]]
+    return []
+
+
+def _nodes(x) -> list:
+    return [y for y in _contents(x) if isinstance(y, (dict, list, Node))]
+
+
+EDITS = st.sampled_from(["none", "append", "pop", "replace", "move", "setattr", "delattr", "same int", "new node"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.recursive(
+        st.just("t"),
+        lambda kids: st.one_of(
+            st.lists(kids, max_size=3),
+            st.dictionaries(st.sampled_from("abc"), kids, max_size=3),
+            st.dictionaries(st.sampled_from("xyz"), kids, max_size=3).map(lambda d: Node(**d)),
+        ),
+        max_leaves=8,
+    ),
+    st.lists(st.tuples(EDITS, st.integers(0, 30)), max_size=3),
+)
+def test_a_guard_holds_exactly_while_every_node_holds_the_same_objects(shape, edits):
+    """guard_for's check, against a walk of the tree: true exactly while every node (list, dict, object seen into)
+    holds the same objects in the same places: an item moved from one node to the next, which keeps the walk's total
+    size, is seen as well."""
+    from fgraph._fastpath import guard_for
+    from fgraph._pytree import flatten_with_paths, see_into
+
+    def build(s):
+        if s == "t":
+            return torch.zeros(1)
+        if isinstance(s, list):
+            return [build(v) for v in s]
+        if isinstance(s, Node):
+            return Node(**{k: build(v) for k, v in vars(s).items()})
+        return {k: build(v) for k, v in s.items()}
+
+    tree = Node(root=build(shape), n=2)
+    see_into(tree)
+    guard = guard_for(tree, flatten_with_paths(tree)[1])
+    before = _contents(tree)
+    for how, k in edits:
+        nodes = [x for x in _nodes(tree) if x is not tree]
+        lists = [x for x in nodes if isinstance(x, list)]
+        objs = [x for x in [tree, *nodes] if isinstance(x, Node)]
+        if how == "append" and lists:
+            lists[k % len(lists)].append(torch.ones(1))
+        elif how == "pop" and lists and lists[k % len(lists)]:
+            lists[k % len(lists)].pop()
+        elif how == "replace" and lists and lists[k % len(lists)]:
+            lists[k % len(lists)][0] = torch.ones(1)
+        elif how == "move" and len(lists) > 1 and lists[k % len(lists)]:  # the last item to the next list's front
+            a, b = lists[k % len(lists)], lists[(k + 1) % len(lists)]
+            b.insert(0, a.pop())
+        elif how == "setattr":
+            objs[k % len(objs)].x = torch.ones(1)
+        elif how == "delattr" and vars(o := objs[k % len(objs)]):
+            delattr(o, next(iter(vars(o))))
+        elif how == "same int":
+            tree.n = 2  # the same object: nothing changed
+        elif how == "new node" and hasattr(tree, "root"):  # the same contents in a new container
+            tree.root = copy.copy(tree.root)
+    after = _contents(tree)
+    same = len(before) == len(after) and all(a is b for a, b in zip(before, after))
+    assert (guard is None or guard(tree)) == same
