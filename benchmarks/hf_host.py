@@ -11,8 +11,9 @@ per decode call, the median of `--loops` loops:
   the program): what fgraph's Python adds to a decode call, the outputs rebuilt included;
 - `program`: that run itself, for scale.
 
-`--cache caller` passes one early-initialised StaticCache to every generate (a server loop) instead of the one
-generate makes per call. `--profile` prints cProfile's top functions over one generate.
+`--stub` times the call with the program stubbed (it returns its captured outputs). `--cache caller` passes one
+early-initialised StaticCache to every generate (a server loop) instead of the one generate makes per call.
+`--profile` prints cProfile's top functions over one generate.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def make_model(layers: int = 24):
     return model
 
 
-def call_overhead_us(model, gen, tokens: int) -> tuple[float, float, float]:
+def call_overhead_us(model, gen, tokens: int, stub: bool = False) -> tuple[float, float, float]:
     """(the jitted call less its program's runs, the program's runs, FastPath.find), us per decode call, over one
-    generate."""
+    generate. stub: the program returns what it returned at capture, without running (no model work between calls
+    evicting the host's caches, as on a GPU host)."""
     jitted = model.forward
     entries = list(jitted.entries.values())
     spent, calls, finds = [0.0], [], []
@@ -75,10 +77,10 @@ def call_overhead_us(model, gen, tokens: int) -> tuple[float, float, float]:
         for g in graphs:
             fn = g.fn
 
-            def timed(*a, fn=fn):
+            def timed(*a, fn=fn, out=g.out):
                 t0 = time.perf_counter()
                 try:
-                    return fn(*a)
+                    return out if stub else fn(*a)
                 finally:
                     spent[0] += time.perf_counter() - t0
 
@@ -113,16 +115,20 @@ def main(argv=None):
     p.add_argument("--cache", choices=["generate", "caller"], default="generate")
     p.add_argument("--loops", type=int, default=5)
     p.add_argument("--tokens", type=int, default=40)
+    p.add_argument("--stub", action="store_true", help="the program does not run (see call_overhead_us)")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     import transformers as tf
 
+    torch.set_num_threads(1)  # fgraph's host path is one thread; the program's intra-op threads only add noise
+
     model = make_model()
     hf_generate.jit_forward(model, "FULL_AND_PIECEWISE", buckets=[1, 8])
     ids = torch.randint(0, 256, (1, 32))
-    extra = {}
+    extra = {"cache_implementation": "static"}
     if args.cache == "caller":
         cache = tf.StaticCache(config=model.config, max_cache_len=32 + args.tokens + 8)
+        cache.early_initialization(1, 2, 16, torch.float32, "cpu")  # (batch, KV heads, head dim)
         extra = {hf_generate.cache_parameter(model): cache}
 
     def gen(n):
@@ -130,20 +136,19 @@ def main(argv=None):
             cache.reset()
         with torch.no_grad():
             return model.generate(
-                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
-                disable_compile=True, **extra,
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, disable_compile=True, **extra,
             )  # fmt: skip
 
     gen(args.tokens), gen(args.tokens)  # trace, capture, teach the replay path
     replay, find, call, program = [], [], [], []
     for _ in range(args.loops):
         replay.append(host_us(model, lambda: gen(8))["replay_path"])
-        c, r, f = call_overhead_us(model, gen, args.tokens)
+        c, r, f = call_overhead_us(model, gen, args.tokens, args.stub)
         call.append(c), program.append(r), find.append(f)
     med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
     print(
         f"host_us {med(replay)} us  find {med(find)} us  call {med(call)} us  program {med(program)} us"
-        f"  (cache: {args.cache})"
+        f"  (cache: {args.cache}{', program stubbed' if args.stub else ''})"
     )
     print(f"  loops: host_us {replay}  find {[round(x, 1) for x in find]}  call {[round(x, 1) for x in call]}")
     if args.profile:
