@@ -187,8 +187,9 @@ class FastPath:
         if self.last_read.get(name) != id(v):  # (an id reused by a new object only costs this a layout)
             self.last_read[name] = id(v)
             return
+        me = weakref.ref(self)  # (the callback must not keep the replay path's state alive)
         try:
-            ref = weakref.ref(v, lambda _, name=name: self._let_go(name))
+            ref = weakref.ref(v, lambda _, name=name: (fp := me()) is not None and fp._let_go(name))
         except TypeError:  # (dicts, lists: no weak reference; such an argument stays read afresh)
             return
         layout = Layout(ref, lv, layout_key(read.spec, lv), guard_for(v, read.spec), rkey, weak=True)
