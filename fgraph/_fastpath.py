@@ -28,13 +28,15 @@ from .trace import LiftedView
 
 
 class Layout(NamedTuple):
-    """A non-batched argument's flat layout as the last slow call saw it, cached by the container's identity."""
+    """A non-batched argument's flat layout as the last slow call (or the replay path, `weak`) saw it, cached by the
+    container's identity."""
 
-    tree: Any  # the argument itself
+    tree: Any  # the argument itself, or a weak reference to it (`weak`)
     leaves: list
     key: _Key  # layout_key(structure, leaves)
-    guard: Callable[[], bool] | None  # guard_for(tree): None when the tree is immutable
+    guard: Callable[[Any], bool] | None  # guard_for(tree): None when the tree is immutable
     rkey: Any = None  # its reader's key, for an argument that has readers (passed as another object before)
+    weak: bool = False  # held weakly: learnt by the replay path itself (FastPath._learn), let go with the object
 
 
 class Hit(NamedTuple):
@@ -76,6 +78,9 @@ class FastPath:
         self.readers: dict[str, list[Callable]] = {}
         self.entries: dict[tuple, Any] = {}
         self.written_storages: dict = {}  # entry -> (weak refs to the leaves it writes, their storages): _over_written
+        # per argument read afresh: the id of the object the last call it served read (a cache generate makes passed
+        # again on its next step is then proven by identity, _learn)
+        self.last_read: dict[str, int] = {}
 
     def find(self, args: tuple, kwargs: dict, view=None) -> Hit | None:
         """The entry that serves this call with what the last calls proved, or None.
@@ -114,13 +119,14 @@ class FastPath:
             hash(statics)
         except TypeError:
             return None
-        parts, leaves, held, fresh, drop, n = [], [], [], [], [], None
+        parts, leaves, held, fresh, drop, read_fresh, n = [], [], [], [], [], [], None
         layouts = self.layouts
         for name in self.dynamic:
             v = bound[name]
             c = layouts.get(name)  # (batched arguments have readers only)
             if c is not None:
-                if c.tree is v and (c.guard is None or c.guard()):
+                t = c.tree
+                if (t is v or (c.weak and t() is v)) and (c.guard is None or c.guard(v)):
                     parts.append(c.key if c.rkey is None else c.rkey)
                     held.append(c.key)  # the identity-cached containers (not the batched args)
                     leaves.extend(c.leaves)
@@ -137,6 +143,7 @@ class FastPath:
                 n = m
             if name not in self.batch:  # its tensors: no container identity vouches for them
                 fresh.append((len(leaves), len(leaves) + len(lv)))
+                read_fresh.append((name, v, lv, key, read))
             parts.append(key)
             leaves.extend(lv)
         if view is not None:
@@ -163,8 +170,36 @@ class FastPath:
         if fresh and self._over_written(entry, leaves, fresh):
             return None  # a fresh tensor over memory the program writes: the slow path raises it
         for name in drop:
-            del layouts[name]
+            layouts.pop(name, None)  # (a weak layout's object may have gone meanwhile: its callback dropped it)
+        for got in read_fresh:
+            self._learn(*got)
         return Hit(entry, leaves, n, bound, held)
+
+    def _learn(self, name: str, v, lv: list, rkey, read) -> None:
+        """An argument the replay path read afresh: passed as the same object twice running (a cache generate makes,
+        on its every step), it gets a layout, so that later calls prove it by identity and its guard.
+
+        The call serving it checked its tensors (Slots, _over_written) as read now; the layout holds exactly those
+        leaves. It holds the object itself weakly: the caller's last reference to it frees it and drops the layout.
+        A leaf argument (a tensor) is not learnt: its layout's leaves would hold it, and its reader reads one leaf."""
+        if len(lv) == 1 and lv[0] is v:
+            return
+        if self.last_read.get(name) != id(v):  # (an id reused by a new object only costs this a layout)
+            self.last_read[name] = id(v)
+            return
+        me = weakref.ref(self)  # (the callback must not keep the replay path's state alive)
+        try:
+            ref = weakref.ref(v, lambda _, name=name: (fp := me()) is not None and fp._let_go(name))
+        except TypeError:  # (dicts, lists: no weak reference; such an argument stays read afresh)
+            return
+        layout = Layout(ref, lv, layout_key(read.spec, lv), guard_for(v, read.spec), rkey, weak=True)
+        self.layouts[name] = layout
+        del self.last_read[name]
+
+    def _let_go(self, name: str) -> None:
+        c = self.layouts.get(name)
+        if c is not None and c.weak and c.tree() is None:
+            self.layouts.pop(name, None)
 
     def remember(self, call: Call, entry, lifted=None, view=None):
         """Teach the replay path this call's layout.
@@ -180,6 +215,8 @@ class FastPath:
             lv, spec = pytree.tree_flatten(v)
             offset += len(lv)
             c = self.layouts.get(name)
+            if c is not None and c.weak:  # the slow path's layout replaces one learnt
+                c = None
             if name not in self.batch and c is not None and c.tree is not v:  # it changes between calls
                 self.readers.setdefault(name, [])
             rkey = None
@@ -195,13 +232,14 @@ class FastPath:
                     nones = tuple(x is None for x in lv)  # None is a leaf: the same structure with a tensor there
                     spec_id = sum(map(len, self.readers.values()))  # unique among this function's readers
                     readers.append(reader(flattener(spec), specs, spec_id, nones))
+                    readers[-1].spec = spec
                     got = readers[-1](v)
                 rkey = got[1]
             if name in self.batch:
                 parts.append(rkey)
                 continue
             key = layout_key(spec, lv)
-            if c is None or c.tree is not v or c.key != key or c.rkey != rkey or (c.guard and not c.guard()):
+            if c is None or c.tree is not v or c.key != key or c.rkey != rkey or (c.guard and not c.guard(v)):
                 self.layouts[name] = c = Layout(v, lv, key, guard_for(v, spec), rkey)
             parts.append(c.key if rkey is None else c.rkey)  # the objects find() appends: equal by identity
         if lifted:
@@ -252,6 +290,7 @@ class FastPath:
 
     def clear(self) -> None:
         self.layouts.clear(), self.readers.clear(), self.entries.clear(), self.written_storages.clear()
+        self.last_read.clear()
 
 
 # -- guards ----------------------------------------------------------------------------------------------------
@@ -270,72 +309,84 @@ def _attrs_frozen(t) -> bool:
     return getattr(t.__setattr__, "__name__", "") == "_frozen_setattrs"
 
 
-def _node_children(x, spec) -> tuple[Callable[[Any], Any], tuple]:
-    """A reader of a node's contents and a snapshot of them, for identity checks.
+def _node_children(x, spec) -> tuple[str, Callable[[Any], Any] | None]:
+    """How a guard reads a node's contents (its children and anything in its tree structure), for identity checks.
 
-    Returns (read, snapshot): read(x) returns what x holds now (children and anything in its tree structure) for an
-    identity comparison with the snapshot."""
+    Returns (how, read): how is "dict" (keys then values), "vars" (an object seen into, an HF cache layer: its
+    attributes' names then values), "seq" (a list's items) or "read" (read(x) returns a tuple)."""
     typ = spec.type
     if typ is dict or isinstance(x, dict):
-
-        def read(d):
-            return (*d, *d.values())
-
-    elif typ is list:
-        read = tuple
-    elif is_seen_into(x):  # a plain object (an HF cache layer): every attribute, name and value
-
-        def read(o):
-            d = vars(o)
-            return (*d, *d.values())
-
-    elif typ in _RECORDS:
+        return "dict", None
+    if typ is list:
+        return "seq", None
+    if is_seen_into(x):
+        return "vars", None
+    if typ in _RECORDS:
         dynamic, static = _RECORDS[typ]
         names = [*dynamic, *static]
         get = operator.attrgetter(*names) if names else (lambda o: ())
-        read = get if len(names) != 1 else (lambda o, g=get: (g(o),))
-    else:
-        flatten = pytree.SUPPORTED_NODES[typ].flatten_fn
+        return "read", get if len(names) != 1 else (lambda o, g=get: (g(o),))
+    flatten = pytree.SUPPORTED_NODES[typ].flatten_fn
 
-        def read(o):
-            children, ctx = flatten(o)
-            return (*children, ctx)
+    def read(o):
+        children, ctx = flatten(o)
+        return (*children, ctx)
 
-    return read, tuple(read(x))
+    return "read", read
 
 
-def guard_for(tree, spec: pytree.TreeSpec) -> Callable[[], bool] | None:
-    """A check that `tree` (flattened to `spec` just now) still holds what it holds now: () -> bool.
+def guard_for(tree, spec: pytree.TreeSpec) -> Callable[[Any], bool] | None:
+    """A check that `tree` (flattened to `spec` just now) still holds what it holds now: guard(tree) -> bool.
 
     None when its whole structure is immutable (its identity is the proof). Each mutable node is re-read and
     compared by identity (a container replaced inside it, a longer list, a changed static field of a mutable record
-    all fail it)."""
-    checks = []
+    all fail it). The guard holds the nodes below the root, not the root itself: it is passed the tree (proven the
+    same object by its caller), so a layout may hold its argument weakly.
+
+    Generated per tree as straight-line Python (as `flattener`): every node's length, then one identity comparison
+    of all their contents in a row, a C loop; a call per node cost more than the comparisons (a 24-layer cache's 26
+    nodes). The lengths keep each node's contents in place in the row."""
+    env: dict = {"_is": operator.is_, "_all": all, "_map": map, "_vars": vars, "_len": len}
+    lines, lens, row, snap = [], [], [], []
 
     def visit(x, sp):
         if sp.is_leaf():
             return
         if not _immutable(x):
-            read, snap = _node_children(x, sp)
-            checks.append((read, x, snap))
+            i = len(lens)
+            how, read = _node_children(x, sp)
+            if x is tree:
+                lines.append(f"n{i} = root")
+            else:
+                env[f"n{i}"] = x
+            if how == "read":
+                env[f"r{i}"] = read
+                lines.append(f"d{i} = r{i}(n{i})")
+                d = read(x)
+            else:
+                lines.append(f"d{i} = _vars(n{i})" if how == "vars" else f"d{i} = n{i}")
+                d = vars(x) if how == "vars" else x
+            keyed = how in ("dict", "vars")  # names then values
+            lens.append(len(d))
+            row.append(f"*d{i}, *d{i}.values()" if keyed else f"*d{i}")
+            snap.extend((*d, *d.values()) if keyed else d)
         kids = _children(sp)
         values = pytree.SUPPORTED_NODES[sp.type].flatten_fn(x)[0]
         for v, k in zip(values, kids):
             visit(v, k)
 
     visit(tree, spec)
-    if not checks:
+    if not lens:
         return None
-    is_ = operator.is_
-
-    def guard() -> bool:
-        for read, node, snap in checks:
-            now = read(node)
-            if len(now) != len(snap) or not all(map(is_, now, snap)):
-                return False
-        return True
-
-    return guard
+    env["LENS"], env["SNAP"] = tuple(lens), tuple(snap)
+    src = (
+        "def guard(root):\n"
+        + "".join(f"  {ln}\n" for ln in lines)
+        + f"  if ({''.join(f'_len(d{i}), ' for i in range(len(lens)))}) != LENS:\n    return False\n"
+        + f"  return _all(_map(_is, ({', '.join(row)},), SNAP))\n"
+    )
+    exec(compile(src, "<fgraph guard>", "exec"), env)
+    return env["guard"]
 
 
 # -- keys -----------------------------------------------------------------------------------------------------

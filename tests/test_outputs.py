@@ -307,3 +307,35 @@ def test_the_one_rule_and_wrapped_jitted_functions_on_cuda(mode):
     t = torch.tensor(3.0, device="cuda")
     assert fgraph.jit(twice, mode=mode)(t).item() == 18.0
     assert fgraph.jit(torch.func.grad(jf), mode=mode)(t).item() == 6.0
+
+
+TREES = st.recursive(
+    st.sampled_from(["t", "e", "n"]),  # a tensor, an expanded one (its memory repeats), a non-tensor
+    lambda kids: st.one_of(st.lists(kids, max_size=3), st.lists(kids, max_size=3).map(tuple)),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(TREES, st.integers(0, 2**16))
+def test_a_cpu_replay_writes_every_output_where_it_was_recorded(tree, seed):
+    """The CPU's stand-in for a graph replay writes each fresh output into the recorded one's memory, whatever
+    nesting its outputs have (a flat tuple, as a graph module returns, or nested ones of the same length)."""
+    from fgraph.capture._graphs import refiller
+
+    g = torch.Generator().manual_seed(seed)
+
+    def make(shape):
+        def leaf(kind):
+            if kind == "n":
+                return 7
+            return torch.randn(3, generator=g) if kind == "t" else torch.randn(1, generator=g).expand(3)
+
+        return pytree.tree_map(leaf, shape)
+
+    recorded, fresh = make(tree), make(tree)
+    memory = [(t.data_ptr(), t.stride()) for t in pytree.tree_leaves(recorded) if isinstance(t, torch.Tensor)]
+    refiller(recorded)(fresh)
+    for old, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
+        assert old is new if not isinstance(old, torch.Tensor) else torch.equal(old, new)
+    assert memory == [(t.data_ptr(), t.stride()) for t in pytree.tree_leaves(recorded) if isinstance(t, torch.Tensor)]

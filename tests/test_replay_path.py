@@ -237,6 +237,7 @@ def test_state_passed_anew_each_call_is_copied_and_says_how_to_stop_it(caplog):
             state = {"h": torch.zeros((1 << 20) + 1)}  # over 4 MiB of float32
             assert torch.equal(f(X, state), X * 2) and bool((state["h"] == 1).all())
     assert f.stats()["total"]["copies"] == 2  # the first call reads in place, the second captures again
+    assert f.stats()["total"]["copied_bytes"] == 2 * ((1 << 20) + 1) * 4  # the float32 state, copied in per call
     copies = [r.getMessage() for r in caplog.records if "MiB of inputs per call" in r.getMessage()]
     assert len(copies) == 1 and "make one and pass it to every call" in copies[0]
 

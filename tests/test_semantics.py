@@ -390,9 +390,9 @@ def test_guards_skip_immutable_trees():
     assert guard_for(frozen, flatten_with_paths(frozen)[1]) is None  # identity is the proof: no per-call work
     d = {"a": [torch.ones(1)]}
     g = guard_for(d, flatten_with_paths(d)[1])
-    assert g()
+    assert g(d)
     d["a"].append(torch.ones(1))
-    assert not g()
+    assert not g(d)
 
 
 # -- threads ---------------------------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ class Entry:
             set(range(len(traced.outs))) if self.out_recipe is None else {x for x in self.out_recipe if type(x) is int}
         )
         self.passthrough = [(j, i) for j, i in self.out_passthrough.items() if j in used]
+        # the outputs copied (copy_outputs): those handed back, inputs handed back as themselves aside
+        self.copied_outs = sorted(used - set(self.out_passthrough))
         self.out_batched = traced.batched_outputs(call.sig.bucket)
         self.out_sizes = traced.size_outputs()
         self.specs = [call.specs[i] for i in self.batched_ix]
@@ -165,10 +167,9 @@ class Entry:
             for j, size in self.out_sizes:  # `x.shape[0]` returned: the call's, not the bucket's
                 outs[j] = size(leaves)
         if copy_outputs:
-            outs = [
-                o.clone() if isinstance(o, torch.Tensor) and j not in self.out_passthrough else o
-                for j, o in enumerate(outs)
-            ]
+            for j in self.copied_outs:
+                if isinstance(o := outs[j], torch.Tensor):
+                    outs[j] = o.clone()
         if not self.out_args:
             return self.unflatten(iter(outs))
         return self.unflatten(iter([outs[x] if type(x) is int else bound[x] for x in self.out_recipe]))
@@ -293,16 +294,16 @@ class PieceRunner(torch.nn.Module):
 
     def __init__(self, piece, module, Graph, pool):
         super().__init__()
-        self.piece, self.module, self.graph, self.out = piece, module, None, None
+        self.piece, self.module, self.graph, self.out, self.write = piece, module, None, None, None
         self._Graph, self._pool = Graph, pool
 
     def forward(self, *args):
         if self.piece.is_break:  # (eager: on the CPU, as every piece is, it runs the program)
             out = G.run(self.module, *args) if self._Graph is G.HostGraph else self.module(*args)
             if self.out is None:
-                self.out = out
+                self.out, self.write = out, G.refiller(out)
             else:
-                G.refill(self.out, out)
+                self.write(out)
             return self.out
         if self.graph is None:
             self.graph = self._Graph(self._pool)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 import sys
 import threading
 from collections.abc import Callable
@@ -129,7 +130,7 @@ class HostGraph:
     graph's observable behaviour (stable input and output addresses)."""
 
     def __init__(self, pool=None):
-        self.fn, self.args, self.out = None, (), None
+        self.fn, self.args, self.out, self.write = None, (), None, None
 
     def weaken(self) -> None:  # host memory is not pooled: outputs stay owned, per graph
         pass
@@ -142,27 +143,48 @@ class HostGraph:
         # even if the object is later pointed elsewhere (`t.data = u`)
         self.fn, self.args = fn, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         self.out = run(fn, *self.args)  # the CPU's "capture" is an eager run: its errors are the program's
+        self.write = refiller(self.out)
         return self.out
 
     def replay(self) -> Any:
-        refill(self.out, self.fn(*self.args))
+        self.write(self.fn(*self.args))
         return self.out
 
 
-def refill(recorded, fresh) -> None:
-    """Write a run's fresh outputs into the recorded ones, as a graph replay does: same memory, this run's values.
+def refiller(recorded) -> Callable[[Any], None]:
+    """`fresh -> None`: writes a run's fresh outputs into the recorded ones, as a graph replay does: same memory, this
+    run's values.
 
     An output whose elements repeat in memory (`x.sum(0).expand(3, 2)`: stride 0 along a dim, which copy_ refuses
     to write) is written through one slice along each such dim, its memory once; outputs that are views of one
     another are written each with the same values; one that is the fresh one's very memory (a donated input's,
-    written by the program itself) copy_ leaves as it is."""
-    for old, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
-        if not isinstance(old, torch.Tensor) or old is new:
-            continue
-        repeated = [d for d in range(old.dim()) if old.stride(d) == 0 and old.shape[d] > 1]
-        for d in repeated:
-            old, new = old.narrow(d, 0, 1), new.narrow(d, 0, 1)
-        old.copy_(new)
+    written by the program itself) copy_ leaves as it is. What depends on the recorded outputs alone (their leaves,
+    the slices) is worked out once: a replay on the CPU runs it per piece per call. A flat tuple or list (a graph
+    module's outputs) is read as it is, not flattened again."""
+    leaves = pytree.tree_leaves(recorded)
+    kind, n = type(recorded), len(leaves)
+    # its elements are its leaves (a nested container would be flattened into others)
+    flat = kind in (tuple, list) and n == len(recorded) and all(map(operator.is_, leaves, recorded))
+    writes = []
+    for i, old in enumerate(leaves):
+        if isinstance(old, torch.Tensor):
+            repeated = tuple(d for d in range(old.dim()) if old.stride(d) == 0 and old.shape[d] > 1)
+            into = old
+            for d in repeated:
+                into = into.narrow(d, 0, 1)
+            writes.append((i, old, into, repeated))
+
+    def write(fresh) -> None:
+        now = fresh if flat and type(fresh) is kind and len(fresh) == n else pytree.tree_leaves(fresh)
+        for i, old, into, repeated in writes:
+            new = now[i]
+            if old is new:
+                continue
+            for d in repeated:
+                new = new.narrow(d, 0, 1)
+            into.copy_(new)
+
+    return write
 
 
 def graph_class(device: str):

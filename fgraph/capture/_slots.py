@@ -48,6 +48,7 @@ class Slots:
         self.loose = [k for k, r in enumerate(root) if r in batched]
         self._loose_with: dict[tuple, list[int]] = {}
         self._groups: dict[tuple, list[list[int]]] = {}  # copied positions -> their dtype groups (foreach_copy)
+        self._bytes: dict[tuple, int] = {}  # copied-in positions -> the bytes their targets hold (move() resets it)
         self.logged = False
 
     def loose_with(self, ranges: tuple) -> list[int]:
@@ -92,6 +93,7 @@ class Slots:
             buf.copy_(x)
             self.targets[k] = buf
         self.copied = sorted({*self.copied, *own})
+        self._bytes.clear()
 
     def args(self, leaves: list) -> list:
         """The leaves with fgraph's buffers in place of the caller's tensors at copied positions."""
@@ -104,20 +106,22 @@ class Slots:
 
     def _copy(self, pairs: list) -> tuple:
         """(position, into, from) triples: one foreach copy per dtype (a cache made anew per call is ~100 tensors:
-        a few calls, fused launches). Returns the tensors copied into."""
+        a few calls, fused launches). Returns the positions and the tensors copied into."""
         ks, into, come = zip(*pairs)
         groups = self._groups.get(ks)
         if groups is None:
             groups = self._groups[ks] = copy_groups(into)
         foreach_copy(into, come, groups)
-        return into
+        return ks, into
 
     def copy_in(self, leaves: list, stats, fname: str) -> None:
         pairs = [(k, t, x) for k in self.copied if (x := leaves[self.ix[k]]) is not (t := self.targets[k])]
         if not pairs:
             return
-        into = self._copy(pairs)
-        n = sum(t.numel() * t.element_size() for t in into)
+        ks, into = self._copy(pairs)
+        n = self._bytes.get(ks)
+        if n is None:  # (the targets are fgraph's buffers: their sizes change only when move() replaces them)
+            n = self._bytes[ks] = sum(t.numel() * t.element_size() for t in into)
         if n:
             stats.copies += 1
             stats.copied_bytes += n
