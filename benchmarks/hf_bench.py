@@ -138,7 +138,9 @@ def main(argv=None):
             # transformers compiles the decode call itself only for this contender, when asked to
             kw["disable_compile"] = not (name == "hf_compile_static" and args.compile == "generate")
             with torch.no_grad():
-                return contenders[name].generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+                # (the eager references run from `base` also when --skip leaves their rows out)
+                model = contenders.get(name, base) if name in ("hf_eager", "hf_eager_static") else contenders[name]
+                return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
 
         want, want_static = gen("hf_eager", new), gen("hf_eager_static", new)
         got, first_s = {}, {}

@@ -222,3 +222,12 @@ def test_a_cache_passed_but_not_donated_is_named_with_the_fix():
     jitted = fgraph.jit(model, donate=[name])
     assert torch.equal(G.generate(jitted, IDS, 4), want)
     assert jitted.stats()["total"]["replays"] >= 3  # the module's stats count what its generate ran
+
+
+def test_the_hf_benchmark_checks_tokens_against_eager_when_eagers_rows_are_skipped(tmp_path, monkeypatch):
+    from benchmarks import hf_bench
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = hf_bench.main(["--smoke", "--batches", "1", "--new", "3", "--rounds", "1", "--skip", "hf_eager"])
+    assert {r["contender"] for r in rows} == {"hf_eager_static", "hf_fgraph_static"}
+    assert all(r["tokens_equal_eager"] and r["tokens_equal_eager_static"] for r in rows)
