@@ -37,11 +37,12 @@ import torch
 from examples import hf_generate
 
 
-def make_model(smoke: bool, device: str, dtype):
+def make_model(smoke: bool, device: str, dtype, layers: int = 2):
+    """A random-weight Qwen2: tiny dims (`smoke`, `layers` of them), or Qwen2.5-0.5B's shapes."""
     import transformers as tf
 
     if smoke:
-        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=256)  # fmt: skip
     else:  # Qwen2.5-0.5B's shapes
         cfg = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -28,29 +28,12 @@ import torch
 
 from examples import hf_generate
 
+from . import hf_bench
 from .hf_bench import host_us
-
-NONE = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
 def make_model(layers: int = 24):
-    import transformers as tf
-
-    cfg = tf.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-        **NONE,
-    )
-    torch.manual_seed(0)
-    model = tf.Qwen2ForCausalLM(cfg).eval()
-    model.generation_config.update(**NONE)
-    return model
+    return hf_bench.make_model(True, "cpu", torch.float32, layers)
 
 
 def call_overhead_us(model, gen, tokens: int, stub: bool = False) -> tuple[float, float, float]:
@@ -157,6 +140,7 @@ def main(argv=None):
         gen(args.tokens)
         pr.disable()
         pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    return {"host_us": med(replay), "find": med(find), "call": med(call), "program": med(program)}
 
 
 if __name__ == "__main__":

@@ -231,3 +231,11 @@ def test_the_hf_benchmark_checks_tokens_against_eager_when_eagers_rows_are_skipp
     rows = hf_bench.main(["--smoke", "--batches", "1", "--new", "3", "--rounds", "1", "--skip", "hf_eager"])
     assert {r["contender"] for r in rows} == {"hf_eager_static", "hf_fgraph_static"}
     assert all(r["tokens_equal_eager"] and r["tokens_equal_eager_static"] for r in rows)
+
+
+@pytest.mark.parametrize("cache", ["generate", "caller"])
+def test_the_hf_host_benchmark_times_the_replay_path_inside_generate(cache):
+    from benchmarks import hf_host
+
+    got = hf_host.main(["--loops", "1", "--tokens", "4", "--stub", "--cache", cache])
+    assert 0 < got["find"] < got["call"] and got["host_us"] > 0  # find is part of the call's host time
