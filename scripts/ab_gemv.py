@@ -58,7 +58,7 @@ def part_gemms(name, cfg, batches, bw) -> None:
                 us[str(cfg_)] = 1e3 * do_bench_cudagraph(lambda c=cfg_: _gemv._launch(c, x, w, b, y), rep=20)
             best = min((v, c) for c, v in us.items() if c != "cublas")
             _gemv._choice.pop((m, n, k, torch.bfloat16, bias, x.device.index), None)
-            chose = _gemv._tune(None, x, w, b)
+            chose = _gemv._tune(x, w, b)
             pct = lambda t: round(100 * 2 * n * k / (t * 1e-6) / bw, 1)  # noqa: E731
             emit({"part": "gemm", "model": name, "gemm": gemm, "M": m, "N": n, "K": k, "bias": bias,
                   "cublas_us": round(us["cublas"], 2), "cublas_pct_bw": pct(us["cublas"]),

@@ -116,7 +116,7 @@ def candidates(m: int, n: int, k: int) -> list[tuple]:
     return [c for c in got if c[0] <= max(16, n) and c[1] <= max(128, 2 * k)]
 
 
-def _tune(key, x, w, b) -> tuple | None:
+def _tune(x, w, b) -> tuple | None:
     """Time every candidate and cuBLAS on these tensors (each replayed in a CUDA graph); the fastest config if it
     beats cuBLAS by MARGIN, else None (cuBLAS)."""
     from triton.testing import do_bench_cudagraph
@@ -142,7 +142,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
         if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: cuBLAS, as without the kernel
             counts["untuned"] += 1
             return _cublas(x, w, b)
-        _choice[key] = _tune(key, x, w, b)
+        _choice[key] = _tune(x, w, b)
     cfg = _choice[key]
     if cfg is None:
         return _cublas(x, w, b)
