@@ -142,7 +142,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
         if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: cuBLAS, as without the kernel
             counts["untuned"] += 1
             return _cublas(x, w, b)
-        _choice[key] = _tune(x, w, b)
+        with torch.cuda.device(x.device):  # (the timing's graphs and streams on the tensors' device)
+            _choice[key] = _tune(x, w, b)
     cfg = _choice[key]
     if cfg is None:
         return _cublas(x, w, b)
