@@ -177,6 +177,9 @@ def main(argv=None):
                 s = contenders[name].forward.stats()
                 row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
                 row["host_us"] = host_us(contenders[name], lambda: gen(name, 8))
+                row["host_us"]["find_in_generate"] = find_in_generate_us(
+                    contenders[name], lambda: gen(name, LOOP_TOKENS)
+                )
             compiled_here = name == "hf_compile_static" and args.compile == "generate"
             row["call_us"] = call_us(
                 contenders[name], "_compiled_call" if compiled_here else "forward", lambda: gen(name, 8)
@@ -217,6 +220,28 @@ def host_us(model, run, calls: int = 200) -> dict:
                 loops.append((time.perf_counter() - t0) / calls * 1e6)
             out[what] = round(statistics.median(loops), 1)
     return out
+
+
+def find_in_generate_us(model, run) -> float:
+    """Microseconds of FastPath.find per decode call inside `run` (a generate), the median: the replay path as
+    generate calls it, with its arguments new each call and the model's own work between calls (host_us re-calls
+    find on one call's arguments, hot in the host's caches)."""
+    fp, each = model.forward.fastpath, []
+    find = fp.find
+
+    def timed(*args):
+        t0 = time.perf_counter()
+        try:
+            return find(*args)
+        finally:
+            each.append((time.perf_counter() - t0) * 1e6)
+
+    fp.find = timed
+    try:
+        run()
+    finally:
+        fp.find = find
+    return round(statistics.median(each[1:]), 1)  # the decode calls (the first may be the prefill)
 
 
 def call_us(obj, attr: str, run) -> float:

@@ -172,6 +172,7 @@ def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, c
         assert fg["signatures"] == 2 and fg["fallbacks"]["init"] == 0 and fg["total"]["fast"] > 0
     (host,) = (r["host_us"] for r in rows if "host_us" in r)
     assert 0 < host["replay_path"] < host["slow_bind"] and all(r["call_us"] > 0 for r in rows)
+    assert 0 < host["find_in_generate"] < host["slow_bind"]
     (loop,) = (r["loop_us"] for r in rows if "loop_us" in r)
     assert 0 < loop < min(r["call_us"] for r in rows)  # generate's own loop, under any model call
     assert (tmp_path / "hf_bench.jsonl").read_text().count("\n") == 3
