@@ -27,6 +27,7 @@ cell to $OUT/hf_bench.jsonl (and stdout), as each is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -222,10 +223,10 @@ def host_us(model, run, calls: int = 200) -> dict:
     return out
 
 
-def find_in_generate_us(model, run) -> float:
-    """Microseconds of FastPath.find per decode call inside `run` (a generate), the median: the replay path as
-    generate calls it, with its arguments new each call and the model's own work between calls (host_us re-calls
-    find on one call's arguments, hot in the host's caches)."""
+@contextlib.contextmanager
+def timed_find(model):
+    """FastPath.find of the jitted forward, timed while the block runs: yields the list each call's microseconds
+    join."""
     fp, each = model.forward.fastpath, []
     find = fp.find
 
@@ -238,9 +239,17 @@ def find_in_generate_us(model, run) -> float:
 
     fp.find = timed
     try:
-        run()
+        yield each
     finally:
         fp.find = find
+
+
+def find_in_generate_us(model, run) -> float:
+    """Microseconds of FastPath.find per decode call inside `run` (a generate), the median: the replay path as
+    generate calls it, with its arguments new each call and the model's own work between calls (host_us re-calls
+    find on one call's arguments, hot in the host's caches)."""
+    with timed_find(model) as each:
+        run()
     return round(statistics.median(each[1:]), 1)  # the decode calls (the first may be the prefill)
 
 

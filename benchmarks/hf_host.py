@@ -42,18 +42,7 @@ def call_overhead_us(model, gen, tokens: int, stub: bool = False) -> tuple[float
     evicting the host's caches, as on a GPU host)."""
     jitted = model.forward
     entries = list(jitted.entries.values())
-    spent, calls, finds = [0.0], [], []
-    fp = jitted.fastpath
-    find = fp.find
-
-    def timed_find(*a):
-        t0 = time.perf_counter()
-        try:
-            return find(*a)
-        finally:
-            finds.append(time.perf_counter() - t0)
-
-    fp.find = timed_find
+    spent, calls = [0.0], []
     runners = []
     for e in entries:
         graphs = [e.full] if e.full is not None else e.graphs
@@ -79,17 +68,17 @@ def call_overhead_us(model, gen, tokens: int, stub: bool = False) -> tuple[float
 
     type(jitted).__call__ = wrapped
     try:
-        gen(tokens)
+        with hf_bench.timed_find(model) as finds:
+            gen(tokens)
     finally:
         type(jitted).__call__ = call
-        del fp.find
         for g, fn in runners:
             g.fn = fn
     decode = calls[3:]  # past the prefill and the calls that teach the replay path
     return (
         statistics.median((t - p) * 1e6 for t, p in decode),
         statistics.median(p * 1e6 for _, p in decode),
-        statistics.median(t * 1e6 for t in finds[3:]),
+        statistics.median(finds[3:]),
     )
 
 
