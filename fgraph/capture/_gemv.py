@@ -95,10 +95,15 @@ def eligible(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     )
 
 
+def _pow2(m: int) -> int:
+    """The reduce path's BLOCK_M for m rows: the power of two at or above m."""
+    return 1 << (m - 1).bit_length()
+
+
 def _launch(cfg: tuple, x, w, b, y) -> None:
     block_n, block_k, warps, stages, dot = cfg
     (M, K), N = x.shape, w.shape[0]
-    block_m = 16 if dot else 1 << (M - 1).bit_length()
+    block_m = 16 if dot else _pow2(M)
     grid = (-(-N // block_n),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
         kernel()[grid](x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
@@ -112,7 +117,7 @@ def _cublas(x, w, b, out=None):
 
 def candidates(m: int, n: int, k: int) -> list[tuple]:
     """The configs worth timing for m rows of an [n, k] weight."""
-    got = _DOT + ([c for c in _REDUCE if (1 << (m - 1).bit_length()) * c[0] * c[1] <= 16384] if m <= 4 else [])
+    got = _DOT + ([c for c in _REDUCE if _pow2(m) * c[0] * c[1] <= 16384] if m <= 4 else [])
     return [c for c in got if c[0] <= max(16, n) and c[1] <= max(128, 2 * k)]
 
 
