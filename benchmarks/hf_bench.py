@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from benchmarks import kernels
 from examples import hf_generate
 
 
@@ -302,8 +303,9 @@ def loop_us(model, gen, n: int = LOOP_TOKENS) -> float:
     return round((min(ts[n]) - min(ts[1])) / (n - 1) * 1e6, 1)
 
 
-def kernels_per_token(gen, n: int = 9) -> dict:
-    """GPU kernels (and their time) a generated token costs: a generate of n tokens less one of 1, over n - 1."""
+def kernels_per_token(gen, n: int = 9, top: int = kernels.ROW_TOP) -> dict:
+    """GPU kernels (and their time) a generated token costs: a generate of n tokens less one of 1, over n - 1; `top`:
+    [(name, launches, µs)] a token of the costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     got = {}
@@ -311,11 +313,18 @@ def kernels_per_token(gen, n: int = 9) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             gen(k)
             torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        got[k] = (len(kernels), sum(e.time_range.elapsed_us() for e in kernels))
+        got[k] = {
+            e.key[: kernels.NAME]: (e.count, e.device_time_total)
+            for e in prof.key_averages()
+            if e.device_time_total > 0
+        }
+    names = got[n].keys() | got[1].keys()
+    per = {x: [(got[n].get(x, (0, 0))[i] - got[1].get(x, (0, 0))[i]) / (n - 1) for i in (0, 1)] for x in names}
+    rows = sorted(((x, round(c, 1), round(us, 1)) for x, (c, us) in per.items()), key=lambda r: -r[2])
     return {
-        "kernels": round((got[n][0] - got[1][0]) / (n - 1), 1),
-        "kernel_us": round((got[n][1] - got[1][1]) / (n - 1), 1),
+        "kernels": round(sum(r[1] for r in rows), 1),
+        "kernel_us": round(sum(r[2] for r in rows), 1),
+        "top": rows[:top],
     }
 
 
