@@ -37,6 +37,7 @@ import torch
 
 from benchmarks import kernels
 from examples import hf_generate
+from fgraph.capture import linear_counts
 
 
 def make_model(smoke: bool, device: str, dtype, layers: int = 2):
@@ -178,6 +179,7 @@ def main(argv=None):
             if name.startswith("hf_fgraph"):  # (its counts before the calls below)
                 s = contenders[name].forward.stats()
                 row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
+                row["linear"] = dict(linear_counts)  # fgraph::linear's picks so far in this process (all contenders)
                 row["host_us"] = host_us(contenders[name], lambda: gen(name, 8))
                 row["host_us"]["find_in_generate"] = find_in_generate_us(
                     contenders[name], lambda: gen(name, LOOP_TOKENS)
