@@ -19,7 +19,7 @@ for fgraph: the cache's tensors are made lazily) and reuses it, reset, in later 
 makes the largest); `--cache caller` passes one early-initialised StaticCache per contender and batch instead. Tokens
 are checked against eager's before timing (with its DynamicCache, and with the static cache: the same math as the
 compiled contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager
-repeats itself, and `first_different_token` where tokens part); rounds alternate between contenders; decode tokens/s =
+repeats itself, and `first_different_token` where tokens part); rounds alternate between contenders, after one untimed round; decode tokens/s =
 B * (N - 1) / (t(N) - t(1)) over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per
 cell to $OUT/hf_bench.jsonl (and stdout), as each is measured.
 """
@@ -157,7 +157,8 @@ def main(argv=None):
         # the first new token that differs from eager's with the static cache (in any row; None: all equal)
         differs = {name: _first_difference(t[:, ctx:], want_static[:, ctx:]) for name, t in got.items()}
         times = {name: {1: [], new: []} for name in contenders}
-        for _ in range(rounds):
+        for r in range(rounds + 1):  # round 0 untimed: what the rounds' pattern of calls costs once (torch.compile
+            # recompiled in its first timed round: a generate of 1 token between two of `new`)
             for n in (1, new):
                 for name in contenders:  # alternating: every contender in every round
                     if device == "cuda":
@@ -166,7 +167,8 @@ def main(argv=None):
                     gen(name, n)
                     if device == "cuda":
                         torch.cuda.synchronize()
-                    times[name][n].append(time.perf_counter() - t0)
+                    if r:
+                        times[name][n].append(time.perf_counter() - t0)
         for name in contenders:
             rates = [B * (new - 1) / max(tn - t1, 1e-9) for t1, tn in zip(times[name][1], times[name][new])]
             row = {
