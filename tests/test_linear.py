@@ -87,6 +87,12 @@ def test_a_symbolic_row_count_is_rewritten_whatever_the_example_size():
         assert torch.equal(want, got)
 
 
+def test_a_few_columns_over_a_long_k_are_rewritten_for_the_split_k_kernel():
+    # 0.5B's down projection: 896 columns, K 4864 (8.7 MB, past SMALL_WEIGHT)
+    _, other, n = rewritten(lambda x, w: F.linear(x, w), (rand(2, 4864), rand(896, 4864, seed=1)))
+    assert n == 1 and linears(other) == 1
+
+
 def test_what_the_op_cannot_serve_stays_as_traced():
     x, w = rand(2, 8), rand(4, 8, seed=1)
     cases = {
@@ -98,6 +104,7 @@ def test_what_the_op_cannot_serve_stays_as_traced():
         "a 2-D addend": (lambda x, w: torch.addmm(rand(2, 4), x, w.t()), (x, w)),
         "another device": (lambda x, w: F.linear(x, w), (x, w)),
         "a large weight (bandwidth-bound: cuBLAS's)": (lambda x, w: F.linear(x, w), (rand(2, 1024), rand(2049, 1024))),
+        "a long K beyond the split weights": (lambda x, w: F.linear(x, w), (rand(2, 4200), rand(2048, 4200))),
     }
     for why, (fn, a) in cases.items():
         _, other, n = rewritten(fn, a, device_type="cuda" if why == "another device" else "cpu")
@@ -136,14 +143,24 @@ def test_compiled_pieces_call_fgraph_linear_when_the_switch_is_on_and_equal_eage
     os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
 )
 def test_every_candidate_config_computes_the_product_in_the_interpreter():
-    for m, (n, k), bias in [(1, (20, 40), True), (3, (64, 96), False), (5, (33, 513), True), (16, (64, 96), False)]:
+    # (a K of 2100 is split 2, 4 and 8 ways, its last split short)
+    shapes = [
+        (1, (20, 40), True),
+        (3, (64, 96), False),
+        (5, (33, 513), True),
+        (16, (64, 96), False),
+        (2, (40, 2100), True),
+    ]
+    for m, (n, k), bias in shapes:
         x, w = rand(m, k, dtype=torch.float16), rand(n, k, dtype=torch.float16, seed=1)
         b = rand(n, dtype=torch.float16, seed=2) if bias else None
         want = x.float() @ w.float().t() + (b.float() if bias else 0)
         for cfg in _gemv.candidates(m, n, k):
-            y = torch.empty(m, n, dtype=torch.float16)
-            _gemv._launch(cfg, x, w, b, y)
-            torch.testing.assert_close(y.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+            for _ in range(2):  # the second launch finds the counters the first put back
+                y = torch.full((m, n), float("nan"), dtype=torch.float16)
+                _gemv._launch(cfg, x, w, b, y)
+                torch.testing.assert_close(y.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    assert {c[-1] for c in _gemv.candidates(2, 40, 2100)} == {1, 2, 4, 8}
 
 
 # -- on the GPU ------------------------------------------------------------------------------------------------
@@ -185,6 +202,27 @@ def test_the_tuned_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
         x.copy_(rand(m, k, device="cuda", seed=seed))
         g.replay()
         assert torch.equal(y, _gemv.op(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_every_split_k_config_sums_its_partials_once_in_order_replay_after_replay(m):
+    # 0.5B's down projection: the last program of a column block to arrive sums the partials the others stored; a
+    # sum started early, or counters left dirty, would show as a replay that differs from the first launch
+    n, k = 896, 4864
+    x, w = rand(m, k, device="cuda"), rand(n, k, device="cuda", seed=1) / k**0.5
+    split = [c for c in _gemv.candidates(m, n, k) if c[-1] > 1]
+    assert split
+    for cfg in split:
+        want = torch.empty(m, n, dtype=bf16, device="cuda")
+        _gemv._launch(cfg, x, w, None, want)
+        g, y = torch.cuda.CUDAGraph(), torch.empty_like(want)
+        with torch.cuda.graph(g):
+            _gemv._launch(cfg, x, w, None, y)
+        for _ in range(20):
+            y.fill_(float("nan"))
+            g.replay()
+            assert torch.equal(y, want), cfg
 
 
 @pytest.mark.gpu

@@ -12,6 +12,13 @@ owns BLOCK_N output columns for all M rows: it streams its [BLOCK_N, K] slab of 
 accumulates in float32 and adds the bias in the same kernel: up to 4 rows multiply-and-reduce in registers, or (any
 row count up to 16) use tl.dot with the rows padded to 16.
 
+A few wide columns over a long K (0.5B's down: N 896, K 4864) leave most SMs idle at one program per BLOCK_N
+columns, so a config may split K over SPLITS programs per column block, still in one kernel: each stores its
+float32 partial [M, BLOCK_N] to a workspace, then counts itself in at the block's counter (an atomic, after a
+barrier: the stream-K pattern); the last to arrive sums the partials in split order (deterministic whatever the
+arrival order), adds the bias, stores y and puts the counter back to 0 for the next launch or replay. The counters
+are per key (rows, N, K, ...) and persist: kernels of one key must not run concurrently on two streams.
+
 Which kernel serves a shape is measured, not guessed: the first call of a (rows, N, K, dtype, bias) key outside a
 CUDA-graph capture times each candidate config and cuBLAS itself, replayed in a CUDA graph (kernel time with its
 launch gaps, as in a decode graph), and keeps the fastest where it beats cuBLAS by a margin (MARGIN); elsewhere
@@ -26,7 +33,8 @@ import functools
 import torch
 
 MAX_ROWS = 16
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT). The reduce path (rows <= 4) keeps BLOCK_M x BLOCK_N x BLOCK_K
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce
+# path (rows <= 4) keeps BLOCK_M x BLOCK_N x BLOCK_K
 # <= 16K elements in registers; the dot path pads the rows to 16 and lets Triton pipeline w's tiles (cp.async), which
 # keeps more bytes in flight: the large matrices need it
 _REDUCE = [(4, 512, 4, 3, False), (8, 512, 4, 3, False), (16, 256, 4, 3, False), (16, 512, 8, 3, False)]
@@ -52,8 +60,9 @@ def kernel():
         return None
 
     @triton.jit
-    def gemv(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sx, sw, sy, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):  # fmt: skip
+    def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, sx, sw, sy, HAS_BIAS: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+             SPLITS: tl.constexpr):  # fmt: skip
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
@@ -61,19 +70,37 @@ def kernel():
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * sw
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = tl.program_id(1) * K_SPLIT  # this program's K range: [k_lo, k_hi); K_SPLIT a multiple of BLOCK_K
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + rk
-            k_ok = kk < K
+            k_ok = kk < k_hi
             w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             if DOT:
                 acc += tl.dot(x, tl.trans(w))
             else:
                 acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out = y_ptr + rm.to(tl.int64)[:, None] * sy + rn[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        ok = m_ok[:, None] & n_ok[None, :]
+        if SPLITS > 1:  # ws [SPLITS, M, N] float32; the last program of this column block to arrive sums them
+            part = rm[:, None] * N + rn[None, :]
+            tl.store(ws_ptr + tl.program_id(1) * M * N + part, acc, mask=ok, cache_modifier=".wt")
+            tl.debug_barrier()  # every thread's partial stored before the count (acq_rel) publishes it
+            arrived = tl.atomic_add(lock_ptr + tl.program_id(0), 1, sem="acq_rel")
+            if arrived == SPLITS - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLITS):  # in split order: the same sum whichever program is last
+                    acc += tl.load(ws_ptr + s * M * N + part, mask=ok, other=0.0, cache_modifier=".cv")
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                out = y_ptr + rm.to(tl.int64)[:, None] * sy + rn[None, :]
+                tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(lock_ptr + tl.program_id(0), 0)  # ready for the next launch
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            out = y_ptr + rm.to(tl.int64)[:, None] * sy + rn[None, :]
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     return gemv
 
@@ -101,24 +128,51 @@ def _pow2(m: int) -> int:
 
 
 def _launch(cfg: tuple, x, w, b, y) -> None:
-    block_n, block_k, warps, stages, dot = cfg
+    block_n, block_k, warps, stages, dot, splits = cfg
     (M, K), N = x.shape, w.shape[0]
     block_m = 16 if dot else _pow2(M)
-    grid = (-(-N // block_n),)
+    k_split = -(-K // (splits * block_k)) * block_k  # each split's K range, whole blocks
+    grid = (-(-N // block_n), splits)
+    ws, locks = (_workspace(x, N, splits), _locks(x, cfg, N)) if splits > 1 else (y, y)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel()[grid](x, w, b if b is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                       HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-                       num_warps=warps, num_stages=stages)  # fmt: skip
+        kernel()[grid](x, w, b if b is not None else w, y, ws, locks, M, N, K, k_split, x.stride(0), w.stride(0),
+                       y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                       DOT=dot, SPLITS=splits, num_warps=warps, num_stages=stages)  # fmt: skip
+
+
+def _workspace(x, n: int, splits: int) -> torch.Tensor:
+    # the partials [splits, M, N] float32: per call (inside a capture, from the graph's pool)
+    return torch.empty(splits, x.shape[0], n, dtype=torch.float32, device=x.device)
+
+
+_lock_bufs: dict[tuple, torch.Tensor] = {}
+
+
+def _locks(x, cfg: tuple, n: int) -> torch.Tensor:
+    """The arrival counters of one (rows, N, K, dtype, device, config): one per column block, zero between launches
+    (the last program of a block resets its own), alive for the process (a captured graph holds their address)."""
+    key = (x.shape[0], n, x.shape[1], x.dtype, x.device, cfg)
+    got = _lock_bufs.get(key)
+    if got is None:
+        got = _lock_bufs[key] = torch.zeros(-(-n // cfg[0]), dtype=torch.int32, device=x.device)
+    return got
 
 
 def _cublas(x, w, b, out=None):
     return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
 
 
+SPLITS = (2, 4, 8)
+MAX_BLOCKS = 1024  # column blocks x splits per launch beyond which splitting K adds no parallelism worth timing
+
+
 def candidates(m: int, n: int, k: int) -> list[tuple]:
-    """The configs worth timing for m rows of an [n, k] weight."""
+    """The configs worth timing for m rows of an [n, k] weight: each base config unsplit, and split in SPLITS where
+    every split keeps at least two BLOCK_K blocks of K and the launch stays under MAX_BLOCKS programs."""
     got = _DOT + ([c for c in _REDUCE if _pow2(m) * c[0] * c[1] <= 16384] if m <= 4 else [])
-    return [c for c in got if c[0] <= max(16, n) and c[1] <= max(128, 2 * k)]
+    got = [c for c in got if c[0] <= max(16, n) and c[1] <= max(128, 2 * k)]
+    split = [(*c, s) for c in got for s in SPLITS if k >= 2 * s * c[1] and -(-n // c[0]) * s <= MAX_BLOCKS]
+    return [(*c, 1) for c in got] + split
 
 
 def _tune(x, w, b) -> tuple | None:

@@ -4,13 +4,16 @@
 Inductor would hand either to cuBLAS, which at decode sizes (M <= 16 rows) runs the small projections far below
 copy bandwidth and splits long K into two kernels. `fgraph::linear` takes x and w as they are and, at run time, picks
 the tuned no-split-K kernel for few rows or cuBLAS (`_gemv`). A rewrite needs: x 2-D of a half dtype on
-the piece's device, w 2-D with contiguous rows and at most SMALL_WEIGHT bytes, a bias 1-D, rows that may be few (a
-symbolic M, or M <= 16), and addmm's scalars at their defaults. Anything else stays as traced.
+the piece's device, w 2-D with contiguous rows and at most SMALL_WEIGHT bytes (or, with at most SPLIT_COLUMNS rows,
+SPLIT_WEIGHT), a bias 1-D, rows that may be few (a symbolic M, or M <= 16), and addmm's scalars at their defaults.
+Anything else stays as traced.
 
-SMALL_WEIGHT: the kernel beats cuBLAS by 30-40 % alone only on the small, latency-bound matrices (0.5B's qkv and o,
-2 MB and 1.6 MB, where cuBLAS reaches 8-12 % of copy bandwidth); on the larger ones cuBLAS is within 15 % of the
-best config or ahead, and a rewritten matmul that the tuner hands back to cuBLAS made the 8B step 0.4-0.8 % slower
-(docs/performance.md), so those are not rewritten."""
+SMALL_WEIGHT: the unsplit kernel beats cuBLAS by 30-40 % alone only on the small, latency-bound matrices (0.5B's qkv
+and o, 2 MB and 1.6 MB, where cuBLAS reaches 8-12 % of copy bandwidth); on the larger ones cuBLAS is within 15 % of
+the best config or ahead, and a rewritten matmul that the tuner hands back to cuBLAS made the 8B step 0.4-0.8 %
+slower (docs/performance.md), so those are not rewritten. SPLIT_WEIGHT / SPLIT_COLUMNS: a few output columns over a
+long K (0.5B's down, 896 x 4864, 8.7 MB), where cuBLAS splits K into a GEMM and a reduction kernel and the kernel's
+in-kernel split-K (`_gemv`) may serve it in one."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from . import _gemv
 aten = torch.ops.aten
 _TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
 SMALL_WEIGHT = 4 << 20  # bytes
+SPLIT_WEIGHT, SPLIT_COLUMNS = 16 << 20, 2048  # bytes, rows of w (output columns)
 
 
 def _transposed(node) -> fx.Node | None:
@@ -44,6 +48,11 @@ def _few_rows(m) -> bool:
     return isinstance(m, torch.SymInt) or m <= _gemv.MAX_ROWS
 
 
+def _small(w) -> bool:
+    nbytes = w.numel() * w.element_size()
+    return nbytes <= SMALL_WEIGHT or (nbytes <= SPLIT_WEIGHT and w.shape[0] <= SPLIT_COLUMNS)
+
+
 def _fits(x, w, b, device_type: str) -> bool:
     x, w, b = _val(x), _val(w), (None if b is None else _val(b))
     return (
@@ -56,7 +65,7 @@ def _fits(x, w, b, device_type: str) -> bool:
         and w.dtype == x.dtype
         and w.stride()[1] == 1
         and isinstance(w.numel(), int)
-        and w.numel() * w.element_size() <= SMALL_WEIGHT
+        and _small(w)
         and _few_rows(x.shape[0])
         and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1 and b.dtype == x.dtype))
     )
