@@ -154,6 +154,9 @@ def _locks(x, cfg: tuple, n: int) -> torch.Tensor:
     key = (x.shape[0], n, x.shape[1], x.dtype, x.device, cfg)
     got = _lock_bufs.get(key)
     if got is None:
+        # (made by the config's first launch, which the tuner runs outside any capture: a buffer made inside one
+        # would belong to that graph's pool)
+        assert not (x.is_cuda and torch.cuda.is_current_stream_capturing()), "split-K counters made inside a capture"
         got = _lock_bufs[key] = torch.zeros(-(-n // cfg[0]), dtype=torch.int32, device=x.device)
     return got
 
