@@ -45,8 +45,9 @@ _DOT = [(16, 128, 4, 3, True), (16, 256, 4, 4, True), (32, 128, 4, 3, True), (32
 # (docs/performance.md: 5-10 % faster alone measured as 1 % slower in the step)
 MARGIN = 0.85
 
-# tuned: keys timed; triton / cublas: tuned keys each serves; untuned: keys met first inside a capture (cuBLAS)
-counts = {"tuned": 0, "triton": 0, "cublas": 0, "untuned": 0}
+# tuned: keys timed; triton / cublas: tuned keys each serves (split: the triton ones with K split); untuned: keys
+# met first inside a capture (cuBLAS)
+counts = {"tuned": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0}
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 
@@ -192,6 +193,7 @@ def _tune(x, w, b) -> tuple | None:
             best, best_ms = cfg, ms
     counts["tuned"] += 1
     counts["triton" if best is not None else "cublas"] += 1
+    counts["split"] += best is not None and best[-1] > 1
     return best
 
 
