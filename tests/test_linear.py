@@ -79,6 +79,18 @@ def symbolic_rows(fn, a):
         return make_fx(fn)(*fakes)
 
 
+def test_a_3d_input_matmul_does_not_fold_is_rewritten_as_its_rows_through_the_op():
+    # a transposed attention output (HF's o_proj input) traces to bmm(view(expand(x)), view(expand(t(w))))
+    def o_proj(x3, w):
+        return F.linear(x3.transpose(0, 1), w)
+
+    a = (rand(3, 4, 8), rand(6, 8, seed=1))
+    gm, other, n = rewritten(o_proj, a)
+    assert n == 1 and linears(other) == 1
+    assert not any(node.target is torch.ops.aten.bmm.default for node in other.graph.nodes)
+    assert torch.equal(gm(*a), other(*a))
+
+
 def test_a_symbolic_row_count_is_rewritten_whatever_the_example_size():
     # a compiled piece serves every bucket of its trace: the op decides per call (M <= 16: the kernel)
     other = symbolic_rows(model, args(m=32))
@@ -102,6 +114,8 @@ def test_what_the_op_cannot_serve_stays_as_traced():
         "a weight whose rows are not contiguous": (lambda x, u: x @ u.t().T, (x, rand(8, 4, seed=1))),
         "addmm's scalars": (lambda x, w: torch.addmm(rand(4), x, w.t(), beta=2), (x, w)),
         "a 2-D addend": (lambda x, w: torch.addmm(rand(2, 4), x, w.t()), (x, w)),
+        "a batched matmul of two activations": (lambda x, y: torch.bmm(x, y), (rand(2, 3, 8), rand(2, 8, 4, seed=1))),
+        "a batch of weights": (lambda x, u: x @ u.transpose(1, 2), (rand(2, 3, 8), rand(2, 4, 8, seed=1))),
         "another device": (lambda x, w: F.linear(x, w), (x, w)),
         "a large weight (bandwidth-bound: cuBLAS's)": (lambda x, w: F.linear(x, w), (rand(2, 1024), rand(2049, 1024))),
         "a long K beyond the split weights": (lambda x, w: F.linear(x, w), (rand(2, 4200), rand(2048, 4200))),

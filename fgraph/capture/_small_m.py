@@ -1,6 +1,8 @@
 """Matmuls of a weight's transpose in a CUDA piece, rewritten into `fgraph::linear` before Inductor compiles it.
 
-`F.linear(x, w, b)` traces to `addmm(b, x, t(w))` (`mm(x, t(w))` without a bias; `x @ w.T` to `mm(x, permute(w))`).
+`F.linear(x, w, b)` traces to `addmm(b, x, t(w))` (`mm(x, t(w))` without a bias; `x @ w.T` to `mm(x, permute(w))`;
+a 3-D x that torch's matmul does not fold, such as a transposed attention output, to `bmm(view(expand(x)),
+view(expand(t(w))))`, one weight broadcast over the batch: that is rewritten into `fgraph::linear` of x's rows too).
 Inductor would hand either to cuBLAS, which at decode sizes (M <= 16 rows) runs the small projections far below
 copy bandwidth and splits long K into two kernels. `fgraph::linear` takes x and w as they are and, at run time, picks
 the tuned no-split-K kernel for few rows or cuBLAS (`_gemv`). A rewrite needs: x 2-D of a half dtype on
@@ -71,10 +73,54 @@ def _fits(x, w, b, device_type: str) -> bool:
     )
 
 
+def _peel(node, targets) -> fx.Node | None:
+    """node's first argument where node is a call of one of `targets`, else None."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets:
+        return node.args[0] if isinstance(node.args[0], fx.Node) else None
+    return None
+
+
+def _broadcast_weight(r) -> fx.Node | None:
+    """w where r is [b, k, n] = view(expand(w's transpose, [b, k, n])) (bmm's right side of x @ w.T), else None."""
+    e = _peel(r, _VIEWS)
+    wt = _peel(e, {aten.expand.default})
+    w = _transposed(wt)
+    return w if w is not None and _val(wt).dim() == 2 else None
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
+
+
+def _rewrite_bmm(gm: fx.GraphModule, node, device_type: str) -> bool:
+    """bmm(l [b, m, k], one weight's transpose broadcast) -> view(fgraph::linear(reshape(l, [-1, k]), w), [b, m, n])."""
+    left, right = node.args[:2]
+    w = _broadcast_weight(right)
+    if w is None or _peel(left, _VIEWS) is None or _val(left) is None or _val(left).dim() != 3:
+        return False
+    sizes, (n, k) = list(left.args[1]), _val(w).shape
+    with gm.graph.inserting_before(node):
+        x = gm.graph.call_function(aten.reshape.default, (left, [-1, k]))
+        x.meta["val"] = _val(left).reshape(-1, k)
+        if not _fits(x, w, None, device_type):
+            gm.graph.erase_node(x)
+            return False
+        y = gm.graph.call_function(_gemv.op, (x, w, None))
+        y.meta["val"] = _val(node).reshape(-1, n)
+        out = gm.graph.call_function(aten.view.default, (y, [sizes[0], sizes[1], n]))
+    out.meta = dict(node.meta)
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    return True
+
+
 def rewrite(gm: fx.GraphModule, device_type: str = "cuda") -> int:
     """Rewrite `gm`'s eligible matmuls in place; the number rewritten."""
     done = 0
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.bmm.default:
+            done += _rewrite_bmm(gm, node, device_type)
+            continue
         if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
             continue
         if node.target is aten.mm.default:
