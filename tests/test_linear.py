@@ -268,3 +268,28 @@ def test_a_compiled_cuda_step_calls_fgraph_linear_and_equals_eager(tmp_path, mon
         x = rand(m, 128, device="cuda", seed=10 + m)
         torch.testing.assert_close(f(params, x), mlp(params, x))
     assert compiler.counts["linear"] - before == 2 * 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_equals_eager(
+    device, tmp_path, monkeypatch
+):
+    # HF's o_proj input is the transposed attention output: its matmul traces to a bmm, rewritten too
+    from benchmarks import hf_bench
+    from examples import hf_generate
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    base = hf_bench.make_model(True, device, bf16, layers=2)
+    model = hf_bench.make_model(True, device, bf16, layers=2)
+    model.load_state_dict(base.state_dict())
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    before = compiler.counts["linear"]
+    kw = dict(output_logits=True, return_dict_in_generate=True)
+    with rewriting_on_cpu(monkeypatch) if device == "cpu" else contextlib.nullcontext():
+        hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
+        want, got = hf_generate.generate(base, ids, 3, **kw), hf_generate.generate(model, ids, 3, **kw)
+    # each piece compiled: q, k, v, o, gate, up, down per layer and the head
+    assert (compiler.counts["linear"] - before) % (7 * 2 + 1) == 0 and compiler.counts["linear"] > before
+    assert torch.equal(got.sequences[:, : ids.shape[1] + 1], want.sequences[:, : ids.shape[1] + 1])  # the prefill
+    scale = want.logits[1].abs().max().item()
+    torch.testing.assert_close(got.logits[1], want.logits[1], atol=3e-2 * scale, rtol=0)  # the first decode step
