@@ -417,8 +417,8 @@ def attention(
 
     Both happen inside the one break `attention_p` (the cache is the break's in-place output, never a piece's).
 
-    max_seq_len: a static bound on every seq_len (sizes flash_attn's mixed grid); default and cap: the block
-    table's capacity (max_pages * page_size). scale: default D ** -0.5.
+    max_seq_len: a static bound on every seq_len (sizes flash_attn's mixed grid and triton's decode splits); default
+    and cap: the block table's capacity (max_pages * page_size). scale: default D ** -0.5.
     """
     if backend == "auto":
         backend = resolve_backend("auto", q.device)
