@@ -105,10 +105,13 @@ def test_split_count_depends_on_static_sizes_only():
     assert T.splits_for(64, 2, 1024) == 3  # 128 programs -> 384
     assert T.splits_for(1, 8, 8192) == T.MAX_SPLITS
     assert T.splits_for(256, 8, 8192) == 1  # enough programs: no split, no merge kernel
+    assert T.splits_for(8, 2, 8192) == 16  # 17 wanted: 16 of 8 blocks each cover the 128 (a 17th would get none)
     for b in (1, 3, 8, 64, 256):
-        for ctx in (1, 63, 64, 65, 1024, 1 << 17):
-            s = T.splits_for(b, 2, ctx)
-            assert 1 <= s <= min(T.MAX_SPLITS, -(-ctx // T.BLOCK_N)), (b, ctx, s)
+        for ctx in (1, 63, 64, 65, 1000, 1024, 1 << 17):
+            s, blocks = T.splits_for(b, 2, ctx), -(-ctx // T.BLOCK_N)
+            assert 1 <= s <= min(T.MAX_SPLITS, blocks), (b, ctx, s)
+            per = -(-blocks // s)  # the kernel's blocks per split: every split starts below max_seq_len
+            assert (s - 1) * per < blocks <= s * per, (b, ctx, s)
 
 
 def test_triton_rejects_head_dims_its_kernels_cannot_tile():

@@ -19,8 +19,9 @@ the device metadata.
           sequence; tiles past a sequence's tokens exit. Causal: the token at position p (its sequence's tail,
           as in the reference) attends keys [0, p].
 A key block may span pages: every key row looks its page up in the block table ([BLOCK_N] int32 loads of one
-row, cache-resident), so BLOCK_N does not depend on the page size. Rows of one head are D elements apart from
-the next row's anyway (the cache is [pages, page, Hkv, D]): a page boundary costs nothing more.
+row, cache-resident), so BLOCK_N does not depend on the page size. Two key rows of one head are Hkv * D elements
+apart within a page (the cache is [pages, page, Hkv, D]): each row is its own D-element load either way, and a
+page boundary between them costs nothing more. Hence the default page size of 16 (attention.page_size_for).
 
 Semantics are the torch reference's (_attn_torch), with one difference, as with flash_attn's decode: decode
 attends the new token from the k/v inputs, so when slot_mapping[b] is not the slot of position seq_len - 1 (metadata
@@ -39,7 +40,8 @@ import torch
 
 from fgraph.ops._kv_write import write_kv
 
-BLOCK_N = 64  # keys per block (both routines): a [64, D] tile of K and of V per step
+# Block sizes and warps: tiles that fit the registers without spilling for head dims 64 and 128 (ptxas, sm_90).
+BLOCK_N = 64  # decode: keys per block, a [64, D] tile of K and of V per step
 MIXED_ROWS = 64  # rows of a mixed query tile: BLOCK_M = MIXED_ROWS // G tokens times G heads
 NUM_SMS = 132  # the H200's; on CUDA the device's own count is used
 WAVES = 2  # decode programs to aim for, in waves of one program per SM (splits_for)
@@ -52,10 +54,12 @@ def splits_for(batch: int, kv_heads: int, max_seq_len: int, block_n: int = BLOCK
 
     batch * kv_heads programs alone leave most SMs idle at small batches (the 0.5B at B=1: 2 programs); splitting
     each sequence's keys gives ~WAVES programs per SM in all, each over at least one key block, at most
-    MAX_SPLITS. Large batches need no split (1: no merge kernel)."""
+    MAX_SPLITS. Large batches need no split (1: no merge kernel). Splits get whole blocks, as many each, and none
+    is left with no block of max_seq_len at all."""
     want = -(-WAVES * num_sms // max(1, batch * kv_heads))
     blocks = -(-max(1, max_seq_len) // block_n)
-    return max(1, min(want, blocks, MAX_SPLITS))
+    per = -(-blocks // max(1, min(want, blocks, MAX_SPLITS)))  # blocks per split
+    return -(-blocks // per)
 
 
 @functools.cache
@@ -81,6 +85,15 @@ def _num_sms(device_index: int) -> int:
 def _device(x: torch.Tensor):
     """The launch context: the tensors' CUDA device, or none for CPU tensors (Triton's interpreter)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _decode_warps(head_dim: int) -> int:
+    return 4 if head_dim <= 64 else 8
+
+
+def _mixed_block_n(head_dim: int) -> int:
+    """mixed: keys per block (its [ROWS, D] q tile and accumulator leave less room than decode's [16, D])."""
+    return 64 if head_dim <= 64 else 32
 
 
 def _dot_options(q: torch.Tensor) -> tuple[str, bool]:
@@ -110,7 +123,7 @@ def decode(out, q, k, v, k_cache, v_cache, seq_lens, block_table, slot_mapping, 
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page, BLOCK_N=BLOCK_N,
-            SPLITS=splits, PRECISION=precision, UPCAST=upcast, num_warps=4,
+            SPLITS=splits, PRECISION=precision, UPCAST=upcast, num_warps=_decode_warps(D),
         )  # fmt: skip
         if splits > 1:
             K.merge[(N, Hq)](part, lse, out, out.stride(0), out.stride(1), Hq, SPLITS=splits,
@@ -132,7 +145,7 @@ def mixed(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, s
             q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_table.stride(0), scale * LOG2E, S, G=G, BLOCK_M=block_m, ROWS=rows, D=D, PAGE=page,
-            BLOCK_N=BLOCK_N, SEARCH=(S - 1).bit_length(), PRECISION=precision, UPCAST=upcast, num_warps=4,
+            BLOCK_N=_mixed_block_n(D), SEARCH=(S - 1).bit_length(), PRECISION=precision, UPCAST=upcast, num_warps=8,
         )  # fmt: skip
 
 
