@@ -18,7 +18,7 @@ replayed inside a CUDA graph, against the bytes it must read over the copy bandw
              ids, i.e. full host metadata + full upload); new_us: the page counts change every step (every step re-plans through
              the module's plan call); step_skipped: the share of steps step_us skipped
 
-usage (device): source .gpu/activate.sh; python3 -m benchmarks.attention_bench [--quick] [--backends ...]
+usage (device): source .gpu/activate.sh; python3 -m benchmarks.attention_bench [--quick] [--backends triton flash_attn ...]
 Prints a table; writes benchmarks/results/attention.json (or under --out / $OUT).
 """
 
@@ -203,7 +203,7 @@ def table(rows) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--backends", default="torch,flash_attn,flashinfer")
+    ap.add_argument("--backends", nargs="+", default=["torch", "flash_attn", "flashinfer", "triton"])
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--contexts", default="1024,8192")
@@ -224,7 +224,7 @@ def main(argv=None):
         a.contexts, a.iters = "1024", min(a.iters, 10)
         a.batches = "1,8" if a.batches == ap.get_default("batches") else a.batches
     backends = []
-    for b in a.backends.split(","):
+    for b in (name for arg in a.backends for name in arg.split(",")):  # "a b" or "a,b"
         try:
             backends.append(A.resolve_backend(b, DEV))
         except Exception as e:
@@ -236,7 +236,7 @@ def main(argv=None):
         copy_TBps=bw / 1e12,
         tensor_core_plan_paths=a.tensor_core_plan_paths,
     )
-    for pkg in ("flash_attn", "flashinfer"):
+    for pkg in ("flash_attn", "flashinfer", "triton"):
         try:
             info[pkg] = __import__(pkg).__version__
         except Exception:

@@ -369,7 +369,7 @@ def backend_import_s(backend: str) -> float | None:
     """The one-off import of the backend's library, paid before its capture like the first trace and reported beside
     it: flashinfer's took 1.45 s of a 14.6 s capture on the H200's host (scripts/diagnose_gpu.py capture), and was
     inside the capture times of a process's first run before it was reported apart."""
-    if backend not in ("flash_attn", "flashinfer"):
+    if backend not in ("flash_attn", "flashinfer", "triton"):
         return None  # (the torch backend imports nothing)
     t0 = time.perf_counter()
     importlib.import_module(backend)

@@ -244,16 +244,20 @@ def test_attention_rejects_mismatched_inputs():
 # ------------------------------------------------------------------------------------------ backends
 def test_resolve_backend_and_page_sizes():
     assert A.resolve_backend("auto", "cpu") == "torch" and A.resolve_backend("torch", "cpu") == "torch"
-    for bad, what in (("cudnn", "unknown attention backend"), ("flash_attn", "needs a CUDA device")):
+    for bad, what in (
+        ("cudnn", "unknown attention backend"),
+        ("flash_attn", "needs a CUDA device"),
+        ("triton", "needs a CUDA device"),
+    ):
         with pytest.raises(fgraph.FgraphError, match=what):
             A.resolve_backend(bad, "cpu")
-    assert [A.page_size_for(b) for b in A.BACKENDS] == [16, 256, 16]
+    assert [A.page_size_for(b) for b in A.BACKENDS] == [16, 256, 16, 16]
 
 
 def test_import_is_lazy():
     code = (
         "import sys, fgraph, fgraph.ops.attention as A; A.resolve_backend('auto', 'cpu'); "
-        "assert not {'flash_attn', 'flashinfer'} & set(sys.modules), sorted(sys.modules)"
+        "assert not {'flash_attn', 'flashinfer', 'triton'} & set(sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -262,6 +266,7 @@ def test_capture_support_per_backend():
     rule = support_rules[A.attention_p.p]
     assert rule({"backend": "torch", "routine": "mixed"})[0] is Support.ALWAYS
     assert rule({"backend": "flash_attn", "routine": "mixed"})[0] is Support.ALWAYS
+    assert rule({"backend": "triton", "routine": "mixed"})[0] is Support.ALWAYS
     assert rule({"backend": "flashinfer", "routine": "decode"}) == (
         Support.UNIFORM_DECODE,
         "flashinfer prefill is not capturable",

@@ -173,7 +173,7 @@ def run_captured(backend, routine, shape, bucket, real):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("routine", ["decode", "mixed"])
-@pytest.mark.parametrize("backend", ["torch", "flash_attn", "flashinfer"])
+@pytest.mark.parametrize("backend", A.BACKENDS)
 def test_captured_matches_reference(backend, routine, shape):
     backend_or_skip(backend)
     if backend == "flashinfer" and routine == "mixed":
@@ -182,7 +182,7 @@ def test_captured_matches_reference(backend, routine, shape):
 
 
 @pytest.mark.parametrize("bucket, real", [(1, 1), (8, 7), (64, 64)])
-@pytest.mark.parametrize("backend", ["torch", "flash_attn", "flashinfer"])
+@pytest.mark.parametrize("backend", A.BACKENDS)
 def test_decode_full_graph_per_bucket(backend, bucket, real):
     backend_or_skip(backend)
     run_captured(backend, "decode", (14, 2, 64), bucket, real)
@@ -196,7 +196,7 @@ def test_flash_attn_mixed_full_graph(bucket, real):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("routine", ["decode", "mixed"])
-@pytest.mark.parametrize("backend", ["torch", "flash_attn", "flashinfer"])
+@pytest.mark.parametrize("backend", A.BACKENDS)
 def test_eager_matches_reference(backend, routine, shape):
     """As in a piecewise signature (static inputs, hook before each call), then as a plain eager call on fresh
     unpadded tensors (flashinfer plans from the device then)."""
@@ -330,7 +330,7 @@ def toy_step(cache, batch, routine="mixed", backend="torch"):
     return torch.stack(outs, 1), cache
 
 
-@pytest.mark.parametrize("backend", ["torch", "flash_attn", "flashinfer"])
+@pytest.mark.parametrize("backend", A.BACKENDS)
 def test_fgraph_jit_full_graphs(backend):
     """Under fgraph.jit(mode="FULL"), host batches, decode and mixed calls interleaved: flashinfer's mixed
     signatures fall back to PIECEWISE, everything else is one graph; all against the reference."""

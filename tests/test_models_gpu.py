@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 CONCURRENCY = (1, 7, 16, 25, 64, 123)
 MODES = ("PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")  # NONE (uncaptured) is covered on CPU
-BACKENDS = ("torch", "flash_attn", "flashinfer")
+BACKENDS = A.BACKENDS  # torch, flash_attn, flashinfer, triton
 NEW_TOKENS = 8
 # Buckets up to 256 tokens: all 123 decodes fit one step; prompts longer than 256 are prefilled in chunks.
 # Few buckets keep tracing (~2 s per signature of this 24-layer model) and capture under a minute per engine.

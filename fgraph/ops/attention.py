@@ -18,7 +18,11 @@ step: docs/performance.md). The pieces between breaks now never touch the cache.
   flashinfer  index_copy_, then decode via per-bucket CUDA-graph decode wrappers planned on the host before
               every replay (UNIFORM_DECODE); mixed via the fa2 prefill wrapper, not capturable, so mixed runs
               piecewise.
-Backend modules (and flash_attn / flashinfer themselves) are imported on first use: `import fgraph` never does.
+  triton      fgraph's own Triton kernels (_attn_triton): decode is one GQA-grouped split-KV kernel that also
+              writes the new k/v (and a merge kernel when it splits); mixed: the one-launch write, then one
+              causal paged kernel. Both capturable (ALWAYS). Any page size; head dims a power of two >= 16.
+Backend modules (and flash_attn / flashinfer / triton themselves) are imported on first use: `import fgraph`
+never does.
 
 Routines: "decode" means one new token per sequence (S == N); "mixed" is any batch (prefill chunks and decodes).
 
@@ -45,11 +49,16 @@ import torch
 
 from fgraph.extend import Batched, FgraphError, PlanCall, Support, primitive, register
 
-BACKENDS = ("torch", "flash_attn", "flashinfer")
+BACKENDS = ("torch", "flash_attn", "flashinfer", "triton")
 ROUTINES = ("decode", "mixed")
 SCRATCH_PAGE = 0
-_MODULES = {"torch": "_attn_torch", "flash_attn": "_attn_flash", "flashinfer": "_attn_flashinfer"}
-_PACKAGES = {"flash_attn": "flash_attn", "flashinfer": "flashinfer"}
+_MODULES = {
+    "torch": "_attn_torch",
+    "flash_attn": "_attn_flash",
+    "flashinfer": "_attn_flashinfer",
+    "triton": "_attn_triton",
+}
+_PACKAGES = {"flash_attn": "flash_attn", "flashinfer": "flashinfer", "triton": "triton"}
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -229,7 +238,10 @@ def resolve_backend(name: str = "auto", device="cpu") -> str:
 
 
 def page_size_for(backend: str) -> int:
-    """The default KV page size for a backend (flash_attn's paged kernels need a multiple of 256)."""
+    """The default KV page size for a backend (flash_attn's paged kernels need a multiple of 256).
+
+    triton: 16, like torch and flashinfer (its kernels look up every key row's page, so a page costs them nothing
+    over a larger one; small pages waste less of the cache on partly filled tails)."""
     if backend not in BACKENDS:
         raise FgraphError(f"page_size_for: unknown backend {backend!r}", "resolve it first: A.resolve_backend(...)")
     return 256 if backend == "flash_attn" else 16
@@ -380,6 +392,12 @@ def _check(q, k, v, cache_k, cache_v, meta: AttentionMetadata, backend: str, rou
             f"{where}: flash_attn needs a page size that is a multiple of 256, the cache has {cache_k.shape[1]}",
             "allocate the cache with page_size=A.page_size_for('flash_attn')",
         )
+    if backend == "triton" and (D < 16 or D & (D - 1) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+        raise FgraphError(
+            f"{where}: the triton backend needs a head dim that is a power of two >= 16 and q in float16, bfloat16 "
+            f"or float32, got head dim {D} and {q.dtype}",
+            "use backend='flash_attn', 'flashinfer' or 'torch' for this model",
+        )
 
 
 def attention(
@@ -399,8 +417,8 @@ def attention(
 
     Both happen inside the one break `attention_p` (the cache is the break's in-place output, never a piece's).
 
-    max_seq_len: a static bound on every seq_len (sizes flash_attn's mixed grid); default and cap: the block
-    table's capacity (max_pages * page_size). scale: default D ** -0.5.
+    max_seq_len: a static bound on every seq_len (sizes flash_attn's mixed grid and triton's decode splits); default
+    and cap: the block table's capacity (max_pages * page_size). scale: default D ** -0.5.
     """
     if backend == "auto":
         backend = resolve_backend("auto", q.device)

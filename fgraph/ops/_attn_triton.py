@@ -1,0 +1,168 @@
+"""The triton attention backend: paged decode and mixed attention in Triton kernels. CUDA only (and Triton's
+interpreter on CPU tensors, for tests); head dims a power of two >= 16; any page size.
+
+Both routines are full-graph capturable (Support.ALWAYS): every grid and split count is a function of the
+signature (bucket N, Hq, Hkv, D, page size, max_seq_len), never of a call's lengths, which the kernels read from
+the device metadata.
+
+  decode  one kernel, grid (N sequences, Hkv, splits). Program (b, h, s) attends the G = Hq / Hkv query heads of
+          group h together (a [BLOCK_G >= 16, D] tile, so tl.dot serves GQA) to the cached positions of split s
+          within [0, seq_len - 1), read through the block table, plus the new token at seq_len - 1 taken from the
+          k/v inputs (split 0 only). Split 0 also writes that token's k/v into its slot: the other splits read
+          positions < seq_len - 1 only, so there is no race with the write. With more than one split each writes
+          a partial output (float32, normalised) and its log-sum-exp; `merge` (grid (N, Hq)) combines them,
+          skipping the splits past a sequence's length (lse = -inf). One split writes `out` directly.
+  mixed   write_kv (one launch for k and v: _kv_write), then `mixed`: grid (query tiles, Hkv). A tile is up to
+          BLOCK_M = ROWS // G query tokens of one sequence times its G heads (ROWS rows of tl.dot). Sequence s
+          owns tiles [qsl[s] // BLOCK_M + s, qsl[s + 1] // BLOCK_M + s + 1): at least ceil(query_len / BLOCK_M),
+          and N // BLOCK_M + S tiles bound them all, a static grid. Each program binary-searches qsl for its
+          sequence; tiles past a sequence's tokens exit. Causal: the token at position p (its sequence's tail,
+          as in the reference) attends keys [0, p].
+A key block may span pages: every key row looks its page up in the block table ([BLOCK_N] int32 loads of one
+row, cache-resident), so BLOCK_N does not depend on the page size. Two key rows of one head are Hkv * D elements
+apart within a page (the cache is [pages, page, Hkv, D]): each row is its own D-element load either way, and a
+page boundary between them costs nothing more. Hence the default page size of 16 (attention.page_size_for).
+
+Semantics are the torch reference's (_attn_torch), with one difference, as with flash_attn's decode: decode
+attends the new token from the k/v inputs, so when slot_mapping[b] is not the slot of position seq_len - 1 (metadata
+that breaks the contract) the reference reads whatever that slot holds and this backend the new token. Padded
+decode rows (seq_len 1, slot 0) attend their own token; the reference, any token that landed in slot 0 (garbage
+either way).
+Online softmax in float32 (base 2, the scale folded into log2(e)); partial outputs and lse in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from fgraph.ops._kv_write import write_kv
+
+# Block sizes and warps: tiles that fit the registers without spilling for head dims 64 and 128 (ptxas, sm_90).
+BLOCK_N = 64  # decode: keys per block, a [64, D] tile of K and of V per step
+MIXED_ROWS = 64  # rows of a mixed query tile: BLOCK_M = MIXED_ROWS // G tokens times G heads
+NUM_SMS = 132  # the H200's; on CUDA the device's own count is used
+WAVES = 2  # decode programs to aim for, in waves of one program per SM (splits_for)
+MAX_SPLITS = 32  # the merge reads [splits, D] per head; past this the merge costs more than longer splits
+LOG2E = 1.4426950408889634
+
+
+def splits_for(batch: int, kv_heads: int, max_seq_len: int, block_n: int = BLOCK_N, num_sms: int = NUM_SMS) -> int:
+    """Decode splits per (sequence, kv head): a function of static sizes only, so a graph is right for all lengths.
+
+    batch * kv_heads programs alone leave most SMs idle at small batches (the 0.5B at B=1: 2 programs); splitting
+    each sequence's keys gives ~WAVES programs per SM in all, each over at least one key block, at most
+    MAX_SPLITS. Large batches need no split (1: no merge kernel). Splits get whole blocks, as many each, and none
+    is left with no block of max_seq_len at all."""
+    want = -(-WAVES * num_sms // max(1, batch * kv_heads))
+    blocks = -(-max(1, max_seq_len) // block_n)
+    per = -(-blocks // max(1, min(want, blocks, MAX_SPLITS)))  # blocks per split
+    return -(-blocks // per)
+
+
+@functools.cache
+def kernels():
+    """The Triton kernels (_attn_triton_kernels: decode, merge, mixed), compiled per shape on first use; None
+    without Triton."""
+    try:
+        from fgraph.ops import _attn_triton_kernels
+    except ImportError:
+        return None
+    return _attn_triton_kernels
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device(x: torch.Tensor):
+    """The launch context: the tensors' CUDA device, or none for CPU tensors (Triton's interpreter)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _decode_warps(head_dim: int) -> int:
+    return 4 if head_dim <= 64 else 8
+
+
+def _mixed_block_n(head_dim: int) -> int:
+    """mixed: keys per block (its [ROWS, D] q tile and accumulator leave less room than decode's [16, D])."""
+    return 64 if head_dim <= 64 else 32
+
+
+def _dot_options(q: torch.Tensor) -> tuple[str, bool]:
+    """(input_precision, upcast) of the kernels' dots: float32 exact, not tf32 (the reference's accuracy); CPU
+    tensors mean the interpreter, which needs bfloat16 operands upcast (kernels.dot)."""
+    return ("ieee" if q.dtype == torch.float32 else "tf32"), (q.dtype == torch.bfloat16 and not q.is_cuda)
+
+
+def decode(out, q, k, v, k_cache, v_cache, seq_lens, block_table, slot_mapping, *, scale, max_seq_len) -> None:
+    """One token per sequence: q/out [N, Hq, D], k/v [N, Hkv, D] (rows of any stride, unit stride in D);
+    caches [P, page, Hkv, D]; seq_lens [N]; block_table [N, max_pages]; slot_mapping [N]. Writes k/v, then out."""
+    K = kernels()
+    N, Hq, D = q.shape
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    sms = _num_sms(q.device.index or 0) if q.is_cuda else NUM_SMS
+    splits = splits_for(N, Hkv, max_seq_len, BLOCK_N, sms)
+    chunk = -(-max_seq_len // (splits * BLOCK_N)) * BLOCK_N  # keys per split: whole blocks
+    part = lse = out  # (unused with one split)
+    if splits > 1:
+        part = torch.empty(N, Hq, splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(N, Hq, splits, dtype=torch.float32, device=q.device)
+    precision, upcast = _dot_options(q)
+    with _device(q):
+        K.decode[(N, Hkv, splits)](
+            q, k, v, k_cache, v_cache, out, part, lse, seq_lens, block_table, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+            out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+            scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page, BLOCK_N=BLOCK_N,
+            SPLITS=splits, PRECISION=precision, UPCAST=upcast, num_warps=_decode_warps(D),
+        )  # fmt: skip
+        if splits > 1:
+            K.merge[(N, Hq)](part, lse, out, out.stride(0), out.stride(1), Hq, SPLITS=splits,
+                             SPLITS_P2=_pow2(splits), D=D, num_warps=4)  # fmt: skip
+
+
+def mixed(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, scale) -> None:
+    """Causal paged attention over caches that already hold every token's k/v: q/out [N, Hq, D]."""
+    K = kernels()
+    N, Hq, D = q.shape
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    S, G = seq_lens.shape[0], Hq // Hkv
+    rows = max(MIXED_ROWS, _pow2(G))
+    block_m = rows // G
+    tiles = N // block_m + S  # bounds sum(ceil(query_len / block_m)) (module docstring)
+    precision, upcast = _dot_options(q)
+    with _device(q):
+        K.mixed[(tiles, Hkv)](
+            q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_table.stride(0), scale * LOG2E, S, G=G, BLOCK_M=block_m, ROWS=rows, D=D, PAGE=page,
+            BLOCK_N=_mixed_block_n(D), SEARCH=(S - 1).bit_length(), PRECISION=precision, UPCAST=upcast, num_warps=8,
+        )  # fmt: skip
+
+
+def forward(
+    out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine, scale, max_seq_len
+):
+    """The triton backend's eager rule: write k/v into their cache slots, then attend (module docstring).
+
+    out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (unit stride in D); block_table:
+    [S, max_pages]."""
+    if q.shape[0] == 0:
+        return
+    assert k_cache.stride(-1) == v_cache.stride(-1) == out.stride(-1) == q.stride(-1) == 1
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))  # the kernels need unit stride in D only
+    if routine == "decode":
+        decode(out, q, k, v, k_cache, v_cache, seq_lens, block_table, slot_mapping, scale=scale,
+               max_seq_len=max_seq_len)  # fmt: skip
+    else:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        mixed(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale=scale)

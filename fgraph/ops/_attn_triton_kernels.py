@@ -1,0 +1,139 @@
+"""The triton attention backend's kernels (the design, grids and semantics: _attn_triton's docstring).
+
+Importing this module imports Triton: _attn_triton.kernels() does, on first use.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b in float32. UPCAST: for Triton's interpreter, whose dot multiplies bfloat16 operands' bit patterns (numpy
+    has no bfloat16): the float32 product of bfloat16 values is exact, so only the summation order differs."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def attend_block(acc, m, den, q, kc_ptr, vc_ptr, bt_row, n0, end, visible_to, qk_scale, s_page, s_row,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):  # fmt: skip
+    """Keys [n0, n0 + BLOCK_N) below `end` into the running softmax (acc [R, D], m [R], den [R]) of q [R, D].
+
+    kc_ptr/vc_ptr point at this kv head of page 0, row 0; bt_row at the sequence's block-table row; row r sees
+    keys <= visible_to[r]. m is in log2 units (q @ k * qk_scale)."""
+    pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+    ok = pos < end
+    page = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)  # [BLOCK_N] page of each key
+    row = page * s_page + (pos % PAGE).to(tl.int64) * s_row  # [BLOCK_N] element offset of each key row
+    d = tl.arange(0, D)
+    kt = tl.load(kc_ptr + row[None, :] + d[:, None], mask=ok[None, :], other=0.0)  # [D, BLOCK_N]
+    s = dot(q, kt, PRECISION, UPCAST) * qk_scale  # [R, BLOCK_N]
+    s = tl.where(ok[None, :] & (pos[None, :] <= visible_to[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))  # finite: every caller's first block holds a key each row sees
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    # masked rows are never read: a poisoned (NaN) slot past `end` cannot reach acc through 0 * NaN
+    v = tl.load(vc_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)  # [BLOCK_N, D]
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return acc, m_new, den * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, seq_lens_ptr, bt_ptr, slot_ptr,
+           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_page, s_row, s_head, s_bt, qk_scale, chunk, Hq,
+           G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+           SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b64 = b.to(tl.int64)
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, D)
+    heads, live = h * G + g, g < G  # [BLOCK_G] the group's q heads; rows >= G are padding
+    q = tl.load(q_ptr + b64 * s_qt + heads[:, None] * s_qh + d[None, :], mask=live[:, None], other=0.0)
+    cached = tl.load(seq_lens_ptr + b) - 1  # positions [0, cached) come from the cache
+    start = s * chunk
+    end = tl.minimum(start + chunk, cached)
+    end = tl.where(s == SPLITS - 1, cached, end)  # the last split takes any rest (a seq_len past max_seq_len)
+    kc_head, vc_head = kc_ptr + h * s_head, vc_ptr + h * s_head
+    if s == 0:  # the new token: into its slot, and into the softmax from registers
+        k_new = tl.load(k_ptr + b64 * s_kt + h * s_kh + d)  # [D]
+        v_new = tl.load(v_ptr + b64 * s_vt + h * s_vh + d)
+        slot = tl.load(slot_ptr + b)
+        slot_at = (slot // PAGE) * s_page + (slot % PAGE) * s_row + d
+        tl.store(kc_head + slot_at, k_new)
+        tl.store(vc_head + slot_at, v_new)
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale  # [BLOCK_G]
+        den = tl.full([BLOCK_G], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32) + v_new.to(tl.float32)[None, :]
+    else:
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+    bt_row = bt_ptr + b64 * s_bt
+    sees_all = tl.zeros([BLOCK_G], tl.int32) + cached
+    for n0 in range(start, end, BLOCK_N):
+        acc, m, den = attend_block(acc, m, den, q, kc_head, vc_head, bt_row, n0, end, sees_all, qk_scale, s_page,
+                                   s_row, PAGE, BLOCK_N, D, PRECISION, UPCAST)  # fmt: skip
+    if SPLITS == 1:
+        out = acc / den[:, None]
+        tl.store(o_ptr + b64 * s_ot + heads[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=live[:, None])  # fmt: skip
+    else:
+        at = (b64 * Hq + heads) * SPLITS + s  # [BLOCK_G] rows of part [N, Hq, SPLITS, D] and lse [N, Hq, SPLITS]
+        some = den > 0  # an empty split (past the sequence's keys) leaves its part unwritten: the merge skips it
+        den = tl.where(some, den, 1.0)
+        tl.store(lse_ptr + at, tl.where(some, m + tl.log2(den), float("-inf")), mask=live)
+        tl.store(part_ptr + at[:, None] * D + d[None, :], acc / den[:, None], mask=(live & some)[:, None])
+
+
+@triton.jit
+def merge(part_ptr, lse_ptr, o_ptr, s_ot, s_oh, Hq, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+          D: tl.constexpr):  # fmt: skip
+    """out[b, head] = the splits' partial outputs weighted by their share of the softmax's sum."""
+    b, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    sp, d = tl.arange(0, SPLITS_P2), tl.arange(0, D)
+    at = (b * Hq + head) * SPLITS + sp  # [SPLITS_P2]
+    lse = tl.load(lse_ptr + at, mask=sp < SPLITS, other=float("-inf"))
+    some = lse > float("-inf")  # split 0 always is (it holds the new token): the max is finite
+    w = tl.where(some, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    part = tl.load(part_ptr + at[:, None] * D + d[None, :], mask=some[:, None], other=0.0)  # [SPLITS_P2, D]
+    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    tl.store(o_ptr + b * s_ot + head * s_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def mixed(q_ptr, kc_ptr, vc_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, s_qt, s_qh, s_ot, s_oh, s_page, s_row,
+          s_head, s_bt, qk_scale, S, G: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+          D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SEARCH: tl.constexpr,
+          PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    t, h = tl.program_id(0), tl.program_id(1)
+    # the tile's sequence: the last s with first_tile(s) = qsl[s] // BLOCK_M + s <= t (strictly increasing in
+    # s; first_tile(0) = 0). SEARCH = ceil(log2(S)) halvings of [lo, hi].
+    lo, hi = t * 0, t * 0 + S - 1
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(qsl_ptr + mid) // BLOCK_M + mid <= t
+        lo, hi = tl.where(go, mid, lo), tl.where(go, hi, mid - 1)
+    q0, q1 = tl.load(qsl_ptr + lo), tl.load(qsl_ptr + lo + 1)  # the sequence's tokens [q0, q1)
+    tok0 = q0 + (t - (q0 // BLOCK_M + lo)) * BLOCK_M
+    if tok0 < q1:  # else a spare tile (the grid's bound is static): nothing to do
+        r, d = tl.arange(0, ROWS), tl.arange(0, D)
+        tok, heads = tok0 + r // G, h * G + r % G  # [ROWS] row r: token tok0 + r // G, head h * G + r % G
+        valid = (r // G < BLOCK_M) & (tok < q1)
+        tok64 = tok.to(tl.int64)
+        q = tl.load(q_ptr + tok64[:, None] * s_qt + heads[:, None] * s_qh + d[None, :], mask=valid[:, None],
+                    other=0.0)  # fmt: skip
+        # position of each token: its sequence's tail holds the new tokens; spare rows see key 0 only
+        pos = tl.where(valid, tl.load(seq_lens_ptr + lo) - (q1 - tok), 0)  # [ROWS]
+        end = tl.max(pos, 0) + 1
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        den = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, D], tl.float32)
+        bt_row, kc_head, vc_head = bt_ptr + lo.to(tl.int64) * s_bt, kc_ptr + h * s_head, vc_ptr + h * s_head
+        for n0 in range(0, end, BLOCK_N):
+            acc, m, den = attend_block(acc, m, den, q, kc_head, vc_head, bt_row, n0, end, pos, qk_scale, s_page,
+                                       s_row, PAGE, BLOCK_N, D, PRECISION, UPCAST)  # fmt: skip
+        out = acc / den[:, None]
+        tl.store(o_ptr + tok64[:, None] * s_ot + heads[:, None] * s_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=valid[:, None])  # fmt: skip
