@@ -8,6 +8,60 @@ import torch
 import fgraph
 
 
+def eager(fn, *args):
+    with fgraph.disable_jit():
+        return fn(*args)
+
+
+def same(a, b) -> bool:
+    la, lb = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
+    )
+
+
+def step(x, cache):
+    for layer in cache:
+        layer["k"].add_(x)
+        layer["n"].add_(1)
+    return x * 2
+
+
+def twin(cache):
+    return [{k: t.clone() for k, t in layer.items()} for layer in cache]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
+def test_copies_follow_every_new_copied_set_and_skip_a_leaf_that_is_its_buffer(mode):
+    """A cache made anew per call is copied in and back by a plan of its copied positions: a position copied from a
+    later call on makes a new plan, and a leaf that is fgraph's own buffer is neither copied nor counted."""
+    f = fgraph.jit(step, donate=["cache"], mode=mode)
+    x, counters = torch.ones(4), [torch.tensor(i) for i in range(3)]
+    for k in range(4):  # new keys each call (copied from their second move on), the same counters
+        mine = [{"k": torch.full((4,), float(k + i)), "n": counters[i]} for i in range(3)]
+        theirs = twin(mine)
+        assert torch.equal(f(x, mine), step(x, theirs)) and same(mine, theirs)
+    (entry,) = f.entries.values()
+    assert len(entry.slots.copied) == 3
+    for k in range(3):  # now new counters too: copied from their second move on, beside the keys
+        mine = [{"k": torch.full((4,), float(k + i)), "n": torch.tensor(k * i)} for i in range(3)]
+        theirs = twin(mine)
+        assert torch.equal(f(x, mine), step(x, theirs)) and same(mine, theirs)
+    (entry,) = f.entries.values()
+    slots = entry.slots
+    assert len(slots.copied) == 6
+    mine = [{"k": torch.full((4,), float(i)), "n": torch.tensor(i)} for i in range(3)]
+    theirs = twin(mine)
+    first = next(k for k in slots.copied if entry.paths[slots.ix[k]] == "cache[0]['k']")
+    buf = slots.targets[first]
+    buf.copy_(mine[0]["k"])
+    mine[0]["k"] = buf  # fgraph's buffer itself, passed in: written in place, as eager writes the caller's tensor
+    before = f.stats()["total"]["copied_bytes"]
+    assert torch.equal(f(x, mine), step(x, theirs)) and same(mine, theirs)
+    assert f.stats()["total"]["copied_bytes"] - before == 2 * 4 * 4 + 3 * 8  # the other keys and the counters
+
+
 def write(x, s):
     s["h"].add_(1)
     return x * 2
