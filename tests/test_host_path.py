@@ -6,6 +6,16 @@ import pytest
 import torch
 
 import fgraph
+from fgraph import Batched
+
+ONE_PIECE = {  # a one-piece program, and whether its top level returns its piece's outputs as they are
+    "outputs as they are": (lambda x: (x * 2, x + 1), True),
+    "an input among them": (lambda x: (x * 2, x), True),  # (the input is handed back outside the program)
+    "in a dict": (lambda x: {"b": x + 1, "a": x * 2}, True),
+    "one tensor": (lambda x: x * 2, False),
+    "an output twice": (lambda x: ((y := x * 2), y), False),
+    "a constant beside it": (lambda x: (x * 2, 3), False),
+}
 
 
 def eager(fn, *args):
@@ -18,6 +28,22 @@ def same(a, b) -> bool:
     return len(la) == len(lb) and all(
         torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb)
     )
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", ONE_PIECE)
+def test_a_one_piece_program_replays_its_graph_alone_exactly_when_it_returns_the_pieces_outputs(case):
+    fn, alone = ONE_PIECE[case]
+    f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
+    f(torch.randn(3, 4))
+    (entry,) = f.entries.values()
+    top, ran = entry.module, []
+    entry.module = lambda *a: ran.append(1) or top(*a)
+    for k, n in enumerate((3, 3, 2, 4)):
+        x = torch.randn(n, 4, generator=torch.Generator().manual_seed(k))
+        assert same(f(x), eager(fn, x)), case
+    assert f.stats()["total"]["replays"] == 5
+    assert (entry.sole is not None) is alone and len(ran) == (0 if alone else 4)  # the top level ran, or not
 
 
 def step(x, cache):
