@@ -13,7 +13,10 @@ per decode call, the median of `--loops` loops:
 
 `--stub` times the call with the program stubbed (it returns its captured outputs). `--cache caller` passes one
 early-initialised StaticCache to every generate (a server loop) instead of the one generate makes per call.
-`--profile` prints cProfile's top functions over one generate.
+`--parts` times, on the last decode call's arguments and in one process, FastPath.find, LiftedView.proven and the
+whole call (the program stubbed), in 8 x `--loops` alternating rounds of thread CPU time (the time another process
+takes on this machine's two cores is not counted): min and median per part. `--profile` prints cProfile's top
+functions over one generate.
 """
 
 from __future__ import annotations
@@ -82,12 +85,53 @@ def call_overhead_us(model, gen, tokens: int, stub: bool = False) -> tuple[float
     )
 
 
+def parts_us(model, gen, rounds: int = 40, calls: int = 50) -> dict:
+    """{part: (min, median)} us per call, of `rounds` alternating rounds of `calls` calls each, thread CPU time, on
+    the last decode call's arguments: FastPath.find, LiftedView.proven, the whole jitted call with the program
+    stubbed (the cache stays as it is: a stubbed program writes nothing)."""
+    jitted, seen = model.forward, []
+    fp = jitted.fastpath
+    find = fp.find
+    fp.find = lambda a, k, v=None: seen.append((a, k)) or find(a, k, v)
+    try:
+        gen(8)
+    finally:
+        fp.find = find
+    a, k = seen[-1]
+    with torch.no_grad():
+        hit = find(a, k, jitted._view)
+        assert hit is not None, "the replay path does not serve a decode call"
+        e = hit.entry
+        graphs = [e.full] if e.full is not None else e.graphs
+        fns = [g.fn for g in graphs]
+        for g in graphs:
+            g.fn = lambda *x, out=g.out: out
+        parts = {
+            "find": lambda: find(a, k, jitted._view),
+            "proven": jitted._view.proven,
+            "call": lambda: jitted(*a, **k),
+        }
+        got = {p: [] for p in parts}
+        try:
+            for r in range(rounds):
+                for p in parts if r % 2 else list(parts)[::-1]:
+                    fn, t0 = parts[p], time.thread_time()
+                    for _ in range(calls):
+                        fn()
+                    got[p].append((time.thread_time() - t0) / calls * 1e6)
+        finally:
+            for g, fn in zip(graphs, fns):
+                g.fn = fn
+    return {p: (round(min(xs), 1), round(statistics.median(xs), 1)) for p, xs in got.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.hf_host", description=__doc__.split("\n")[0])
     p.add_argument("--cache", choices=["generate", "caller"], default="generate")
     p.add_argument("--loops", type=int, default=5)
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--stub", action="store_true", help="the program does not run (see call_overhead_us)")
+    p.add_argument("--parts", action="store_true", help="find, proven and the stubbed call in one process (parts_us)")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     import transformers as tf
@@ -112,6 +156,12 @@ def main(argv=None):
             )  # fmt: skip
 
     gen(args.tokens), gen(args.tokens)  # trace, capture, teach the replay path
+    if args.parts:
+        got = parts_us(model, gen, rounds=8 * args.loops)
+        print(
+            "  ".join(f"{p} {lo} us (median {med})" for p, (lo, med) in got.items()), "(min of rounds, thread CPU time)"
+        )
+        return got
     replay, find, call, program = [], [], [], []
     for _ in range(args.loops):
         replay.append(host_us(model, lambda: gen(8))["replay_path"])

@@ -77,7 +77,7 @@ class FastPath:
         self.layouts: dict[str, Layout] = {}
         self.readers: dict[str, list[Callable]] = {}
         self.entries: dict[tuple, Any] = {}
-        self.written_storages: dict = {}  # entry -> (weak refs to the leaves it writes, their storages): _over_written
+        self.written_storages: dict = {}  # entry -> (weak refs to the leaves it writes, their storages, reader)
         # per argument read afresh: the id of the object the last call it served read (a cache generate makes passed
         # again on its next step is then proven by identity, _learn)
         self.last_read: dict[str, int] = {}
@@ -265,9 +265,12 @@ class FastPath:
         if not written:
             return False
         known = self.written_storages.get(entry)
-        if known is None or any(r() is not leaves[w] for r, w in zip(known[0], written)):
+        # (the written leaves now against the ones the storages were read from: one C loop, `_deref` and `is`)
+        if known is None or not all(map(operator.is_, map(_deref, known[0]), known[2](leaves))):
             refs = [weakref.ref(leaves[w]) for w in written]
-            known = self.written_storages[entry] = (refs, {leaves[w].untyped_storage().data_ptr() for w in written})
+            get = operator.itemgetter(*written) if len(written) > 1 else (lambda lv, w=written[0]: (lv[w],))
+            storages = {leaves[w].untyped_storage().data_ptr() for w in written}
+            known = self.written_storages[entry] = (refs, storages, get)
         near = [
             i
             for a, b in fresh
@@ -291,6 +294,9 @@ class FastPath:
     def clear(self) -> None:
         self.layouts.clear(), self.readers.clear(), self.entries.clear(), self.written_storages.clear()
         self.last_read.clear()
+
+
+_deref = weakref.ref.__call__  # a weak reference's object (None once it is gone)
 
 
 # -- guards ----------------------------------------------------------------------------------------------------

@@ -241,3 +241,10 @@ def test_the_hf_host_benchmark_times_the_replay_path_inside_generate(cache):
 
     got = hf_host.main(["--loops", "1", "--tokens", "4", "--stub", "--cache", cache])
     assert 0 < got["find"] < got["call"] and got["host_us"] > 0  # find is part of the call's host time
+
+
+def test_the_hf_host_benchmark_times_the_parts_of_a_decode_call():
+    from benchmarks import hf_host
+
+    got = hf_host.main(["--loops", "1", "--tokens", "4", "--parts"])
+    assert 0 < got["proven"][0] < got["find"][0] < got["call"][0]  # the proof is part of find, find of the call

@@ -5,6 +5,7 @@ through it: copy inputs in, plan, replay (or run the program), hand outputs back
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 
@@ -82,6 +83,7 @@ class Entry:
         self.verified = None  # the argument layouts whose addresses were last checked (see Jitted._fast_call)
         self.slots = None  # the inputs its graphs read by address: in place or copied (Slots)
         self.full, self.buffers = None, None
+        self.sole = None  # a PIECEWISE program that is one graph piece returned as it is: that graph (_sole_graph)
         self.capture_seconds, self.pool_bytes = 0.0, 0
         self.compiled: dict = {}  # piece name -> its Compiled (compile=...): `how` says symbolic (shared) or static
 
@@ -133,19 +135,21 @@ class Entry:
         # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
         in_graph = self.full is not None and self.buffers.graph_mirror is not None  # the graph copies its inputs
         host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=in_graph)
-        args = leaves
+        args, copied = leaves, False
+        graph = self.full if self.full is not None else self.sole  # replayed alone: it reads no arguments
         if self.full is None and not self.graphs:
             st.eager += 1
         else:
             st.replays += 1
             if slots is not None and slots.copied:
                 slots.copy_in(leaves, st, self.traced.fname)
-                args = slots.args(leaves)
+                copied = True
+                args = slots.args(leaves) if graph is None else leaves
         with P.execution(in_graph=in_graph):
             if self.plans:
                 self._plan(host, n, self.statics, capturing=False)
-            outs = self.full.replay() if self.full is not None else self.module(*self._args(args))
-        if args is not leaves:
+            outs = graph.replay() if graph is not None else self.module(*self._args(args))
+        if copied:
             slots.copy_back(leaves)
         for k, i in self.write_back:  # the caller's rows of a donated batched leaf the program wrote (padding cut)
             x = leaves[i]
@@ -236,6 +240,7 @@ class Entry:
                     setattr(self.module, r.piece.name, r)
                 self.module(*args)  # the runners capture on this first call, replay on later ones
                 self.graphs = [r.graph for r in runners if not r.piece.is_break]
+                self.sole = _sole_graph(self.module.graph, runners)
             elif self.mode is Mode.FULL:
                 self.full = Graph(pool)
                 if inputs_in_graph:
@@ -262,7 +267,7 @@ class Entry:
 
     def release(self) -> None:
         """Let go of the graphs and input buffers (a dropped or recaptured signature)."""
-        self.graphs, self.full, self.buffers = [], None, None
+        self.graphs, self.full, self.buffers, self.sole = [], None, None, None
 
 
 def _after(first: Callable[[], None], fn: Callable) -> Callable:
@@ -273,6 +278,31 @@ def _after(first: Callable[[], None], fn: Callable) -> Callable:
         return fn(*args)
 
     return run
+
+
+def _sole_graph(top: fx.Graph, runners: list):
+    """The graph of a program that is one graph piece whose outputs its top level returns as they are, else None.
+
+    A run of such a program is that graph's replay (PieceRunner.forward), so a call replays it alone: no top-level
+    call of hundreds of arguments (an HF model's parameters) and no module call of the piece. Anything else at the
+    top level (an input or constant returned, an output twice, reordered or left out) keeps the program's run."""
+    if len(runners) != 1 or runners[0].piece.is_break:
+        return None
+    graph, name = runners[0].graph, runners[0].piece.name
+    nodes = [n for n in top.nodes if n.op != "placeholder"]
+    n = len(graph.out) if isinstance(graph.out, (tuple, list)) else -1
+    if len(nodes) != n + 2:  # the piece's call, a getitem per output, the output
+        return None
+    call, out = nodes[0], nodes[-1]
+    if call.op != "call_module" or call.target != name or out.op != "output":
+        return None
+    got = out.args[0]
+    same = isinstance(got, (tuple, list)) and len(got) == n
+    same = same and all(
+        isinstance(g, fx.Node) and g.op == "call_function" and g.target is operator.getitem and g.args == (call, j)
+        for j, g in enumerate(got)
+    )
+    return graph if same else None
 
 
 def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:

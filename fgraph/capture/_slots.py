@@ -13,6 +13,7 @@ not pass them.
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 
@@ -47,7 +48,7 @@ class Slots:
         # are flattened afresh every call, so no container identity vouches for these tensors (_fast_call)
         self.loose = [k for k, r in enumerate(root) if r in batched]
         self._loose_with: dict[tuple, list[int]] = {}
-        self._groups: dict[tuple, list[list[int]]] = {}  # copied positions -> their dtype groups (foreach_copy)
+        self._plans: dict[bool, tuple] = {}  # copy in (False) and back (True): _plan; move() drops them
         self._bytes: dict[tuple, int] = {}  # copied-in positions -> the bytes their targets hold (move() resets it)
         self.logged = False
 
@@ -93,7 +94,7 @@ class Slots:
             buf.copy_(x)
             self.targets[k] = buf
         self.copied = sorted({*self.copied, *own})
-        self._bytes.clear()
+        self._bytes.clear(), self._plans.clear()
 
     def args(self, leaves: list) -> list:
         """The leaves with fgraph's buffers in place of the caller's tensors at copied positions."""
@@ -104,24 +105,49 @@ class Slots:
             leaves[self.ix[k]] = self.targets[k]
         return leaves
 
-    def _copy(self, pairs: list) -> tuple:
-        """(position, into, from) triples: one foreach copy per dtype (a cache made anew per call is ~100 tensors:
-        a few calls, fused launches). Returns the positions and the tensors copied into."""
-        ks, into, come = zip(*pairs)
-        groups = self._groups.get(ks)
-        if groups is None:
-            groups = self._groups[ks] = copy_groups(into)
-        foreach_copy(into, come, groups)
-        return ks, into
+    def _plan(self, back: bool) -> tuple:
+        """How a call copies: the copied positions (back: the donated ones), their targets, a reader of their leaves
+        from a call's leaves, and per device and dtype (copy_groups) its targets and a reader of its leaves.
+
+        Made once per copied set (move() drops it): a call then copies with one C call per group and builds no
+        lists (a cache made anew per generate is ~75 tensors each way per decode step)."""
+        got = self._plans.get(back)
+        if got is None:
+            ks = tuple(k for k in self.copied if self.donated[k] or not back)
+            ts = tuple(self.targets[k] for k in ks)
+            ix = [self.ix[k] for k in ks]
+            groups = [(tuple(ts[i] for i in g), _reader([ix[i] for i in g])) for g in copy_groups(list(ts))]
+            got = self._plans[back] = (ks, ts, _reader(ix), groups)
+        return got
+
+    def _copy(self, leaves: list, back: bool) -> tuple:
+        """Each copied position's leaf into its target (back: the target into its leaf), one foreach copy per dtype.
+        Returns the positions copied: a leaf that is its target already (fgraph's buffer passed in) is not."""
+        ks, ts, read, groups = self._plan(back)
+        if not ks:
+            return ()
+        xs = read(leaves)
+        if any(map(operator.is_, xs, ts)):  # (rare: only the others, grouped afresh)
+            pairs = [(k, t, x) for k, t, x in zip(ks, ts, xs) if x is not t]
+            if not pairs:
+                return ()
+            ks, ts, xs = zip(*pairs)
+            foreach_copy(xs, ts) if back else foreach_copy(ts, xs)
+            return ks
+        if len(groups) == 1:
+            torch._foreach_copy_(*((xs, ts) if back else (ts, xs)))
+            return ks
+        for dst, src in groups:
+            torch._foreach_copy_(*((src(leaves), dst) if back else (dst, src(leaves))))
+        return ks
 
     def copy_in(self, leaves: list, stats, fname: str) -> None:
-        pairs = [(k, t, x) for k in self.copied if (x := leaves[self.ix[k]]) is not (t := self.targets[k])]
-        if not pairs:
+        ks = self._copy(leaves, back=False)
+        if not ks:
             return
-        ks, into = self._copy(pairs)
         n = self._bytes.get(ks)
         if n is None:  # (the targets are fgraph's buffers: their sizes change only when move() replaces them)
-            n = self._bytes[ks] = sum(t.numel() * t.element_size() for t in into)
+            n = self._bytes[ks] = sum(self.targets[k].numel() * self.targets[k].element_size() for k in ks)
         if n:
             stats.copies += 1
             stats.copied_bytes += n
@@ -142,14 +168,15 @@ class Slots:
 
     def copy_back(self, leaves: list) -> None:
         """Donated state the graph wrote into fgraph's buffer goes back into the caller's tensor."""
-        pairs = [
-            (k, x, t)
-            for k in self.copied
-            if self.donated[k] and (x := leaves[self.ix[k]]) is not (t := self.targets[k])
-        ]
-        if pairs:
-            self._copy(pairs)
+        self._copy(leaves, back=True)
 
     def describe(self) -> list[str]:
         copied = set(self.copied)
         return [f"{self.entry.paths[i]}: {'copied' if k in copied else 'read in place'}" for k, i in enumerate(self.ix)]
+
+
+def _reader(ix: list[int]):
+    """leaves -> the tuple of leaves[i] for i in ix, in one C call."""
+    if len(ix) > 1:
+        return operator.itemgetter(*ix)
+    return (lambda lv, i=ix[0]: (lv[i],)) if ix else (lambda lv: ())
