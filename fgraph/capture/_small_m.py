@@ -26,6 +26,7 @@ from . import _gemv
 
 aten = torch.ops.aten
 _TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
 SMALL_WEIGHT = 4 << 20  # bytes
 SPLIT_WEIGHT, SPLIT_COLUMNS = 16 << 20, 2048  # bytes, rows of w (output columns)
 
@@ -56,7 +57,7 @@ def _small(w) -> bool:
 
 
 def _fits(x, w, b, device_type: str) -> bool:
-    x, w, b = _val(x), _val(w), (None if b is None else _val(b))
+    """Whether the op may serve x @ w.T (+ b), given their traced values (b None: no bias)."""
     return (
         isinstance(x, torch.Tensor)
         and isinstance(w, torch.Tensor)
@@ -88,9 +89,6 @@ def _broadcast_weight(r) -> fx.Node | None:
     return w if w is not None and _val(wt).dim() == 2 else None
 
 
-_VIEWS = {aten.view.default, aten._unsafe_view.default}
-
-
 def _rewrite_bmm(gm: fx.GraphModule, node, device_type: str) -> bool:
     """bmm(l [b, m, k], one weight's transpose broadcast) -> view(fgraph::linear(reshape(l, [-1, k]), w), [b, m, n])."""
     left, right = node.args[:2]
@@ -98,20 +96,28 @@ def _rewrite_bmm(gm: fx.GraphModule, node, device_type: str) -> bool:
     if w is None or _peel(left, _VIEWS) is None or _val(left) is None or _val(left).dim() != 3:
         return False
     sizes, (n, k) = list(left.args[1]), _val(w).shape
+    rows = _val(left).reshape(-1, k)
+    if not _fits(rows, _val(w), None, device_type):
+        return False
     with gm.graph.inserting_before(node):
         x = gm.graph.call_function(aten.reshape.default, (left, [-1, k]))
-        x.meta["val"] = _val(left).reshape(-1, k)
-        if not _fits(x, w, None, device_type):
-            gm.graph.erase_node(x)
-            return False
+        x.meta["val"] = rows
         y = gm.graph.call_function(_gemv.op, (x, w, None))
         y.meta["val"] = _val(node).reshape(-1, n)
         out = gm.graph.call_function(aten.view.default, (y, [sizes[0], sizes[1], n]))
     out.meta = dict(node.meta)
     node.replace_all_uses_with(out)
     gm.graph.erase_node(node)
-    gm.graph.eliminate_dead_code()
+    _erase_unused(right)  # the broadcast weight's view, expand and transpose
     return True
+
+
+def _erase_unused(node) -> None:
+    """node and the chain of single-input producers below it that the rewrite left without users."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users:
+        below = node.args[0]
+        node.graph.erase_node(node)
+        node = below
 
 
 def rewrite(gm: fx.GraphModule, device_type: str = "cuda") -> int:
@@ -130,15 +136,14 @@ def rewrite(gm: fx.GraphModule, device_type: str = "cuda") -> int:
         else:
             continue
         w = _transposed(wt)
-        if w is None or not _fits(x, w, b, device_type):
+        if w is None or not _fits(_val(x), _val(w), None if b is None else _val(b), device_type):
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(_gemv.op, (x, w, b))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        if not wt.users:
-            gm.graph.erase_node(wt)
+        _erase_unused(wt)
         done += 1
     if done:
         gm.recompile()
