@@ -254,6 +254,48 @@ def test_resolve_backend_and_page_sizes():
     assert [A.page_size_for(b) for b in A.BACKENDS] == [16, 256, 16, 16]
 
 
+def test_a_pair_names_each_routines_backend_and_shares_one_page_size():
+    assert A.backend_pair("triton") == ("triton", "triton")
+    assert A.backend_pair("triton/flash_attn") == ("triton", "flash_attn")
+    assert [A.backend_for("triton/flash_attn", r) for r in A.ROUTINES] == ["triton", "flash_attn"]
+    assert A.page_size_for("triton/flash_attn") == A.page_size_for("flash_attn/torch") == 256
+    assert A.page_size_for("triton/flashinfer") == 16
+    assert A.resolve_backend("torch/torch", "cpu") == "torch/torch"
+    for bad in ("triton/", "triton/cudnn", "a/b/c"):
+        with pytest.raises(fgraph.FgraphError, match="DECODE/MIXED"):
+            A.backend_pair(bad)
+    with pytest.raises(fgraph.FgraphError, match="the triton backend needs a CUDA device"):
+        A.resolve_backend("triton/torch", "cpu")
+    with pytest.raises(fgraph.FgraphError, match="resolve it first"):
+        A.page_size_for("auto")
+
+
+@pytest.mark.parametrize(
+    "missing, head_dim, want",
+    [
+        ((), 64, "triton/flash_attn"),  # every package: triton's decode, FA2's capturable mixed
+        (("flash_attn",), 64, "triton/flashinfer"),
+        (("flash_attn", "flashinfer"), 128, "triton"),
+        ((), 80, "flashinfer/flash_attn"),  # a head dim triton's kernels cannot tile
+        (("flash_attn", "flashinfer", "triton"), 64, "torch"),
+    ],
+)
+def test_auto_on_cuda_picks_the_fastest_importable_backend_per_routine(missing, head_dim, want, monkeypatch):
+    monkeypatch.setattr(A, "_importable", lambda b: "absent" if b in missing else None)
+    assert A.resolve_backend("auto", "cuda", head_dim) == want
+
+
+def test_a_pair_checks_the_page_size_of_both_routines():
+    """One cache serves both routines: a pair with flash_attn refuses pages FA2 cannot read, even for the other."""
+    case, n = Case(*DECODE, 4, 2), len(DECODE[0])
+    with pytest.raises(fgraph.FgraphError, match="multiple of 256"):
+        case.run(bucket=5, routine="decode", backend="torch/flash_attn")
+    got, *got_caches = case.run(bucket=5, routine="decode", backend="torch/torch")
+    want, *want_caches = case.run(bucket=5, routine="decode", backend="torch")
+    assert torch.equal(got[:n], want[:n])
+    torch.testing.assert_close(got_caches[0][1:], want_caches[0][1:], rtol=0, atol=0, equal_nan=True)
+
+
 def test_import_is_lazy():
     code = (
         "import sys, fgraph, fgraph.ops.attention as A; A.resolve_backend('auto', 'cpu'); "

@@ -18,6 +18,8 @@ step: docs/performance.md). The pieces between breaks now never touch the cache.
   flashinfer  index_copy_, then decode via per-bucket CUDA-graph decode wrappers planned on the host before
               every replay (UNIFORM_DECODE); mixed via the fa2 prefill wrapper, not capturable, so mixed runs
               piecewise.
+  "auto"      per routine (AUTO): on CUDA, triton's decode and FA2's mixed ("triton/flash_attn"); torch on the CPU.
+              Any "DECODE/MIXED" pair of the above may be named; its cache has the page size both accept.
   triton      fgraph's own Triton kernels (_attn_triton): decode is one GQA-grouped split-KV kernel that also
               writes the new k/v (and a merge kernel when it splits); mixed: the one-launch write, then one
               causal paged kernel. Both capturable (ALWAYS). Any page size; head dims a power of two >= 16.
@@ -213,38 +215,75 @@ def _importable(backend: str) -> str | None:
     return None
 
 
-def resolve_backend(name: str = "auto", device="cpu") -> str:
-    """ "auto" -> the best available on `device` (flashinfer, then flash_attn, then torch); a name -> checked."""
+# "auto" per routine, best first on CUDA (docs/performance.md, issue #33): triton's decode kernel is the fastest
+# decode at every measured size (no split + combine of its own making, no plan); FA2's mixed kernel is the fastest
+# mixed one and, unlike FlashInfer's, capturable. One cache serves both routines, so a pair shares its page size.
+AUTO = {"decode": ("triton", "flashinfer", "flash_attn"), "mixed": ("flash_attn", "flashinfer", "triton")}
+
+
+def backend_pair(name: str) -> tuple[str, str]:
+    """A backend spec -> (decode's backend, mixed's): "triton" -> both triton; "triton/flash_attn" -> each its own."""
+    parts = name.split("/") if isinstance(name, str) else [name]
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or any(p not in BACKENDS for p in parts):
+        raise FgraphError(
+            f"attention: unknown attention backend {name!r}",
+            f"use 'auto', one of {BACKENDS}, or 'DECODE/MIXED' of two of them (e.g. 'triton/flash_attn')",
+        )
+    return parts[0], parts[1]
+
+
+def backend_for(name: str, routine: str) -> str:
+    """The backend that runs `routine` under a resolved spec (backend_pair)."""
+    decode, mixed = backend_pair(name)
+    return decode if routine == "decode" else mixed
+
+
+def _triton_fits(head_dim: int | None) -> bool:
+    return head_dim is None or (head_dim >= 16 and not head_dim & (head_dim - 1))
+
+
+def resolve_backend(name: str = "auto", device="cpu", head_dim: int | None = None) -> str:
+    """ "auto" -> the best available on `device`, per routine (AUTO; "DECODE/MIXED" when they differ, triton only
+    for a head dim it serves when one is given); a name or pair -> checked."""
     dev = torch.device(device)
     if name == "auto":
         if dev.type != "cuda":
             return "torch"
-        return next((b for b in ("flashinfer", "flash_attn") if _importable(b) is None), "torch")
-    if name not in BACKENDS:
-        raise FgraphError(f"resolve_backend: unknown attention backend {name!r}", f"use 'auto' or one of {BACKENDS}")
-    if name != "torch":
+
+        def best(routine):
+            ok = (b for b in AUTO[routine] if _importable(b) is None and (b != "triton" or _triton_fits(head_dim)))
+            return next(ok, "torch")
+
+        decode, mixed = best("decode"), best("mixed")
+        return decode if decode == mixed else f"{decode}/{mixed}"
+    for part in dict.fromkeys(backend_pair(name)):
+        if part == "torch":
+            continue
         if dev.type != "cuda":
             raise FgraphError(
-                f"resolve_backend: the {name} backend needs a CUDA device, got {dev}",
+                f"resolve_backend: the {part} backend needs a CUDA device, got {dev}",
                 "use backend='torch' (or 'auto') on the CPU",
             )
-        why = _importable(name)
+        why = _importable(part)
         if why is not None:
             raise FgraphError(
-                f"resolve_backend: backend {name!r} does not import ({why})",
-                f"pip install fgraph[{name.replace('_', '-')}], or use backend='auto'",
+                f"resolve_backend: backend {part!r} does not import ({why})",
+                f"pip install fgraph[{part.replace('_', '-')}], or use backend='auto'",
             )
     return name
 
 
 def page_size_for(backend: str) -> int:
-    """The default KV page size for a backend (flash_attn's paged kernels need a multiple of 256).
+    """The default KV page size for a backend or pair (flash_attn's paged kernels need a multiple of 256).
 
     triton: 16, like torch and flashinfer (its kernels look up every key row's page, so a page costs them nothing
-    over a larger one; small pages waste less of the cache on partly filled tails)."""
-    if backend not in BACKENDS:
-        raise FgraphError(f"page_size_for: unknown backend {backend!r}", "resolve it first: A.resolve_backend(...)")
-    return 256 if backend == "flash_attn" else 16
+    over a larger one; small pages waste less of the cache on partly filled tails). A pair: the larger of its
+    two (one cache serves both routines)."""
+    if backend == "auto":
+        raise FgraphError("page_size_for: backend 'auto'", "resolve it first: A.resolve_backend(...)")
+    return max(256 if b == "flash_attn" else 16 for b in backend_pair(backend))
 
 
 def _module(backend: str):
@@ -337,7 +376,7 @@ def plan_attention(
         "block_table": meta.block_table,
         "slot_mapping": meta.slot_mapping,
     }
-    args = {"backend": backend, "routine": routine, "scale": float(scale), "page_size": page_size}
+    args = {"backend": backend_for(backend, routine), "routine": routine, "scale": float(scale), "page_size": page_size}
     _plan(PlanCall(attention_p.p, args, inputs, bucket, bucket, {"routine": routine}, capturing))
 
 
@@ -385,14 +424,14 @@ def _check(q, k, v, cache_k, cache_v, meta: AttentionMetadata, backend: str, rou
             f"{where}: routine='decode' with {S} sequences and {N} tokens",
             "decode means one token per sequence; use routine='mixed'",
         )
-    if backend not in BACKENDS:
-        raise FgraphError(f"{where}: unknown backend {backend!r}", f"use 'auto' or one of {BACKENDS}")
-    if backend == "flash_attn" and cache_k.shape[1] % 256:
+    pair = backend_pair(backend)
+    if "flash_attn" in pair and cache_k.shape[1] % 256:  # one cache serves both routines of a pair
         raise FgraphError(
             f"{where}: flash_attn needs a page size that is a multiple of 256, the cache has {cache_k.shape[1]}",
             "allocate the cache with page_size=A.page_size_for('flash_attn')",
         )
-    if backend == "triton" and (D < 16 or D & (D - 1) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+    triton_dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    if backend_for(backend, routine) == "triton" and (not _triton_fits(D) or q.dtype not in triton_dtypes):
         raise FgraphError(
             f"{where}: the triton backend needs a head dim that is a power of two >= 16 and q in float16, bfloat16 "
             f"or float32, got head dim {D} and {q.dtype}",
@@ -421,8 +460,9 @@ def attention(
     and cap: the block table's capacity (max_pages * page_size). scale: default D ** -0.5.
     """
     if backend == "auto":
-        backend = resolve_backend("auto", q.device)
+        backend = resolve_backend("auto", q.device, q.shape[-1])
     _check(q, k, v, cache_k, cache_v, meta, backend, routine)
+    backend = backend_for(backend, routine)
     N, Hq, D = q.shape
     page = cache_k.shape[1]
     cap = meta.block_table.shape[1] * page
