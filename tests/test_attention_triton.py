@@ -106,6 +106,11 @@ def test_split_count_depends_on_static_sizes_only():
     assert T.splits_for(1, 8, 8192) == T.MAX_SPLITS
     assert T.splits_for(256, 8, 8192) == 1  # enough programs: no split, no merge kernel
     assert T.splits_for(8, 2, 8192) == 16  # 17 wanted: 16 of 8 blocks each cover the 128 (a 17th would get none)
+    # An unpadded eager call splits as the graph of its bucket does (bitwise the same sums): every N between a
+    # default bucket's predecessor and the bucket splits alike.
+    buckets = fgraph.default_buckets(512)
+    for lo, hi in zip(buckets, buckets[1:]):
+        assert {T.splits_for(n, 2, 1024) for n in range(lo + 1, hi + 1)} == {T.splits_for(hi, 2, 1024)}, (lo, hi)
     for b in (1, 3, 8, 64, 256):
         for ctx in (1, 63, 64, 65, 1000, 1024, 1 << 17):
             s, blocks = T.splits_for(b, 2, ctx), -(-ctx // T.BLOCK_N)

@@ -55,8 +55,12 @@ def splits_for(batch: int, kv_heads: int, max_seq_len: int, block_n: int = BLOCK
     batch * kv_heads programs alone leave most SMs idle at small batches (the 0.5B at B=1: 2 programs); splitting
     each sequence's keys gives ~WAVES programs per SM in all, each over at least one key block, at most
     MAX_SPLITS. Large batches need no split (1: no merge kernel). Splits get whole blocks, as many each, and none
-    is left with no block of max_seq_len at all."""
-    want = -(-WAVES * num_sms // max(1, batch * kv_heads))
+    is left with no block of max_seq_len at all.
+
+    The batch counts as its next power of two: an unpadded eager call of N sequences and the graph of N's bucket
+    then split alike, so their float sums, and bf16 greedy tokens, are the same (every power of two is one of
+    fgraph's default buckets, so N and its bucket round to the same one)."""
+    want = -(-WAVES * num_sms // max(1, _pow2(batch) * kv_heads))
     blocks = -(-max(1, max_seq_len) // block_n)
     per = -(-blocks // max(1, min(want, blocks, MAX_SPLITS)))  # blocks per split
     return -(-blocks // per)
