@@ -18,8 +18,8 @@ step: docs/performance.md). The pieces between breaks now never touch the cache.
   flashinfer  index_copy_, then decode via per-bucket CUDA-graph decode wrappers planned on the host before
               every replay (UNIFORM_DECODE); mixed via the fa2 prefill wrapper, not capturable, so mixed runs
               piecewise.
-  "auto"      per routine (AUTO): on CUDA, triton's decode and FA2's mixed ("triton/flash_attn"); torch on the CPU.
-              Any "DECODE/MIXED" pair of the above may be named; its cache has the page size both accept.
+  "auto"      per routine (AUTO): on CUDA flashinfer, then flash_attn, else torch; torch on the CPU. Any
+              "DECODE/MIXED" pair of the above may be named; its cache has the page size both accept.
   triton      fgraph's own Triton kernels (_attn_triton): decode is one GQA-grouped split-KV kernel that also
               writes the new k/v (and a merge kernel when it splits); mixed: the one-launch write, then one
               causal paged kernel. Both capturable (ALWAYS). Any page size; head dims a power of two >= 16.
@@ -215,10 +215,10 @@ def _importable(backend: str) -> str | None:
     return None
 
 
-# "auto" per routine, best first on CUDA (docs/performance.md, issue #33): triton's decode kernel is the fastest
-# decode at every measured size (no split + combine of its own making, no plan); FA2's mixed kernel is the fastest
-# mixed one and, unlike FlashInfer's, capturable. One cache serves both routines, so a pair shares its page size.
-AUTO = {"decode": ("triton", "flashinfer", "flash_attn"), "mixed": ("flash_attn", "flashinfer", "triton")}
+# "auto" per routine, best first on CUDA. A pair such as "triton/flash_attn" (triton's decode, the fastest measured at
+# every size, with FA2's capturable mixed) is opt-in until its bf16 MoE tokens equal eager's (docs/performance.md).
+# One cache serves both routines, so a pair shares its page size.
+AUTO = {"decode": ("flashinfer", "flash_attn"), "mixed": ("flashinfer", "flash_attn")}
 
 
 def backend_pair(name: str) -> tuple[str, str]:
