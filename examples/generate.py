@@ -114,7 +114,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="seeds the random weights, random prompts and every request's sampling",
     )
-    p.add_argument("--backend", default="auto", help="attention backend: auto, torch, flash_attn, flashinfer, triton, or DECODE/MIXED (triton/flash_attn)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="attention backend: auto, torch, flash_attn, flashinfer, triton, or a DECODE/MIXED pair",
+    )
     p.add_argument(
         "--mode",
         default="FULL_AND_PIECEWISE",
