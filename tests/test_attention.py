@@ -280,7 +280,7 @@ def test_a_pair_names_each_routines_backend_and_shares_one_page_size():
 )
 def test_auto_on_cuda_picks_the_first_importable_backend_per_routine(missing, want, monkeypatch):
     monkeypatch.setattr(A, "_importable", lambda b: "absent" if b in missing else None)
-    assert A.resolve_backend("auto", "cuda", 64) == want
+    assert A.resolve_backend("auto", "cuda") == want
 
 
 def test_a_pair_checks_the_page_size_of_both_routines():

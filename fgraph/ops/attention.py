@@ -240,21 +240,20 @@ def backend_for(name: str, routine: str) -> str:
     return decode if routine == "decode" else mixed
 
 
-def _triton_fits(head_dim: int | None) -> bool:
-    return head_dim is None or (head_dim >= 16 and not head_dim & (head_dim - 1))
+def _triton_fits(head_dim: int) -> bool:
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
-def resolve_backend(name: str = "auto", device="cpu", head_dim: int | None = None) -> str:
-    """ "auto" -> the best available on `device`, per routine (AUTO; "DECODE/MIXED" when they differ, triton only
-    for a head dim it serves when one is given); a name or pair -> checked."""
+def resolve_backend(name: str = "auto", device="cpu") -> str:
+    """ "auto" -> the best available on `device`, per routine (AUTO; "DECODE/MIXED" when they differ); a name or
+    pair -> checked."""
     dev = torch.device(device)
     if name == "auto":
         if dev.type != "cuda":
             return "torch"
 
         def best(routine):
-            ok = (b for b in AUTO[routine] if _importable(b) is None and (b != "triton" or _triton_fits(head_dim)))
-            return next(ok, "torch")
+            return next((b for b in AUTO[routine] if _importable(b) is None), "torch")
 
         decode, mixed = best("decode"), best("mixed")
         return decode if decode == mixed else f"{decode}/{mixed}"
@@ -460,7 +459,7 @@ def attention(
     and cap: the block table's capacity (max_pages * page_size). scale: default D ** -0.5.
     """
     if backend == "auto":
-        backend = resolve_backend("auto", q.device, q.shape[-1])
+        backend = resolve_backend("auto", q.device)
     _check(q, k, v, cache_k, cache_v, meta, backend, routine)
     backend = backend_for(backend, routine)
     N, Hq, D = q.shape
