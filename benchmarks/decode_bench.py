@@ -325,15 +325,18 @@ class CompilePeer:
 
 # ------------------------------------------------------------------------------------------------ passes
 def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base):
-    """Every cell for one attention backend, with one KV cache (sized for the largest cell) shared by all cells."""
-    dev, ps, max_ctx = a.device, A.page_size_for(backend), max(ctx for ctx, _ in cells)
+    """Every cell for one attention backend, with one KV cache (sized for the largest cell) shared by all cells.
+    `backend` "auto" is what a user gets without naming one (A.resolve_backend for this model, a pair such as
+    "triton/flash_attn"): its columns are labelled "auto", and its first row says what it resolved to."""
+    spec = A.resolve_backend(backend, a.device, cfg.head_dim) if backend == "auto" else backend
+    if spec != backend:
+        rec({"kind": "resolved", **base, "backend": backend, "resolves_to": spec}, show=f"{backend}: {spec}")
+    dev, ps, max_ctx = a.device, A.page_size_for(spec), max(ctx for ctx, _ in cells)
     cache = llama.init_cache(cfg, cache_pages(cells, ps), ps, a.dtype, dev)
-    jitted = {m: make_jitted(cfg, backend, m, max_ctx, a.buckets) for m in modes}
-    step = llama.make_step(cfg, backend=backend, max_seq_len=max_ctx)
+    jitted = {m: make_jitted(cfg, spec, m, max_ctx, a.buckets) for m in modes}
+    step = llama.make_step(cfg, backend=spec, max_seq_len=max_ctx)
     name = "compile" if backend == a.peer_backend else f"{backend}/compile"
-    comp = (
-        CompilePeer(cfg, params, cache, backend, max_ctx, budget, a.compile_est_s, name) if "compile" in peers else None
-    )
+    comp = CompilePeer(cfg, params, cache, spec, max_ctx, budget, a.compile_est_s, name) if "compile" in peers else None
     with torch.no_grad():
         for ctx, B in cells:
             why = budget.why_not(a.cell_est_s)
@@ -525,7 +528,7 @@ def parse_args(argv=None):
     ap.add_argument("--ctx", nargs="+", type=int, default=[1024, 8192])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     ap.add_argument("--cells", nargs="*", default=None, help="ctx:batch pairs (default: --ctx x --batches)")
-    ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"])
+    ap.add_argument("--backends", nargs="+", default=["flash_attn", "flashinfer"], help='"auto": the default pick')
     ap.add_argument("--modes", nargs="*", default=["NONE", "PIECEWISE", "FULL"], help='"FULL+C": Inductor pieces')
     ap.add_argument("--buckets", nargs="+", type=int, default=[1, 8, 64, 256], help="of the benchmarked jit")
     ap.add_argument("--peers", nargs="+", default=["eager", "graph", "compile"], help='subset, or "none"')

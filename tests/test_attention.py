@@ -271,16 +271,20 @@ def test_a_pair_names_each_routines_backend_and_shares_one_page_size():
 
 
 @pytest.mark.parametrize(
-    "missing, want",
+    "missing, head_dim, want",
     [
-        ((), "flashinfer"),
-        (("flashinfer",), "flash_attn"),
-        (("flash_attn", "flashinfer"), "torch"),
+        ((), 64, "triton/flash_attn"),  # every package: triton's decode, FA2's capturable mixed
+        ((), None, "triton/flash_attn"),  # no head dim given: the cache's page size is the pair's either way
+        (("triton",), 64, "flashinfer/flash_attn"),
+        (("flash_attn",), 64, "triton/flashinfer"),
+        (("flash_attn", "flashinfer"), 128, "triton"),
+        ((), 80, "flashinfer/flash_attn"),  # a head dim triton's kernels cannot tile
+        (("flash_attn", "flashinfer", "triton"), 64, "torch"),
     ],
 )
-def test_auto_on_cuda_picks_the_first_importable_backend_per_routine(missing, want, monkeypatch):
+def test_auto_on_cuda_picks_the_fastest_importable_backend_per_routine(missing, head_dim, want, monkeypatch):
     monkeypatch.setattr(A, "_importable", lambda b: "absent" if b in missing else None)
-    assert A.resolve_backend("auto", "cuda") == want
+    assert A.resolve_backend("auto", "cuda", head_dim) == want
 
 
 def test_a_pair_checks_the_page_size_of_both_routines():

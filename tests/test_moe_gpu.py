@@ -1,6 +1,8 @@
 """MoE on the GPU: the local backend is sync-free and capturable (every layout, inside a raw CUDA graph and in
 the example model's FULL graphs); all2all over NCCL at world size 1 runs piecewise around the MoE break;
-allgather's NCCL collectives sit inside a full graph. Eager (same buckets, same kernels) is the oracle.
+allgather's NCCL collectives sit inside a full graph. Eager (same buckets, same kernels) is the oracle: the engines
+here replay eager's own kernels (compile=False), so their bf16 tokens are eager's bit for bit; compiled pieces are
+checked in float32, where Inductor's reordered sums cannot flip a greedy token.
 Run on the device: `python -m pytest -q tests/test_moe_gpu.py` (timings: `python -m fgraph.ops.moe cuda`)."""
 
 import contextlib
@@ -98,18 +100,26 @@ def nccl_world_of_one():
             dist.destroy_process_group()
 
 
-def tiny_moe(moe_backend):
+def tiny_moe(moe_backend, dtype=torch.bfloat16):
     from examples import qwen2_moe
 
     cfg = qwen2_moe.preset("tiny-moe", moe_backend=moe_backend, mlp_only_layers=(1,), n_layers=3)
-    return cfg, qwen2_moe.init_params(cfg, torch.bfloat16, DEV, seed=0)
+    return cfg, qwen2_moe.init_params(cfg, dtype, DEV, seed=0)
 
 
-def run_engine(cfg, params, mode, seed=0):
+def run_engine(cfg, params, mode, seed=0, backend="auto", compile=False):
     from examples import qwen2_moe
 
     eng = qwen2_moe.build(
-        cfg, params, backend="auto", mode=mode, max_seqs=8, max_seq_len=96, max_batch_tokens=64, capture=mode != "eager"
+        cfg,
+        params,
+        backend=backend,
+        mode=mode,
+        max_seqs=8,
+        max_seq_len=96,
+        max_batch_tokens=64,
+        capture=mode != "eager",
+        compile=compile,
     )
     g = torch.Generator().manual_seed(seed)
     for n in (5, 17, 1, 33, 9, 2, 40, 12):
@@ -121,14 +131,28 @@ def decode_entries(eng):
     return [e for e in eng.step_fn.entries.values() if dict(e.sig.statics)["routine"] == "decode"]
 
 
-def test_moe_model_full_graph_with_local_equals_eager():
+@pytest.mark.parametrize("backend", ["auto", "triton", "flash_attn", "flashinfer"])
+def test_moe_model_full_graph_with_local_equals_eager(backend):
+    if backend != "auto":
+        pytest.importorskip(backend)
     cfg, params = tiny_moe("local")
-    _, want = run_engine(cfg, params, "eager")
-    eng, got = run_engine(cfg, params, "FULL")
+    _, want = run_engine(cfg, params, "eager", backend=backend)
+    eng, got = run_engine(cfg, params, "FULL", backend=backend)
     assert got == want
     dec = decode_entries(eng)
     assert dec and all(e.mode is fgraph.Mode.FULL and len(e.graphs) == 1 for e in dec)
     assert sum(e.stats.replays for e in eng.step_fn.entries.values()) > 0
+
+
+def test_moe_model_compiled_pieces_equal_eager_in_float32():
+    """The engine's default on CUDA: FULL with Inductor-compiled pieces (the MoE break and triton attention inside
+    the full graphs), against eager in float32."""
+    cfg, params = tiny_moe("local", torch.float32)
+    _, want = run_engine(cfg, params, "eager", backend="triton")
+    eng, got = run_engine(cfg, params, "FULL", backend="triton", compile=True)
+    assert eng.step_fn.options.compile == {}
+    assert got == want
+    assert all(e.mode is fgraph.Mode.FULL and len(e.graphs) == 1 for e in decode_entries(eng))
 
 
 def test_all2all_world1_runs_piecewise_around_moe_and_equals_eager():

@@ -18,8 +18,9 @@ step: docs/performance.md). The pieces between breaks now never touch the cache.
   flashinfer  index_copy_, then decode via per-bucket CUDA-graph decode wrappers planned on the host before
               every replay (UNIFORM_DECODE); mixed via the fa2 prefill wrapper, not capturable, so mixed runs
               piecewise.
-  "auto"      per routine (AUTO): on CUDA flashinfer, then flash_attn, else torch; torch on the CPU. Any
-              "DECODE/MIXED" pair of the above may be named; its cache has the page size both accept.
+  "auto"      per routine (AUTO): on CUDA, triton's decode and FA2's mixed ("triton/flash_attn"), each falling
+              back to the next importable backend; torch on the CPU. Any "DECODE/MIXED" pair of the above may be
+              named; its cache has the page size both accept.
   triton      fgraph's own Triton kernels (_attn_triton): decode is one GQA-grouped split-KV kernel that also
               writes the new k/v (and a merge kernel when it splits); mixed: the one-launch write, then one
               causal paged kernel. Both capturable (ALWAYS). Any page size; head dims a power of two >= 16.
@@ -215,10 +216,10 @@ def _importable(backend: str) -> str | None:
     return None
 
 
-# "auto" per routine, best first on CUDA. A pair such as "triton/flash_attn" (triton's decode, the fastest measured at
-# every size, with FA2's capturable mixed) is opt-in until its bf16 MoE tokens equal eager's (docs/performance.md).
-# One cache serves both routines, so a pair shares its page size.
-AUTO = {"decode": ("flashinfer", "flash_attn"), "mixed": ("flashinfer", "flash_attn")}
+# "auto" per routine, best first on CUDA (docs/performance.md, issue #33): triton's decode kernel is the fastest
+# decode measured (no split + combine of another's making, no plan); FA2's mixed kernel is the fastest mixed one and,
+# unlike FlashInfer's, capturable. One cache serves both routines, so a pair shares its page size.
+AUTO = {"decode": ("triton", "flashinfer", "flash_attn"), "mixed": ("flash_attn", "flashinfer", "triton")}
 
 
 def backend_pair(name: str) -> tuple[str, str]:
@@ -240,20 +241,21 @@ def backend_for(name: str, routine: str) -> str:
     return decode if routine == "decode" else mixed
 
 
-def _triton_fits(head_dim: int) -> bool:
-    return head_dim >= 16 and not head_dim & (head_dim - 1)
+def _triton_fits(head_dim: int | None) -> bool:
+    return head_dim is None or (head_dim >= 16 and not head_dim & (head_dim - 1))
 
 
-def resolve_backend(name: str = "auto", device="cpu") -> str:
-    """ "auto" -> the best available on `device`, per routine (AUTO; "DECODE/MIXED" when they differ); a name or
-    pair -> checked."""
+def resolve_backend(name: str = "auto", device="cpu", head_dim: int | None = None) -> str:
+    """ "auto" -> the best available on `device`, per routine (AUTO; "DECODE/MIXED" when they differ; triton only for
+    a head dim its kernels tile, when one is given); a name or pair -> checked."""
     dev = torch.device(device)
     if name == "auto":
         if dev.type != "cuda":
             return "torch"
 
         def best(routine):
-            return next((b for b in AUTO[routine] if _importable(b) is None), "torch")
+            ok = (b for b in AUTO[routine] if _importable(b) is None and (b != "triton" or _triton_fits(head_dim)))
+            return next(ok, "torch")
 
         decode, mixed = best("decode"), best("mixed")
         return decode if decode == mixed else f"{decode}/{mixed}"
@@ -459,7 +461,7 @@ def attention(
     and cap: the block table's capacity (max_pages * page_size). scale: default D ** -0.5.
     """
     if backend == "auto":
-        backend = resolve_backend("auto", q.device)
+        backend = resolve_backend("auto", q.device, q.shape[-1])
     _check(q, k, v, cache_k, cache_v, meta, backend, routine)
     backend = backend_for(backend, routine)
     N, Hq, D = q.shape
