@@ -5,8 +5,9 @@ and Inductor's options (FULL+C) per variant, each checked against eager before t
       --variant pdl:backend=flash_attn,triton.enable_pdl=1 [--preset qwen2.5-0.5b] [--batches 1 64] [--ctx 1024]
 
 A variant is `name:key=value,...`: `backend` (default flash_attn on CUDA, torch on the CPU) and `mode` (default
-FULL+C) are fgraph's; every other key is an Inductor option for the compiled pieces (values: ints, floats, True /
-False, else strings). Each variant's own eager step (its backend's kernels, uncompiled) is its oracle: rel_err is
+FULL+C) are fgraph's; `triton_attn.NAME` sets the triton backend's module constant NAME (WAVES, BLOCK_N,
+DECODE_STAGES, ...) while the variant's eager oracle runs and its graphs are captured; every other key is an Inductor
+option for the compiled pieces (values: ints, floats, True / False, else strings). Each variant's own eager step (its backend's kernels, uncompiled) is its oracle: rel_err is
 max |jitted - eager| / max |eager| of the logits. On the CPU: a check of the script (tiny preset, torch backend).
 One JSON line per (variant, batch) row.
 """
@@ -14,6 +15,7 @@ One JSON line per (variant, batch) row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 
@@ -23,17 +25,20 @@ import torch.utils._pytree as pytree
 from benchmarks import kernels
 from benchmarks.common import decode_batch, device_name, jit_step, time_ms
 from examples import llama
+from fgraph.ops import _attn_triton as T
 from fgraph.ops import attention as A
 
 
 def parse_variant(text: str, dev: str) -> tuple[str, dict]:
-    """'name:k=v,...' -> (name, {"backend", "mode", "inductor": {...}})."""
+    """'name:k=v,...' -> (name, {"backend", "mode", "inductor": {...}, "triton_attn": {...}})."""
     name, _, rest = text.partition(":")
-    spec = {"backend": "flash_attn" if dev == "cuda" else "torch", "mode": "FULL+C", "inductor": {}}
+    spec = {"backend": "flash_attn" if dev == "cuda" else "torch", "mode": "FULL+C", "inductor": {}, "triton_attn": {}}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key in ("backend", "mode"):
             spec[key] = value
+        elif key.startswith("triton_attn."):
+            spec["triton_attn"][key.partition(".")[2]] = _value(value)
         else:
             spec["inductor"][key] = _value(value)
     return name, spec
@@ -46,6 +51,19 @@ def _value(text: str):
         except ValueError:
             pass
     return {"True": True, "False": False}.get(text, text)
+
+
+@contextlib.contextmanager
+def knobs(module, values: dict):
+    """Set module constants for the duration (a variant's setup), then restore them."""
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
 
 
 def main(argv=None) -> None:
@@ -65,7 +83,8 @@ def main(argv=None) -> None:
     variants = dict(parse_variant(v, dev) for v in a.variant)
     caches, batches, eager, jitted = {}, {}, {}, {}
     on = lambda b: pytree.tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, b)  # noqa: E731
-    for name, v in variants.items():
+
+    def setup(name, v):  # the variant's cache, batches, eager oracle and captured graphs
         ps = A.page_size_for(v["backend"])
         caches[name] = llama.init_cache(cfg, 1 + max(a.batches) * -(-a.ctx // ps), ps, dtype, dev)
         batches[name] = {B: decode_batch(cfg.vocab_size, B, a.ctx, ps)[0] for B in a.batches}
@@ -74,6 +93,10 @@ def main(argv=None) -> None:
             eager[name] = {B: step(params, caches[name], on(b), "decode")[0].float() for B, b in batches[name].items()}
         jitted[name] = f = jit_step(step, v["mode"], a.batches, v["inductor"])
         f.capture(params, caches[name], batches[name][a.batches[0]], routine="decode", progress=False)
+
+    for name, v in variants.items():
+        with knobs(T, v["triton_attn"]):
+            setup(name, v)
     for B in a.batches:
         calls = {
             name: (lambda f=f, n=name: f(params, caches[n], batches[n][B], routine="decode"))

@@ -102,10 +102,12 @@ def check_against_reference(batch, routine, max_seq_len=MAX_SEQ):
 def test_split_count_depends_on_static_sizes_only():
     """splits_for takes no lengths: ~WAVES programs per SM, at least one key block per split, at most MAX_SPLITS."""
     assert T.splits_for(1, 2, 1024) == 16  # the 0.5B at B=1: one split per block of 64 keys
-    assert T.splits_for(64, 2, 1024) == 3  # 128 programs -> 384
+    assert T.splits_for(64, 2, 8192) == 16  # 128 programs; 17 wanted: 16 of 8 blocks each cover the 128 (a 17th
+    # would get none)
+    assert T.splits_for(64, 2, 1024) == 16  # the same want, capped by the 16 blocks
     assert T.splits_for(1, 8, 8192) == T.MAX_SPLITS
-    assert T.splits_for(256, 8, 8192) == 1  # enough programs: no split, no merge kernel
-    assert T.splits_for(8, 2, 8192) == 16  # 17 wanted: 16 of 8 blocks each cover the 128 (a 17th would get none)
+    assert T.splits_for(256, 8, 8192) == 2  # 2048 programs -> 4096
+    assert T.splits_for(512, 8, 8192) == 1  # enough programs: no split, no merge kernel
     # An unpadded eager call splits as the graph of its bucket does (bitwise the same sums): every N between a
     # default bucket's predecessor and the bucket splits alike.
     buckets = fgraph.default_buckets(512)

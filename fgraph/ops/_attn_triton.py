@@ -44,18 +44,20 @@ from fgraph.ops._kv_write import write_kv
 BLOCK_N = 64  # decode: keys per block, a [64, D] tile of K and of V per step
 MIXED_ROWS = 64  # rows of a mixed query tile: BLOCK_M = MIXED_ROWS // G tokens times G heads
 NUM_SMS = 132  # the H200's; on CUDA the device's own count is used
-WAVES = 2  # decode programs to aim for, in waves of one program per SM (splits_for)
+WAVES = 16  # decode programs to aim for, in waves of one program per SM (splits_for; docs/performance.md)
 MAX_SPLITS = 32  # the merge reads [splits, D] per head; past this the merge costs more than longer splits
+DECODE_STAGES = 3  # software-pipelined key blocks in flight per decode program (Triton's default on sm_90)
 LOG2E = 1.4426950408889634
 
 
 def splits_for(batch: int, kv_heads: int, max_seq_len: int, block_n: int = BLOCK_N, num_sms: int = NUM_SMS) -> int:
     """Decode splits per (sequence, kv head): a function of static sizes only, so a graph is right for all lengths.
 
-    batch * kv_heads programs alone leave most SMs idle at small batches (the 0.5B at B=1: 2 programs); splitting
+    batch * kv_heads programs alone leave most SMs idle at small batches (the 0.5B at B=1: 2 programs), and at
+    long contexts too few key blocks in flight (a program streams its keys one block after another); splitting
     each sequence's keys gives ~WAVES programs per SM in all, each over at least one key block, at most
-    MAX_SPLITS. Large batches need no split (1: no merge kernel). Splits get whole blocks, as many each, and none
-    is left with no block of max_seq_len at all.
+    MAX_SPLITS. Batches of WAVES * SMs programs or more need no split (1: no merge kernel). Splits get whole blocks,
+    as many each, and none is left with no block of max_seq_len at all.
 
     The batch counts as its next power of two: an unpadded eager call of N sequences and the graph of N's bucket
     then split alike, so their float sums, and bf16 greedy tokens, are the same (every power of two is one of
@@ -127,7 +129,7 @@ def decode(out, q, k, v, k_cache, v_cache, seq_lens, block_table, slot_mapping, 
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page, BLOCK_N=BLOCK_N,
-            SPLITS=splits, PRECISION=precision, UPCAST=upcast, num_warps=_decode_warps(D),
+            SPLITS=splits, PRECISION=precision, UPCAST=upcast, num_warps=_decode_warps(D), num_stages=DECODE_STAGES,
         )  # fmt: skip
         if splits > 1:
             K.merge[(N, Hq)](part, lse, out, out.stride(0), out.stride(1), Hq, SPLITS=splits,
