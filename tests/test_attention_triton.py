@@ -100,14 +100,16 @@ def check_against_reference(batch, routine, max_seq_len=MAX_SEQ):
 
 # ------------------------------------------------------------------------------------------ static choices
 def test_split_count_depends_on_static_sizes_only():
-    """splits_for takes no lengths: ~WAVES programs per SM, at least one key block per split, at most MAX_SPLITS."""
+    """splits_for takes no lengths: ~WAVES programs per SM below UNSPLIT_WAVES, at least one key block per split, at
+    most MAX_SPLITS; no split at or above UNSPLIT_WAVES."""
     assert T.splits_for(1, 2, 1024) == 16  # the 0.5B at B=1: one split per block of 64 keys
-    assert T.splits_for(64, 2, 8192) == 16  # 128 programs; 17 wanted: 16 of 8 blocks each cover the 128 (a 17th
-    # would get none)
-    assert T.splits_for(64, 2, 1024) == 16  # the same want, capped by the 16 blocks
+    assert T.splits_for(8, 8, 8192) == 16  # the 8B at B=8: 64 programs; 17 wanted, and 16 of 8 blocks each cover
+    # the 128 (a 17th would get none)
+    assert T.splits_for(64, 2, 8192) == 9  # the 0.5B at B=64: 128 programs -> 1152
+    assert T.splits_for(64, 2, 1024) == 8  # the same want, in whole blocks of the 16
     assert T.splits_for(1, 8, 8192) == T.MAX_SPLITS
-    assert T.splits_for(256, 8, 8192) == 2  # 2048 programs -> 4096
-    assert T.splits_for(512, 8, 8192) == 1  # enough programs: no split, no merge kernel
+    assert T.splits_for(128, 2, 8192) == 5  # 256 programs, just under UNSPLIT_WAVES * 132
+    assert T.splits_for(256, 2, 8192) == 1  # 512 programs: no split, no merge kernel
     # An unpadded eager call splits as the graph of its bucket does (bitwise the same sums): every N between a
     # default bucket's predecessor and the bucket splits alike.
     buckets = fgraph.default_buckets(512)

@@ -44,7 +44,8 @@ from fgraph.ops._kv_write import write_kv
 BLOCK_N = 64  # decode: keys per block, a [64, D] tile of K and of V per step
 MIXED_ROWS = 64  # rows of a mixed query tile: BLOCK_M = MIXED_ROWS // G tokens times G heads
 NUM_SMS = 132  # the H200's; on CUDA the device's own count is used
-WAVES = 16  # decode programs to aim for, in waves of one program per SM (splits_for; docs/performance.md)
+WAVES = 8  # decode programs to aim for when splitting, per SM (splits_for; docs/performance.md)
+UNSPLIT_WAVES = 2  # a batch of this many programs per SM or more is not split
 MAX_SPLITS = 32  # the merge reads [splits, D] per head; past this the merge costs more than longer splits
 DECODE_STAGES = 3  # software-pipelined key blocks in flight per decode program (Triton's default on sm_90)
 LOG2E = 1.4426950408889634
@@ -54,15 +55,19 @@ def splits_for(batch: int, kv_heads: int, max_seq_len: int, block_n: int = BLOCK
     """Decode splits per (sequence, kv head): a function of static sizes only, so a graph is right for all lengths.
 
     batch * kv_heads programs alone leave most SMs idle at small batches (the 0.5B at B=1: 2 programs), and at
-    long contexts too few key blocks in flight (a program streams its keys one block after another); splitting
-    each sequence's keys gives ~WAVES programs per SM in all, each over at least one key block, at most
-    MAX_SPLITS. Batches of WAVES * SMs programs or more need no split (1: no merge kernel). Splits get whole blocks,
-    as many each, and none is left with no block of max_seq_len at all.
+    long contexts too few key blocks in flight (a program streams its keys one block after another). Below
+    UNSPLIT_WAVES programs per SM, each sequence's keys are split so that there are ~WAVES programs per SM in all,
+    each over at least one key block, at most MAX_SPLITS; at or above it there is no split (1: no merge kernel),
+    since a split there costs more in the merge and in shorter programs than it gains (docs/performance.md).
+    Splits get whole blocks, as many each, and none is left with no block of max_seq_len at all.
 
     The batch counts as its next power of two: an unpadded eager call of N sequences and the graph of N's bucket
     then split alike, so their float sums, and bf16 greedy tokens, are the same (every power of two is one of
     fgraph's default buckets, so N and its bucket round to the same one)."""
-    want = -(-WAVES * num_sms // max(1, _pow2(batch) * kv_heads))
+    programs = max(1, _pow2(batch) * kv_heads)
+    if programs >= UNSPLIT_WAVES * num_sms:
+        return 1
+    want = -(-WAVES * num_sms // programs)
     blocks = -(-max(1, max_seq_len) // block_n)
     per = -(-blocks // max(1, min(want, blocks, MAX_SPLITS)))  # blocks per split
     return -(-blocks // per)
