@@ -84,3 +84,16 @@ def test_host_time_is_measured_with_the_gpu_busy_and_idle(tmp_path):
     d = json.load(open(tmp_path / "decode.json"))
     (c,) = d["cells"]
     assert c["torch/FULL/idle_host_us"] > 0 and c["torch/FULL/host_us"] > 0
+
+
+def test_auto_is_measured_as_the_default_pick_and_says_what_that_was(tmp_path):
+    """`--backends auto`: what a user gets without naming a backend, labelled "auto" (a pair such as
+    "triton/flash_attn" would not fit the "<backend>/<mode>" columns), with the backend it resolved to on record."""
+    decode_bench.main(
+        ["--models", "tiny", "--device", "cpu", "--backends", "auto", "--cells", "64:1", "--modes", "FULL"]
+        + ["--peers", "none", "--no-host", "--rounds", "1", "--out", str(tmp_path)]
+    )
+    d = json.load(open(tmp_path / "decode.json"))
+    (c,) = d["cells"]
+    assert c["auto/FULL_err"] == 0.0 and "auto/FULL_ms" in c
+    assert [r["resolves_to"] for r in d["rows"] if r.get("kind") == "resolved"] == ["torch"]
