@@ -6,6 +6,7 @@ Shapes are tiny (head dim 8, pages of 4 tokens) so every sequence spans several 
 """
 
 import math
+import re
 import subprocess
 import sys
 
@@ -287,6 +288,51 @@ def test_auto_on_cuda_picks_the_fastest_importable_backend_per_routine(missing, 
     assert A.resolve_backend("auto", "cuda", head_dim) == want
 
 
+@pytest.mark.parametrize(
+    "head_dim, dtype, want",
+    [
+        (64, torch.bfloat16, "triton/flash_attn"),
+        (64, torch.float32, "triton"),  # FA2 and FlashInfer take half precision only: triton's mixed kernel
+        (80, torch.float32, "torch"),  # nor does triton tile 80
+        (80, torch.float16, "flashinfer/flash_attn"),
+        (264, torch.bfloat16, "flashinfer"),  # past FA2's 256
+    ],
+)
+def test_auto_picks_only_backends_whose_kernels_take_the_dtype_and_head_dim(head_dim, dtype, want, monkeypatch):
+    """What the engine asks for (its config's head dim and the weights' dtype): a float32 model on CUDA must not meet
+    FA2's own error at its first mixed step."""
+    monkeypatch.setattr(A, "_importable", lambda b: None)
+    assert A.resolve_backend("auto", "cuda", head_dim, dtype) == want
+
+
+@pytest.mark.parametrize(
+    "backend, routine, dtype, head_dim, says",
+    [
+        (
+            "flash_attn",
+            "mixed",
+            torch.float32,
+            64,
+            "the flash_attn backend needs q in float16 or bfloat16, got torch.float32",
+        ),
+        ("triton/flash_attn", "mixed", torch.float32, 64, "the flash_attn backend needs q in float16 or bfloat16"),
+        ("flashinfer", "decode", torch.float64, 64, "the flashinfer backend needs q in float16 or bfloat16"),
+        ("flash_attn", "decode", torch.bfloat16, 12, "the flash_attn backend needs a head dim that is a multiple of 8"),
+        ("triton", "decode", torch.float32, 24, "the triton backend needs a head dim that is a power of two >= 16"),
+    ],
+)
+def test_a_backend_given_what_its_kernels_do_not_take_is_an_fgraph_error(backend, routine, dtype, head_dim, says):
+    """Checked before any kernel runs (here on the meta device, as when fgraph traces: no kernel could run): the
+    backend, what it needs, and the fix. (CPU tensors reach FA2 and FlashInfer only in these tests' stand-ins.)"""
+    hkv, page, dev = 2, 256, "meta"
+    q, kv = torch.randn(2, 4, head_dim, dtype=dtype, device=dev), torch.randn(2, hkv, head_dim, dtype=dtype, device=dev)
+    cache = torch.zeros(3, page, hkv, head_dim, dtype=dtype, device=dev)
+    meta = A.build_metadata([1, 1], [1, 1], [[1], [2]], page, 1).to(dev)
+    with pytest.raises(fgraph.FgraphError, match=re.escape(says)) as e:
+        A.attention(q, kv, kv, cache, cache.clone(), meta, backend=backend, routine=routine)
+    assert "backend='auto'" in str(e.value)
+
+
 def test_a_pair_checks_the_page_size_of_both_routines():
     """One cache serves both routines: a pair with flash_attn refuses pages FA2 cannot read, even for the other."""
     case, n = Case(*DECODE, 4, 2), len(DECODE[0])
@@ -423,6 +469,7 @@ def test_flash_attn_results_land_in_out(routine, lens, hq, hkv, monkeypatch):
     against the same reference."""
     fake = FakeFlashAttnExtension()
     monkeypatch.setattr(_attn_flash, "_api", lambda: fake)
+    monkeypatch.setitem(A.TAKES, "flash_attn", (None, None))  # the stand-in computes in any dtype (float64 here)
     monkeypatch.setattr(_attn_flash, "_num_sms", lambda index: 132)
     in_place, into = [], _attn_flash._into  # whether the kernel's result already was `out` (no copy kernel)
     monkeypatch.setattr(
@@ -930,6 +977,7 @@ class FakeFlashInfer:
 def fake_flashinfer(monkeypatch):
     fake = FakeFlashInfer()
     monkeypatch.setattr(FI, "_fi", lambda: fake)
+    monkeypatch.setitem(A.TAKES, "flashinfer", (None, None))  # the stand-in computes in any dtype (float64 here)
     monkeypatch.setattr(FI, "WORKSPACE_BYTES", 64)
     for name in ("_workspaces", "_decode_bufs", "_wrappers", "_groups", "_states"):
         monkeypatch.setattr(FI, name, {})

@@ -241,20 +241,37 @@ def backend_for(name: str, routine: str) -> str:
     return decode if routine == "decode" else mixed
 
 
-def _triton_fits(head_dim: int | None) -> bool:
-    return head_dim is None or (head_dim >= 16 and not head_dim & (head_dim - 1))
+_HALF = (torch.float16, torch.bfloat16)
+# What each backend's kernels take: (q dtypes, head dims as a rule and its words); None: any. flash_attn: its
+# kernels' bound and the multiple of 8 its kvcache entry point needs; triton: tl.arange tiles of D.
+TAKES = {
+    "torch": (None, None),
+    "flash_attn": (_HALF, (lambda d: d % 8 == 0 and d <= 256, "a multiple of 8 up to 256")),
+    "flashinfer": (_HALF, None),
+    "triton": (_HALF + (torch.float32,), (lambda d: d >= 16 and not d & (d - 1), "a power of two >= 16")),
+}
 
 
-def resolve_backend(name: str = "auto", device="cpu", head_dim: int | None = None) -> str:
-    """ "auto" -> the best available on `device`, per routine (AUTO; "DECODE/MIXED" when they differ; triton only for
-    a head dim its kernels tile, when one is given); a name or pair -> checked."""
+def _refuses(backend: str, head_dim: int | None = None, dtype: torch.dtype | None = None) -> str | None:
+    """Why `backend`'s kernels cannot take this head dim or q dtype (None: they can, or nothing was given)."""
+    dtypes, dims = TAKES[backend]
+    if dtype is not None and dtypes is not None and dtype not in dtypes:
+        return f"q in {' or '.join(str(t).removeprefix('torch.') for t in dtypes)}, got {dtype}"
+    if head_dim is not None and dims is not None and not dims[0](head_dim):
+        return f"a head dim that is {dims[1]}, got {head_dim}"
+    return None
+
+
+def resolve_backend(name: str = "auto", device="cpu", head_dim: int | None = None, dtype=None) -> str:
+    """ "auto" -> the best available on `device`, per routine (AUTO; "DECODE/MIXED" when they differ), of the backends
+    whose kernels take this head dim and q dtype where they are given (TAKES); a name or pair -> checked."""
     dev = torch.device(device)
     if name == "auto":
         if dev.type != "cuda":
             return "torch"
 
         def best(routine):
-            ok = (b for b in AUTO[routine] if _importable(b) is None and (b != "triton" or _triton_fits(head_dim)))
+            ok = (b for b in AUTO[routine] if _importable(b) is None and _refuses(b, head_dim, dtype) is None)
             return next(ok, "torch")
 
         decode, mixed = best("decode"), best("mixed")
@@ -431,12 +448,14 @@ def _check(q, k, v, cache_k, cache_v, meta: AttentionMetadata, backend: str, rou
             f"{where}: flash_attn needs a page size that is a multiple of 256, the cache has {cache_k.shape[1]}",
             "allocate the cache with page_size=A.page_size_for('flash_attn')",
         )
-    triton_dtypes = (torch.float16, torch.bfloat16, torch.float32)
-    if backend_for(backend, routine) == "triton" and (not _triton_fits(D) or q.dtype not in triton_dtypes):
+    mine = backend_for(backend, routine)
+    # FA2's and FlashInfer's kernels run on CUDA only; CPU tensors reach them only in tests' stand-ins, which take any
+    # dtype. triton's rule holds on the CPU too (Triton's interpreter runs its kernels there).
+    why = _refuses(mine, D, q.dtype) if mine == "triton" or q.device.type != "cpu" else None
+    if why is not None:
         raise FgraphError(
-            f"{where}: the triton backend needs a head dim that is a power of two >= 16 and q in float16, bfloat16 "
-            f"or float32, got head dim {D} and {q.dtype}",
-            "use backend='flash_attn', 'flashinfer' or 'torch' for this model",
+            f"{where}: the {mine} backend needs {why}",
+            "use backend='auto' (it picks a backend that takes them: resolve_backend(..., head_dim, dtype)) or 'torch'",
         )
 
 
@@ -461,7 +480,7 @@ def attention(
     and cap: the block table's capacity (max_pages * page_size). scale: default D ** -0.5.
     """
     if backend == "auto":
-        backend = resolve_backend("auto", q.device, q.shape[-1])
+        backend = resolve_backend("auto", q.device, q.shape[-1], q.dtype)
     _check(q, k, v, cache_k, cache_v, meta, backend, routine)
     backend = backend_for(backend, routine)
     N, Hq, D = q.shape
