@@ -20,7 +20,7 @@ import fgraph
 from fgraph import Support, _fx
 from fgraph._primitives import support_rules
 from fgraph.capture import _graphs as C
-from fgraph.ops import _attn_flash
+from fgraph.ops import _attn_flash, _backends
 from fgraph.ops import _attn_flashinfer as FI
 from fgraph.ops import attention as A
 
@@ -284,7 +284,7 @@ def test_a_pair_names_each_routines_backend_and_shares_one_page_size():
     ],
 )
 def test_auto_on_cuda_picks_the_fastest_importable_backend_per_routine(missing, head_dim, want, monkeypatch):
-    monkeypatch.setattr(A, "_importable", lambda b: "absent" if b in missing else None)
+    monkeypatch.setattr(_backends, "_importable", lambda b: "absent" if b in missing else None)
     assert A.resolve_backend("auto", "cuda", head_dim) == want
 
 
@@ -301,7 +301,7 @@ def test_auto_on_cuda_picks_the_fastest_importable_backend_per_routine(missing, 
 def test_auto_picks_only_backends_whose_kernels_take_the_dtype_and_head_dim(head_dim, dtype, want, monkeypatch):
     """What the engine asks for (its config's head dim and the weights' dtype): a float32 model on CUDA must not meet
     FA2's own error at its first mixed step."""
-    monkeypatch.setattr(A, "_importable", lambda b: None)
+    monkeypatch.setattr(_backends, "_importable", lambda b: None)
     assert A.resolve_backend("auto", "cuda", head_dim, dtype) == want
 
 
