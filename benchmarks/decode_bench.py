@@ -328,7 +328,7 @@ def backend_pass(cfg, params, backend, modes, cells, a, rec, budget, peers, base
     """Every cell for one attention backend, with one KV cache (sized for the largest cell) shared by all cells.
     `backend` "auto" is what a user gets without naming one (A.resolve_backend for this model, a pair such as
     "triton/flash_attn"): its columns are labelled "auto", and its first row says what it resolved to."""
-    spec = A.resolve_backend(backend, a.device, cfg.head_dim) if backend == "auto" else backend
+    spec = A.resolve_backend(backend, a.device, cfg.head_dim, a.dtype) if backend == "auto" else backend
     if spec != backend:
         rec({"kind": "resolved", **base, "backend": backend, "resolves_to": spec}, show=f"{backend}: {spec}")
     dev, ps, max_ctx = a.device, A.page_size_for(spec), max(ctx for ctx, _ in cells)

@@ -7,8 +7,8 @@ and Inductor's options (FULL+C) per variant, each checked against eager before t
 A variant is `name:key=value,...`: `backend` (default flash_attn on CUDA, torch on the CPU) and `mode` (default
 FULL+C) are fgraph's; `triton_attn.NAME` sets the triton backend's module constant NAME (WAVES, BLOCK_N,
 DECODE_STAGES, ...) while the variant's eager oracle runs and its graphs are captured; every other key is an Inductor
-option for the compiled pieces (values: ints, floats, True / False, else strings). Each variant's own eager step (its backend's kernels, uncompiled) is its oracle: rel_err is
-max |jitted - eager| / max |eager| of the logits. On the CPU: a check of the script (tiny preset, torch backend).
+option for the compiled pieces (values: ints, floats, True / False, else strings). Each variant's own eager step (its
+backend's kernels, uncompiled) is its oracle: rel_err is max |jitted - eager| / max |eager| of the logits. On the CPU: a check of the script (tiny preset, torch backend).
 One JSON line per (variant, batch) row.
 """
 

@@ -323,7 +323,8 @@ def test_auto_picks_only_backends_whose_kernels_take_the_dtype_and_head_dim(head
 )
 def test_a_backend_given_what_its_kernels_do_not_take_is_an_fgraph_error(backend, routine, dtype, head_dim, says):
     """Checked before any kernel runs (here on the meta device, as when fgraph traces: no kernel could run): the
-    backend, what it needs, and the fix. (CPU tensors reach FA2 and FlashInfer only in these tests' stand-ins.)"""
+    backend, what it needs, and the fix, on any device (the CPU stand-ins of FA2 and FlashInfer declare their own
+    TAKES)."""
     hkv, page, dev = 2, 256, "meta"
     q, kv = torch.randn(2, 4, head_dim, dtype=dtype, device=dev), torch.randn(2, hkv, head_dim, dtype=dtype, device=dev)
     cache = torch.zeros(3, page, hkv, head_dim, dtype=dtype, device=dev)

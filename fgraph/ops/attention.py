@@ -347,9 +347,7 @@ def _check(q, k, v, cache_k, cache_v, meta: AttentionMetadata, backend: str, rou
             "allocate the cache with page_size=A.page_size_for('flash_attn')",
         )
     mine = backend_for(backend, routine)
-    # FA2's and FlashInfer's kernels run on CUDA only; CPU tensors reach them only in tests' stand-ins, which take any
-    # dtype. triton's rule holds on the CPU too (Triton's interpreter runs its kernels there).
-    why = _refuses(mine, D, q.dtype) if mine == "triton" or q.device.type != "cpu" else None
+    why = _refuses(mine, D, q.dtype)
     if why is not None:
         raise FgraphError(
             f"{where}: the {mine} backend needs {why}",
