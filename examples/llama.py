@@ -169,6 +169,7 @@ def forward(
     max_seq_len: int | None = None,
     mlp=None,
     tp=None,
+    fuse_rope: bool = True,
 ):
     """One step over N new tokens of S sequences -> (logits [N, V] in the model dtype, cache with their k/v written).
 
@@ -177,6 +178,8 @@ def forward(
     tp: None, or this rank's `examples.tp.TP`. Then cfg and params are the rank's shard (its q/kv heads, MLP
       columns and vocab rows) and tp adds the collectives: vocab-parallel embedding, an all-reduce of the
       attention and MLP outputs (partial sums over this rank's heads / columns), an all-gather of the logits.
+    fuse_rope: attention rotates q and k inside its break (`rope=`), so no kernel between the qkv matmul and the
+      break does (docs/performance.md); False rotates them here first. The same numbers either way.
     """
     tokens, positions = batch.tokens, batch.positions  # [N], [N]
     assert tokens.ndim == 1 and positions.shape == tokens.shape, (tokens.shape, positions.shape)
@@ -189,15 +192,18 @@ def forward(
     def block(layer, k_cache, v_cache, x, cos, sin, meta):  # one decoder layer: [N, dim] -> [N, dim]
         qkv = linear(rms_norm(x, layer.attn_norm, cfg.norm_eps), layer.wqkv, layer.bqkv)  # [N, (Hq+2Hkv)*D]
         q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q = apply_rope(q.view(N, Hq, D), cos, sin)  # [N, Hq, D]
-        # k (roped) and v in one fresh tensor (one kernel under Inductor): attention takes them as strided views of
-        # it. Views of qkv itself would keep all of qkv alive between PIECEWISE pieces (9x v's size on 0.5B: large
-        # blocks that fragment the graph pool), and a .contiguous() would ask whether N == 1 (a trace per bucket 1).
-        kv = torch.cat([apply_rope(k.view(N, Hkv, D), cos, sin), v.view(N, Hkv, D)], dim=1)  # [N, 2 Hkv, D]
+        if fuse_rope:  # q, k, v: views of qkv; attention rotates q and k inside its break (no kernel here)
+            q, k, v, rope = q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), (cos, sin)
+        else:
+            # k (roped) and v in one fresh tensor (one kernel under Inductor): attention takes them as strided views
+            # of it (a .contiguous() would ask whether N == 1: a trace per bucket 1).
+            q, rope = apply_rope(q.view(N, Hq, D), cos, sin), None  # [N, Hq, D]
+            kv = torch.cat([apply_rope(k.view(N, Hkv, D), cos, sin), v.view(N, Hkv, D)], dim=1)  # [N, 2 Hkv, D]
+            k, v = kv[:, :Hkv], kv[:, Hkv:]
         o = A.attention(
             q,
-            kv[:, :Hkv],
-            kv[:, Hkv:],
+            k,
+            v,
             k_cache,
             v_cache,
             meta,
@@ -205,6 +211,7 @@ def forward(
             backend=backend,
             routine=routine,
             max_seq_len=max_seq_len or cfg.max_seq_len,
+            rope=rope,
         )  # [N, Hq, D]
         x = x + reduce(linear(o.reshape(N, Hq * D), layer.wo))
         h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # [N, dim]
@@ -217,10 +224,12 @@ def forward(
     return (lm_head(x, w) if tp is None else tp.lm_head(x, w, cfg.vocab_size)), cache
 
 
-def make_step(cfg: LlamaConfig, backend: str = "torch", max_seq_len: int | None = None, tp=None):
+def make_step(
+    cfg: LlamaConfig, backend: str = "torch", max_seq_len: int | None = None, tp=None, fuse_rope: bool = True
+):
     """`step(params, cache, batch, routine)`: the contract's pure step, with config, backend and tp closed over."""
 
     def step(params: Params, cache: A.KVCache, batch: Batch, routine: str = "mixed"):
-        return forward(cfg, params, cache, batch, routine, backend, max_seq_len, tp=tp)
+        return forward(cfg, params, cache, batch, routine, backend, max_seq_len, tp=tp, fuse_rope=fuse_rope)
 
     return step

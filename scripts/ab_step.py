@@ -5,10 +5,12 @@ and Inductor's options (FULL+C) per variant, each checked against eager before t
       --variant pdl:backend=flash_attn,triton.enable_pdl=1 [--preset qwen2.5-0.5b] [--batches 1 64] [--ctx 1024]
 
 A variant is `name:key=value,...`: `backend` (default flash_attn on CUDA, torch on the CPU) and `mode` (default
-FULL+C) are fgraph's; `triton_attn.NAME` sets the triton backend's module constant NAME (WAVES, BLOCK_N,
-DECODE_STAGES, ...) while the variant's eager oracle runs and its graphs are captured; every other key is an Inductor
-option for the compiled pieces (values: ints, floats, True / False, else strings). Each variant's own eager step (its
-backend's kernels, uncompiled) is its oracle: rel_err is max |jitted - eager| / max |eager| of the logits. On the CPU: a check of the script (tiny preset, torch backend).
+FULL+C) are fgraph's; `fuse_rope` (default True) is the model's (RoPE inside the attention break); `triton_attn.NAME`
+sets the triton backend's module constant NAME (WAVES, BLOCK_N, DECODE_STAGES, ...) while the variant's eager oracle
+runs and its graphs are captured; every other key is an Inductor option for the compiled pieces (values: ints,
+floats, True / False, else strings). Each variant's own eager step (its backend's kernels, uncompiled) is its
+oracle: rel_err is max |jitted - eager| / max |eager| of the logits. On the CPU: a check of the script (tiny preset,
+torch backend).
 One JSON line per (variant, batch) row.
 """
 
@@ -32,11 +34,14 @@ from fgraph.ops import attention as A
 def parse_variant(text: str, dev: str) -> tuple[str, dict]:
     """'name:k=v,...' -> (name, {"backend", "mode", "inductor": {...}, "triton_attn": {...}})."""
     name, _, rest = text.partition(":")
-    spec = {"backend": "flash_attn" if dev == "cuda" else "torch", "mode": "FULL+C", "inductor": {}, "triton_attn": {}}
+    spec = {"backend": "flash_attn" if dev == "cuda" else "torch", "mode": "FULL+C", "fuse_rope": True}
+    spec.update(inductor={}, triton_attn={})
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key in ("backend", "mode"):
             spec[key] = value
+        elif key == "fuse_rope":
+            spec[key] = _value(value)
         elif key.startswith("triton_attn."):
             spec["triton_attn"][key.partition(".")[2]] = _value(value)
         else:
@@ -88,7 +93,7 @@ def main(argv=None) -> None:
         ps = A.page_size_for(v["backend"])
         caches[name] = llama.init_cache(cfg, 1 + max(a.batches) * -(-a.ctx // ps), ps, dtype, dev)
         batches[name] = {B: decode_batch(cfg.vocab_size, B, a.ctx, ps)[0] for B in a.batches}
-        step = llama.make_step(cfg, backend=v["backend"], max_seq_len=a.ctx)
+        step = llama.make_step(cfg, backend=v["backend"], max_seq_len=a.ctx, fuse_rope=v["fuse_rope"])
         with torch.no_grad():
             eager[name] = {B: step(params, caches[name], on(b), "decode")[0].float() for B, b in batches[name].items()}
         jitted[name] = f = jit_step(step, v["mode"], a.batches, v["inductor"])

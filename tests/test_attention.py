@@ -525,7 +525,7 @@ def test_trace_is_one_break_that_writes_the_cache():
     assert not {torch.ops.aten.index_copy_.default, torch.ops.aten.index_put_.default} & set(ops), ops
     assert ops.count(torch.ops.fgraph.attention.default) == 1
     node = next(n for n in gm.graph.nodes if n.target is torch.ops.fgraph.attention.default)
-    assert node.args[10:] == ("torch", "mixed", D**-0.5, 8 * PAGE, PAGE)
+    assert node.args[10:] == (None, None, "torch", "mixed", D**-0.5, 8 * PAGE, PAGE)  # no rope: cos, sin None
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     written = {names.index(t.name) if t.op == "placeholder" else str(t.target) for t in _fx.write_targets(node)}
     assert written == {3, 4, "aten.empty.memory_format"}, written  # kc, vc and out (allocated in the function)

@@ -113,9 +113,14 @@ def _dot_options(q: torch.Tensor) -> tuple[str, bool]:
     return ("ieee" if q.dtype == torch.float32 else "tf32"), (q.dtype == torch.bfloat16 and not q.is_cuda)
 
 
-def decode(out, q, k, v, k_cache, v_cache, seq_lens, block_table, slot_mapping, *, scale, max_seq_len) -> None:
+def decode(
+    out, q, k, v, k_cache, v_cache, seq_lens, block_table, slot_mapping, *, scale, max_seq_len, rope=None
+) -> None:
     """One token per sequence: q/out [N, Hq, D], k/v [N, Hkv, D] (rows of any stride, unit stride in D);
-    caches [P, page, Hkv, D]; seq_lens [N]; block_table [N, max_pages]; slot_mapping [N]. Writes k/v, then out."""
+    caches [P, page, Hkv, D]; seq_lens [N]; block_table [N, max_pages]; slot_mapping [N]. Writes k/v, then out.
+
+    rope: None, or (cos, sin) [N, D] (unit stride in D): q and k arrive before RoPE and the kernel rotates them as
+    it loads them (_rope), writing the rotated k into the cache."""
     K = kernels()
     N, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -128,13 +133,15 @@ def decode(out, q, k, v, k_cache, v_cache, seq_lens, block_table, slot_mapping, 
         part = torch.empty(N, Hq, splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(N, Hq, splits, dtype=torch.float32, device=q.device)
     precision, upcast = _dot_options(q)
+    cos, sin = rope if rope is not None else (q, q)  # (unread without ROPE)
     with _device(q):
         K.decode[(N, Hkv, splits)](
-            q, k, v, k_cache, v_cache, out, part, lse, seq_lens, block_table, slot_mapping,
+            q, k, v, k_cache, v_cache, out, part, lse, seq_lens, block_table, slot_mapping, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-            scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page, BLOCK_N=BLOCK_N,
-            SPLITS=splits, PRECISION=precision, UPCAST=upcast, num_warps=_decode_warps(D), num_stages=DECODE_STAGES,
+            cos.stride(0), scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page,
+            BLOCK_N=BLOCK_N, SPLITS=splits, ROPE=rope is not None, PRECISION=precision, UPCAST=upcast,
+            PTX=q.is_cuda, num_warps=_decode_warps(D), num_stages=DECODE_STAGES,
         )  # fmt: skip
         if splits > 1:
             K.merge[(N, Hq)](part, lse, out, out.stride(0), out.stride(1), Hq, SPLITS=splits,
@@ -161,19 +168,35 @@ def mixed(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, s
 
 
 def forward(
-    out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine, scale, max_seq_len
+    out,
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    seq_lens,
+    block_table,
+    slot_mapping,
+    *,
+    routine,
+    scale,
+    max_seq_len,
+    rope=None,
 ):
     """The triton backend's eager rule: write k/v into their cache slots, then attend (module docstring).
 
-    out, q: [N, Hq, D]; k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (unit stride in D); block_table:
-    [S, max_pages]."""
+    out, q: [N, Hq, D] (q: rows of any stride); k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (unit stride
+    in D); block_table: [S, max_pages]. rope: (cos, sin) [N, D] for decode only (_rope.FUSES), q and k before RoPE."""
     if q.shape[0] == 0:
         return
-    assert k_cache.stride(-1) == v_cache.stride(-1) == out.stride(-1) == q.stride(-1) == 1
-    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))  # the kernels need unit stride in D only
+    assert k_cache.stride(-1) == v_cache.stride(-1) == out.stride(-1) == 1
+    # the kernels need unit stride in D only
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if routine == "decode":
         decode(out, q, k, v, k_cache, v_cache, seq_lens, block_table, slot_mapping, scale=scale,
-               max_seq_len=max_seq_len)  # fmt: skip
+               max_seq_len=max_seq_len, rope=rope)  # fmt: skip
     else:
+        assert rope is None, "triton's mixed kernel takes q and k after RoPE"
         write_kv(k, v, k_cache, v_cache, slot_mapping)
         mixed(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale=scale)

@@ -17,6 +17,43 @@ def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def mul_rn(a, b, PTX: tl.constexpr):
+    """a * b in float32, never contracted into a multiply-add with what follows: on CUDA a `mul.rn` (PTX does not
+    fuse an instruction with an explicit rounding mode); in the interpreter plain numpy, which never fuses."""
+    if PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)  # fmt: skip
+    return a * b
+
+
+@triton.jit
+def rope(x, xr, c, s, PTX: tl.constexpr):
+    """x * c + xr * s rounded as eager torch rounds it in x's dtype: each product, then the sum, so the rotation here
+    and the reference's torch ops agree bit for bit in every dtype. Left to the compiler, the half-precision
+    products shrink to half-precision multiplies that then fuse with the add (one rounding instead of three).
+    xr: x rolled by D / 2 (_rope)."""
+    a = mul_rn(x.to(tl.float32), c.to(tl.float32), PTX).to(x.dtype)
+    b = mul_rn(xr.to(tl.float32), s.to(tl.float32), PTX).to(x.dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rotate(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, s_qt, s_qh, s_kt, s_kh, s_c, Hq, D: tl.constexpr,
+           PTX: tl.constexpr):  # fmt: skip
+    """Program (t, h): head h of token t, a q head for h < Hq, else k head h - Hq, into its contiguous copy."""
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    d = tl.arange(0, D)
+    dr = (d + D // 2) % D
+    c, s = tl.load(cos_ptr + t * s_c + d), tl.load(sin_ptr + t * s_c + d)
+    if h < Hq:
+        row, out = q_ptr + t * s_qt + h * s_qh, qo_ptr + (t * Hq + h) * D
+    else:
+        Hkv = tl.num_programs(1) - Hq
+        row, out = k_ptr + t * s_kt + (h - Hq) * s_kh, ko_ptr + (t * Hkv + h - Hq) * D
+    tl.store(out + d, rope(tl.load(row + d), tl.load(row + dr), c, s, PTX))
+
+
+@triton.jit
 def attend_block(acc, m, den, q, kc_ptr, vc_ptr, bt_row, n0, end, visible_to, qk_scale, s_page, s_row,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
                  UPCAST: tl.constexpr):  # fmt: skip
@@ -43,21 +80,30 @@ def attend_block(acc, m, den, q, kc_ptr, vc_ptr, bt_row, n0, end, visible_to, qk
 
 @triton.jit
 def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, seq_lens_ptr, bt_ptr, slot_ptr,
-           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_page, s_row, s_head, s_bt, qk_scale, chunk, Hq,
-           G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-           SPLITS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+           cos_ptr, sin_ptr, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_page, s_row, s_head, s_bt, s_c,
+           qk_scale, chunk, Hq, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
+           UPCAST: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, D)
+    dr = (d + D // 2) % D  # ROPE: the rolled half of each row
     heads, live = h * G + g, g < G  # [BLOCK_G] the group's q heads; rows >= G are padding
-    q = tl.load(q_ptr + b64 * s_qt + heads[:, None] * s_qh + d[None, :], mask=live[:, None], other=0.0)
+    q_rows = q_ptr + b64 * s_qt + heads[:, None] * s_qh
+    q = tl.load(q_rows + d[None, :], mask=live[:, None], other=0.0)
+    if ROPE:  # q and the new k arrive before RoPE: rotate them here (cos/sin [N, D], this token's row)
+        c, sn = tl.load(cos_ptr + b64 * s_c + d), tl.load(sin_ptr + b64 * s_c + d)
+        q = rope(q, tl.load(q_rows + dr[None, :], mask=live[:, None], other=0.0), c[None, :], sn[None, :], PTX)
     cached = tl.load(seq_lens_ptr + b) - 1  # positions [0, cached) come from the cache
     start = s * chunk
     end = tl.minimum(start + chunk, cached)
     end = tl.where(s == SPLITS - 1, cached, end)  # the last split takes any rest (a seq_len past max_seq_len)
     kc_head, vc_head = kc_ptr + h * s_head, vc_ptr + h * s_head
     if s == 0:  # the new token: into its slot, and into the softmax from registers
-        k_new = tl.load(k_ptr + b64 * s_kt + h * s_kh + d)  # [D]
+        k_row = k_ptr + b64 * s_kt + h * s_kh
+        k_new = tl.load(k_row + d)  # [D]
+        if ROPE:
+            k_new = rope(k_new, tl.load(k_row + dr), c, sn, PTX)
         v_new = tl.load(v_ptr + b64 * s_vt + h * s_vh + d)
         slot = tl.load(slot_ptr + b)
         slot_at = (slot // PAGE) * s_page + (slot % PAGE) * s_row + d

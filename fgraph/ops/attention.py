@@ -2,14 +2,14 @@
 
     cache = KVCache.allocate(layers, num_pages, page_size, kv_heads, head_dim, dtype, device)
     meta = build_metadata(query_lens, seq_lens, block_tables, page_size, max_pages)   # host, per step
-    out = attention(q, k, v, cache.k[i], cache.v[i], meta, backend=..., routine=..., max_seq_len=...)
+    out = attention(q, k, v, cache.k[i], cache.v[i], meta, backend=..., routine=..., max_seq_len=..., rope=None)
 
 `attention` calls the break `torch.ops.fgraph.attention(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
-block_table, slot_mapping, backend, routine, scale, max_seq_len, page_size)`, which writes the new keys/values into
-their slots, then `out`, and dispatches on `backend`. The KV write lives inside the break (the op declares k_cache and
-v_cache mutated): as ordinary ops in the piece before it, an in-place write into a graph input, Inductor
-(`jit(compile=True)`) functionalized it into a copy of the whole cache layer per layer and step (a much slower decode
-step: docs/performance.md). The pieces between breaks now never touch the cache.
+block_table, slot_mapping, cos, sin, backend, routine, scale, max_seq_len, page_size)`, which rotates q and k when given
+rope=(cos, sin) (_rope), writes the new keys/values into their slots, then `out`, and dispatches on `backend`. The KV
+write lives inside the break (the op declares k_cache and v_cache mutated): as ordinary ops in the piece before it, an
+in-place write into a graph input, Inductor (`jit(compile=True)`) functionalized it into a copy of the whole cache layer
+per layer and step (a much slower decode step: docs/performance.md). The pieces between breaks never touch the cache.
 
   torch       the reference: CPU and GPU, any page size, static shapes (capturable: Support.ALWAYS)
   flash_attn  FlashAttention-2: decode via flash_attn_with_kvcache, which appends k/v itself (one kernel);
@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from fgraph.extend import Batched, FgraphError, PlanCall, Support, primitive, register
+from fgraph.ops import _rope
 from fgraph.ops._backends import (  # noqa: F401 (re-exported: the backends' names are attention's)
     AUTO,
     BACKENDS,
@@ -61,6 +62,7 @@ from fgraph.ops._backends import (  # noqa: F401 (re-exported: the backends' nam
     page_size_for,
     resolve_backend,
 )
+from fgraph.ops._rope import apply_rope  # noqa: F401 (re-exported: rope= is attention's)
 
 ROUTINES = ("decode", "mixed")
 SCRATCH_PAGE = 0
@@ -249,6 +251,8 @@ def attention_p(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     slot_mapping: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
     backend: str,
     routine: str,
     scale: float,
@@ -258,9 +262,23 @@ def attention_p(
     """The attention break primitive: write k/v into the paged cache, then causal paged attention.
 
     Write k/v [N, Hkv, D] (cache dtype, any row stride, unit stride in D) into their slots of k_cache/v_cache, then
-    out [N, Hq, D] = causal paged attention of q [N, Hq, D] over the cache."""
+    out [N, Hq, D] = causal paged attention of q [N, Hq, D] over the cache. cos/sin [N, (1,) D] (or None): q and k are
+    before RoPE, and the break rotates them first (_rope)."""
     assert k_cache.shape[1] == page_size, (k_cache.shape, page_size)
-    q = q.contiguous()  # (at run time, inside the break: a no-op for the usual q, fresh from RoPE)
+    rope = {}
+    if cos is not None:
+        if not cos.shape[0] == sin.shape[0] == q.shape[0]:
+            raise FgraphError(
+                f"attention: rope's cos and sin have {cos.shape[0]} and {sin.shape[0]} rows for {q.shape[0]} tokens",
+                "pass cos and sin with one row per token of q (padded with q: compute them from the padded positions)",
+            )
+        cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)  # [N, D] views
+    if cos is not None and (backend, routine) in _rope.FUSES:
+        rope = {"rope": (cos, sin)}  # the kernel rotates q and k as it loads them (q of any row stride)
+    else:
+        if cos is not None:
+            q, k = _rope.rotate(q, k, cos, sin)  # fresh and contiguous
+        q = q.contiguous()  # (at run time, inside the break: a no-op for the usual q, fresh from RoPE)
     _module(backend).forward(
         out,
         q,
@@ -275,6 +293,7 @@ def attention_p(
         routine=routine,
         scale=scale,
         max_seq_len=max_seq_len,
+        **rope,
     )
 
 
@@ -355,6 +374,36 @@ def _check(q, k, v, cache_k, cache_v, meta: AttentionMetadata, backend: str, rou
         )
 
 
+def _check_rope(rope, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention's rope= -> (cos, sin), or an FgraphError naming what does not fit. (No reshape here: the break
+    takes [N, 1, D] as it is, so the trace reads no size of a tensor made outside a `fgraph.repeated` layer.)"""
+    N, _, D = q.shape
+    if not (isinstance(rope, (tuple, list)) and len(rope) == 2 and all(isinstance(t, torch.Tensor) for t in rope)):
+        raise FgraphError(
+            f"attention: rope= is {type(rope).__name__}, not a (cos, sin) pair of tensors",
+            "pass rope=(cos, sin), each [N, D] (examples/layers.rope_cos_sin makes them), or leave it None",
+        )
+    cos, sin = rope
+    for name, t in (("cos", cos), ("sin", sin)):
+        # the token count is compared where both are ints (here, or in the break): comparing symbolic sizes records
+        # nodes on cos's size, a tensor made outside a `fgraph.repeated` layer, which the layer may not read
+        rows = t.shape[0] if t.dim() in (2, 3) else None
+        if (
+            t.dim() not in (2, 3)
+            or t.shape[-1] != D
+            or (t.dim() == 3 and t.shape[1] != 1)
+            or (isinstance(rows, int) and isinstance(N, int) and rows != N)
+            or t.dtype != q.dtype
+            or t.device != q.device
+        ):
+            raise FgraphError(
+                f"attention: rope's {name} is {t.dtype}{list(t.shape)} on {t.device}; q is {q.dtype}{list(q.shape)} "
+                f"on {q.device}",
+                "pass cos and sin as [N, D] (or [N, 1, D]) in q's dtype on its device: one row per token",
+            )
+    return cos, sin
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -367,10 +416,16 @@ def attention(
     backend: str = "torch",
     routine: str = "mixed",
     max_seq_len: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write k/v [N, Hkv, D] into their slots of cache_k/cache_v, then attend: q [N, Hq, D] -> out [N, Hq, D].
 
     Both happen inside the one break `attention_p` (the cache is the break's in-place output, never a piece's).
+
+    rope: (cos, sin), each [N, D] or [N, 1, D] in q's dtype: q and k are given before RoPE and the break rotates
+    them, `x * cos + roll(x, D / 2) * sin` per head (HF's rotate-half with sin's first half negated: _rope), before
+    it writes k and attends. The same result as rotating them first with `apply_rope`, with fewer kernels: triton's
+    decode rotates as it loads. Pass q, k and v as views of a fused qkv output: no copy is made before the break.
 
     max_seq_len: a static bound on every seq_len (sizes flash_attn's mixed grid and triton's decode splits); default
     and cap: the block table's capacity (max_pages * page_size). scale: default D ** -0.5.
@@ -378,8 +433,13 @@ def attention(
     if backend == "auto":
         backend = resolve_backend("auto", q.device, q.shape[-1], q.dtype)
     _check(q, k, v, cache_k, cache_v, meta, backend, routine)
-    backend = backend_for(backend, routine)
     N, Hq, D = q.shape
+    cos, sin = _check_rope(rope, q) if rope is not None else (None, None)
+    if cos is not None and (D % 2 or cache_k.dtype != q.dtype):
+        # k rotates in q's dtype, then is cast to the cache's (and an odd D is no rotate-half): the reference, here
+        cos, sin = (t if t.dim() == 3 else t[:, None] for t in (cos, sin))  # [N, 1, D]
+        q, k, cos, sin = apply_rope(q, cos, sin), apply_rope(k, cos, sin), None, None
+    backend = backend_for(backend, routine)
     page = cache_k.shape[1]
     cap = meta.block_table.shape[1] * page
     max_seq_len = cap if max_seq_len is None else min(int(max_seq_len), cap)
@@ -402,6 +462,8 @@ def attention(
         meta.seq_lens,
         meta.block_table,
         meta.slot_mapping,
+        cos,
+        sin,
         backend,
         routine,
         float(D**-0.5 if scale is None else scale),
