@@ -151,6 +151,20 @@ def test_decode_matches_reference(shape, page, dtype, sms, monkeypatch):
 
 
 @interpreter
+@pytest.mark.parametrize("last_merges", [True, False], ids=["last-program-merges", "merge-kernel"])
+def test_split_decode_merges_in_its_last_program_and_leaves_the_counters_at_zero(last_merges, monkeypatch):
+    """With splits, the group's last program to finish merges them (no merge kernel), as the merge kernel would,
+    and puts its counter back to 0, so the next launch (or replay) counts from zero again."""
+    monkeypatch.setattr(T, "LAST_MERGES", last_merges)
+    monkeypatch.setattr(T, "_lock_bufs", {})
+    batch = Batch([1] * len(LENS), LENS, QWEN, 16, torch.float32, bucket=8)
+    assert T.splits_for(8, QWEN[1], MAX_SEQ) > 1
+    for _ in range(2):
+        check_against_reference(batch, "decode")
+    assert [t.tolist() for t in T._lock_bufs.values()] == ([[0] * 8 * QWEN[1]] if last_merges else [])
+
+
+@interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("page", [16, 256])
 @pytest.mark.parametrize("shape", [QWEN, LLAMA], ids=["14x2x64", "8x2x128"])
@@ -249,3 +263,35 @@ def test_cuda_graph_replays_equal_eager_calls_bitwise(routine, bucket, shape):
         want, _, _ = batch.run(_attn_torch, routine, max_seq)
         torch.testing.assert_close(out[: batch.n], want[: batch.n], **TOL[torch.bfloat16])
         assert math.isfinite(out[: batch.n].float().sum().item())
+
+
+@pytest.mark.gpu
+def test_decode_counters_first_met_inside_a_capture_belong_to_that_graph(monkeypatch):
+    """A decode of a size no eager call has run: its arrival counters are made zero inside the graph (not kept for
+    the process), and every replay merges as an eager call does."""
+    gpu_or_skip()
+    monkeypatch.setattr(T, "_lock_bufs", {})
+    max_seq, page, bucket = 1024, 16, 8
+    rig = Batch([1] * bucket, [1] * bucket, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq)
+    static = all_padding(bucket, page, rig.max_pages).to("cuda")
+    q, kv, kc, vc = rig.q.clone(), rig.kv.clone(), rig.k_cache.clone(), rig.v_cache.clone()
+    call = lambda: A.attention(q, kv[:, 0], kv[:, 1], kc, vc, static, backend="triton", routine="decode",
+                               max_seq_len=max_seq)  # fmt: skip
+    call()  # compiles the kernels
+    torch.cuda.synchronize()
+    T._lock_bufs.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    assert not T._lock_bufs
+    for seed in range(3):
+        lens = torch.randint(1, max_seq + 1, (bucket,), generator=torch.Generator().manual_seed(seed)).tolist()
+        batch = Batch([1] * bucket, lens, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq, seed=seed)
+        for dst, src in ((q, batch.q), (kv, batch.kv), (kc, batch.k_cache), (vc, batch.v_cache)):
+            dst.copy_(src)
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            getattr(static, name).copy_(getattr(batch.meta, name))
+        graph.replay()
+        eager, _, _ = batch.run(T, "decode", max_seq)
+        torch.cuda.synchronize()
+        same(out, eager)

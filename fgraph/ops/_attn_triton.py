@@ -10,8 +10,11 @@ the device metadata.
           within [0, seq_len - 1), read through the block table, plus the new token at seq_len - 1 taken from the
           k/v inputs (split 0 only). Split 0 also writes that token's k/v into its slot: the other splits read
           positions < seq_len - 1 only, so there is no race with the write. With more than one split each writes
-          a partial output (float32, normalised) and its log-sum-exp; `merge` (grid (N, Hq)) combines them,
-          skipping the splits past a sequence's length (lse = -inf). One split writes `out` directly.
+          a partial output (float32, normalised) and its log-sum-exp, then counts itself in at its group's
+          counter (an atomic after a barrier: the stream-K pattern); the group's last program to arrive merges all
+          splits in split order (the same sums whichever arrives last), skipping those past a sequence's length
+          (lse = -inf), writes `out` and puts the counter back to 0. One kernel either way; one split writes `out`
+          directly. (LAST_MERGES = False: a separate `merge` kernel, grid (N, Hq), combines them instead.)
   mixed   write_kv (one launch for k and v: _kv_write), then `mixed`: grid (query tiles, Hkv). A tile is up to
           BLOCK_M = ROWS // G query tokens of one sequence times its G heads (ROWS rows of tl.dot). Sequence s
           owns tiles [qsl[s] // BLOCK_M + s, qsl[s + 1] // BLOCK_M + s + 1): at least ceil(query_len / BLOCK_M),
@@ -48,6 +51,7 @@ WAVES = 8  # decode programs to aim for when splitting, per SM (splits_for; docs
 UNSPLIT_WAVES = 2  # a batch of this many programs per SM or more is not split
 MAX_SPLITS = 32  # the merge reads [splits, D] per head; past this the merge costs more than longer splits
 DECODE_STAGES = 3  # software-pipelined key blocks in flight per decode program (Triton's default on sm_90)
+LAST_MERGES = True  # decode's last split program of a group merges the splits (False: a merge kernel after it)
 LOG2E = 1.4426950408889634
 
 
@@ -57,8 +61,8 @@ def splits_for(batch: int, kv_heads: int, max_seq_len: int, block_n: int = BLOCK
     batch * kv_heads programs alone leave most SMs idle at small batches (the 0.5B at B=1: 2 programs), and at
     long contexts too few key blocks in flight (a program streams its keys one block after another). Below
     UNSPLIT_WAVES programs per SM, each sequence's keys are split so that there are ~WAVES programs per SM in all,
-    each over at least one key block, at most MAX_SPLITS; at or above it there is no split (1: no merge kernel),
-    since a split there costs more in the merge and in shorter programs than it gains (docs/performance.md).
+    each over at least one key block, at most MAX_SPLITS; at or above it there is no split (1: no merge), since a
+    split there costs more in the merge and in shorter programs than it gains (docs/performance.md).
     Splits get whole blocks, as many each, and none is left with no block of max_seq_len at all.
 
     The batch counts as its next power of two: an unpadded eager call of N sequences and the graph of N's bucket
@@ -82,6 +86,25 @@ def kernels():
     except ImportError:
         return None
     return _attn_triton_kernels
+
+
+_lock_bufs: dict[tuple, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """decode's arrival counters, one per (sequence, kv head) of a launch: zero between launches (the group's last
+    program puts its own back), one buffer per device and size for the process, shared by every layer's launch (one
+    after another on a stream: decodes of one size must not run concurrently on two streams). Met first inside a
+    CUDA-graph capture, a buffer is made zero in the graph instead (a memset node), not kept: it belongs to that
+    graph's pool."""
+    key = (device, n)
+    got = _lock_bufs.get(key)
+    if got is None:
+        zeros = torch.zeros(n, dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return zeros
+        got = _lock_bufs[key] = zeros
+    return got
 
 
 def _pow2(n: int) -> int:
@@ -128,22 +151,24 @@ def decode(
     sms = _num_sms(q.device.index or 0) if q.is_cuda else NUM_SMS
     splits = splits_for(N, Hkv, max_seq_len, BLOCK_N, sms)
     chunk = -(-max_seq_len // (splits * BLOCK_N)) * BLOCK_N  # keys per split: whole blocks
-    part = lse = out  # (unused with one split)
+    part = lse = locks = out  # (unused with one split)
     if splits > 1:
         part = torch.empty(N, Hq, splits, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(N, Hq, splits, dtype=torch.float32, device=q.device)
+        locks = _locks(q.device, N * Hkv) if LAST_MERGES else out
     precision, upcast = _dot_options(q)
     cos, sin = rope if rope is not None else (q, q)  # (unread without ROPE)
     with _device(q):
         K.decode[(N, Hkv, splits)](
-            q, k, v, k_cache, v_cache, out, part, lse, seq_lens, block_table, slot_mapping, cos, sin,
+            q, k, v, k_cache, v_cache, out, part, lse, locks, seq_lens, block_table, slot_mapping, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             cos.stride(0), scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page,
-            BLOCK_N=BLOCK_N, SPLITS=splits, ROPE=rope is not None, PRECISION=precision, UPCAST=upcast,
-            PTX=q.is_cuda, num_warps=_decode_warps(D), num_stages=DECODE_STAGES,
+            BLOCK_N=BLOCK_N, SPLITS=splits, SPLITS_P2=_pow2(splits), LAST_MERGES=LAST_MERGES,
+            ROPE=rope is not None, PRECISION=precision, UPCAST=upcast, PTX=q.is_cuda, num_warps=_decode_warps(D),
+            num_stages=DECODE_STAGES,
         )  # fmt: skip
-        if splits > 1:
+        if splits > 1 and not LAST_MERGES:
             K.merge[(N, Hq)](part, lse, out, out.stride(0), out.stride(1), Hq, SPLITS=splits,
                              SPLITS_P2=_pow2(splits), D=D, num_warps=4)  # fmt: skip
 

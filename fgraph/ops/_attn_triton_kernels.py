@@ -79,11 +79,11 @@ def attend_block(acc, m, den, q, kc_ptr, vc_ptr, bt_row, n0, end, visible_to, qk
 
 
 @triton.jit
-def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, seq_lens_ptr, bt_ptr, slot_ptr,
+def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, lock_ptr, seq_lens_ptr, bt_ptr, slot_ptr,
            cos_ptr, sin_ptr, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_page, s_row, s_head, s_bt, s_c,
            qk_scale, chunk, Hq, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr,
-           UPCAST: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+           BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, LAST_MERGES: tl.constexpr,
+           ROPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, D)
@@ -129,8 +129,32 @@ def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, seq_le
         at = (b64 * Hq + heads) * SPLITS + s  # [BLOCK_G] rows of part [N, Hq, SPLITS, D] and lse [N, Hq, SPLITS]
         some = den > 0  # an empty split (past the sequence's keys) leaves its part unwritten: the merge skips it
         den = tl.where(some, den, 1.0)
-        tl.store(lse_ptr + at, tl.where(some, m + tl.log2(den), float("-inf")), mask=live)
-        tl.store(part_ptr + at[:, None] * D + d[None, :], acc / den[:, None], mask=(live & some)[:, None])
+        tl.store(lse_ptr + at, tl.where(some, m + tl.log2(den), float("-inf")), mask=live, cache_modifier=".wt")
+        tl.store(part_ptr + at[:, None] * D + d[None, :], acc / den[:, None], mask=(live & some)[:, None],
+                 cache_modifier=".wt")  # fmt: skip
+        if LAST_MERGES:  # the group's last split program to finish merges them all (no merge kernel)
+            tl.debug_barrier()  # every thread's stores made before the count (acq_rel) publishes them
+            lock = lock_ptr + b64 * tl.num_programs(1) + h
+            if tl.atomic_add(lock, 1, sem="acq_rel") == SPLITS - 1:
+                first = (b64 * Hq + heads) * SPLITS  # [BLOCK_G] split 0's row of each head
+                sp = tl.arange(0, SPLITS_P2)
+                every = tl.load(lse_ptr + first[:, None] + sp[None, :], mask=live[:, None] & (sp < SPLITS)[None, :],
+                                other=float("-inf"), cache_modifier=".cv")  # fmt: skip
+                top = tl.where(live, tl.max(every, 1), 0.0)  # finite: split 0 holds the new token
+                out = tl.zeros([BLOCK_G, D], tl.float32)
+                total = tl.zeros([BLOCK_G], tl.float32)
+                for t in range(SPLITS):  # in split order: the same sums whichever program is last
+                    lse = tl.load(lse_ptr + first + t, mask=live, other=float("-inf"), cache_modifier=".cv")
+                    has = lse > float("-inf")  # an empty split's part is unwritten
+                    w = tl.where(has, tl.exp2(lse - top), 0.0)
+                    part = tl.load(part_ptr + (first + t)[:, None] * D + d[None, :], mask=has[:, None], other=0.0,
+                                   cache_modifier=".cv")  # fmt: skip
+                    out += w[:, None] * part
+                    total += w
+                out = out / tl.where(live, total, 1.0)[:, None]
+                tl.store(o_ptr + b64 * s_ot + heads[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
+                         mask=live[:, None])  # fmt: skip
+                tl.atomic_xchg(lock, 0)  # ready for the next launch or replay
 
 
 @triton.jit
