@@ -267,10 +267,11 @@ def test_cuda_graph_replays_equal_eager_calls_bitwise(routine, bucket, shape):
 
 @pytest.mark.gpu
 def test_decode_counters_first_met_inside_a_capture_belong_to_that_graph(monkeypatch):
-    """A decode of a size no eager call has run: its arrival counters are made zero inside the graph (not kept for
-    the process), and every replay merges as an eager call does."""
+    """With LAST_MERGES, a decode of a size no eager call has run: its arrival counters are made zero inside the
+    graph (not kept for the process), and every replay merges as an eager call does."""
     gpu_or_skip()
     monkeypatch.setattr(T, "_lock_bufs", {})
+    monkeypatch.setattr(T, "LAST_MERGES", True)
     max_seq, page, bucket = 1024, 16, 8
     rig = Batch([1] * bucket, [1] * bucket, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq)
     static = all_padding(bucket, page, rig.max_pages).to("cuda")

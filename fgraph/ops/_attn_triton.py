@@ -10,11 +10,11 @@ the device metadata.
           within [0, seq_len - 1), read through the block table, plus the new token at seq_len - 1 taken from the
           k/v inputs (split 0 only). Split 0 also writes that token's k/v into its slot: the other splits read
           positions < seq_len - 1 only, so there is no race with the write. With more than one split each writes
-          a partial output (float32, normalised) and its log-sum-exp, then counts itself in at its group's
-          counter (an atomic after a barrier: the stream-K pattern); the group's last program to arrive merges all
-          splits in split order (the same sums whichever arrives last), skipping those past a sequence's length
-          (lse = -inf), writes `out` and puts the counter back to 0. One kernel either way; one split writes `out`
-          directly. (LAST_MERGES = False: a separate `merge` kernel, grid (N, Hq), combines them instead.)
+          a partial output (float32, normalised) and its log-sum-exp; `merge` (grid (N, Hq)) combines them,
+          skipping the splits past a sequence's length (lse = -inf). One split writes `out` directly. With
+          LAST_MERGES, each split program instead counts itself in at its group's counter (an atomic after a
+          barrier: the stream-K pattern), and the group's last program to arrive merges all splits in split order
+          (the same sums whichever arrives last), writes `out` and puts the counter back to 0: no merge kernel.
   mixed   write_kv (one launch for k and v: _kv_write), then `mixed`: grid (query tiles, Hkv). A tile is up to
           BLOCK_M = ROWS // G query tokens of one sequence times its G heads (ROWS rows of tl.dot). Sequence s
           owns tiles [qsl[s] // BLOCK_M + s, qsl[s + 1] // BLOCK_M + s + 1): at least ceil(query_len / BLOCK_M),
@@ -51,7 +51,9 @@ WAVES = 8  # decode programs to aim for when splitting, per SM (splits_for; docs
 UNSPLIT_WAVES = 2  # a batch of this many programs per SM or more is not split
 MAX_SPLITS = 32  # the merge reads [splits, D] per head; past this the merge costs more than longer splits
 DECODE_STAGES = 3  # software-pipelined key blocks in flight per decode program (Triton's default on sm_90)
-LAST_MERGES = True  # decode's last split program of a group merges the splits (False: a merge kernel after it)
+# decode's last split program of a group merges the splits (True), or a merge kernel after it (False): the merge
+# kernel measured faster at 0.5B B=1 (docs/performance.md)
+LAST_MERGES = False
 LOG2E = 1.4426950408889634
 
 
