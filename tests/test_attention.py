@@ -319,6 +319,13 @@ def test_auto_picks_only_backends_whose_kernels_take_the_dtype_and_head_dim(head
         ("flashinfer", "decode", torch.float64, 64, "the flashinfer backend needs q in float16 or bfloat16"),
         ("flash_attn", "decode", torch.bfloat16, 12, "the flash_attn backend needs a head dim that is a multiple of 8"),
         ("triton", "decode", torch.float32, 24, "the triton backend needs a head dim that is a power of two >= 16"),
+        (  # every requirement unmet is named, not the first
+            "flash_attn",
+            "decode",
+            torch.float32,
+            12,
+            "q in float16 or bfloat16, got torch.float32 and a head dim that is a multiple of 8 up to 256, got 12",
+        ),
     ],
 )
 def test_a_backend_given_what_its_kernels_do_not_take_is_an_fgraph_error(backend, routine, dtype, head_dim, says):

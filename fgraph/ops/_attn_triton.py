@@ -194,23 +194,8 @@ def mixed(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, s
         )  # fmt: skip
 
 
-def forward(
-    out,
-    q,
-    k,
-    v,
-    k_cache,
-    v_cache,
-    query_start_loc,
-    seq_lens,
-    block_table,
-    slot_mapping,
-    *,
-    routine,
-    scale,
-    max_seq_len,
-    rope=None,
-):
+def forward(out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, *, routine, scale,
+            max_seq_len, rope=None):  # fmt: skip
     """The triton backend's eager rule: write k/v into their cache slots, then attend (module docstring).
 
     out, q: [N, Hq, D] (q: rows of any stride); k/v: [N, Hkv, D]; k_cache/v_cache: [P, page, Hkv, D] (unit stride

@@ -69,13 +69,15 @@ TAKES = {
 
 
 def _refuses(backend: str, head_dim: int | None = None, dtype: torch.dtype | None = None) -> str | None:
-    """Why `backend`'s kernels cannot take this head dim or q dtype (None: they can, or nothing was given)."""
+    """Why `backend`'s kernels cannot take this head dim or q dtype, naming every requirement unmet (None: they can,
+    or nothing was given)."""
     dtypes, dims = TAKES[backend]
+    why = []
     if dtype is not None and dtypes is not None and dtype not in dtypes:
-        return f"q in {' or '.join(str(t).removeprefix('torch.') for t in dtypes)}, got {dtype}"
+        why.append(f"q in {' or '.join(str(t).removeprefix('torch.') for t in dtypes)}, got {dtype}")
     if head_dim is not None and dims is not None and not dims[0](head_dim):
-        return f"a head dim that is {dims[1]}, got {head_dim}"
-    return None
+        why.append(f"a head dim that is {dims[1]}, got {head_dim}")
+    return " and ".join(why) or None
 
 
 def resolve_backend(name: str = "auto", device="cpu", head_dim: int | None = None, dtype=None) -> str:
