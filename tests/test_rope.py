@@ -9,6 +9,8 @@ backend on CUDA, and the triton decode captured in a CUDA graph.
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
@@ -62,6 +64,24 @@ def test_rotating_in_the_break_is_rotating_first(routine, dtype, flat):
                             routine=routine, rope=(cos[:, 0], sin[:, 0]))  # fmt: skip
         same(fused, runs[0][0])
     check_same(batch, both(batch, "torch", routine, cos, sin))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    routine=st.sampled_from(["decode", "mixed"]),
+    seqs=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 12)), min_size=1, max_size=4),
+    pad=st.integers(0, 3),
+    heads=st.sampled_from([(2, 1, 16), (4, 2, 32), (8, 2, 64)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 1000),
+)
+def test_random_batches_rotating_in_the_break_are_rotating_first(routine, seqs, pad, heads, dtype, seed):
+    """Random lengths, padding, heads, dtypes and positions: the reference backend, bit for bit."""
+    seqlens = [n for n, _ in seqs]
+    qlens = [1] * len(seqs) if routine == "decode" else [min(q, n) for n, q in seqs]
+    batch = Batch(qlens, seqlens, heads, 16, dtype, bucket=sum(qlens) + pad, max_seq=96, seed=seed)
+    cos, sin = tables(batch, seed)
+    check_same(batch, both(batch, "torch", routine, cos, sin, max_seq_len=96))
 
 
 def test_the_reference_rotation_is_rotate_half_with_a_signed_sin():
