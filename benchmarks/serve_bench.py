@@ -26,6 +26,7 @@ usage (device): source .gpu/activate.sh; python3 -m benchmarks.serve_bench [--mo
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -60,6 +61,9 @@ def describe(reqs) -> dict:
     }
 
 
+FUSE_ROPE = {"decode": "decode", "all": True, "none": False}  # --fuse-rope -> llama.forward's fuse_rope
+
+
 def compiled(mode: str) -> bool:
     return mode.endswith("+C")
 
@@ -77,6 +81,7 @@ def build(cfg, params, backend, mode, warm, a):
         max_seqs=a.max_seqs,
         max_seq_len=a.max_seq_len,
         max_batch_tokens=a.max_batch_tokens,
+        make_step=functools.partial(llama.make_step, fuse_rope=FUSE_ROPE[a.fuse_rope]),
     )
     sync(a.device)
     setup = time.perf_counter() - t0
@@ -211,6 +216,12 @@ def parse_args(argv=None):
     )
     ap.add_argument(
         "--compile-est-s", type=float, default=30.0, help="first guess of compiling the pieces of a +C engine"
+    )
+    ap.add_argument(
+        "--fuse-rope",
+        choices=sorted(FUSE_ROPE),
+        default="decode",
+        help="the steps whose RoPE runs inside the attention break (llama.forward's fuse_rope; default: decode)",
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny preset, torch backend, 6 short requests")

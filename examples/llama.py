@@ -169,7 +169,7 @@ def forward(
     max_seq_len: int | None = None,
     mlp=None,
     tp=None,
-    fuse_rope: bool = True,
+    fuse_rope: bool | str = "decode",
 ):
     """One step over N new tokens of S sequences -> (logits [N, V] in the model dtype, cache with their k/v written).
 
@@ -178,8 +178,9 @@ def forward(
     tp: None, or this rank's `examples.tp.TP`. Then cfg and params are the rank's shard (its q/kv heads, MLP
       columns and vocab rows) and tp adds the collectives: vocab-parallel embedding, an all-reduce of the
       attention and MLP outputs (partial sums over this rank's heads / columns), an all-gather of the logits.
-    fuse_rope: attention rotates q and k inside its break (`rope=`), so no kernel between the qkv matmul and the
-      break does (docs/performance.md); False rotates them here first. The same numbers either way.
+    fuse_rope: where attention rotates q and k inside its break (`rope=`), so that no kernel between the qkv matmul
+      and the break does: "decode" (decode steps, where it is measured faster: docs/performance.md), True (every
+      step) or False (none: rotated here first). The same numbers either way.
     """
     tokens, positions = batch.tokens, batch.positions  # [N], [N]
     assert tokens.ndim == 1 and positions.shape == tokens.shape, (tokens.shape, positions.shape)
@@ -192,7 +193,7 @@ def forward(
     def block(layer, k_cache, v_cache, x, cos, sin, meta):  # one decoder layer: [N, dim] -> [N, dim]
         qkv = linear(rms_norm(x, layer.attn_norm, cfg.norm_eps), layer.wqkv, layer.bqkv)  # [N, (Hq+2Hkv)*D]
         q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        if fuse_rope:  # q, k, v: views of qkv; attention rotates q and k inside its break (no kernel here)
+        if fuse_rope is True or fuse_rope == routine:  # views of qkv; attention rotates q and k in its break
             q, k, v, rope = q.view(N, Hq, D), k.view(N, Hkv, D), v.view(N, Hkv, D), (cos, sin)
         else:
             # k (roped) and v in one fresh tensor (one kernel under Inductor): attention takes them as strided views
@@ -225,7 +226,7 @@ def forward(
 
 
 def make_step(
-    cfg: LlamaConfig, backend: str = "torch", max_seq_len: int | None = None, tp=None, fuse_rope: bool = True
+    cfg: LlamaConfig, backend: str = "torch", max_seq_len: int | None = None, tp=None, fuse_rope: bool | str = "decode"
 ):
     """`step(params, cache, batch, routine)`: the contract's pure step, with config, backend and tp closed over."""
 

@@ -145,20 +145,29 @@ def test_the_model_rotating_in_the_break_equals_rotating_first(routine, dtype):
         same(a, b)
 
 
-def test_the_models_trace_rotates_only_inside_the_break():
-    """With fuse_rope (the default) the traced step has no roll (the rotation) outside the attention breaks."""
+@pytest.mark.parametrize(
+    "fuse, routine, rolls_per_layer",
+    [
+        ("decode", "decode", 0),  # the default: decode steps rotate in the break
+        ("decode", "mixed", 2),  # mixed steps rotate in the piece, as measured for serving
+        (True, "mixed", 0),
+        (False, "decode", 2),
+    ],
+)
+def test_the_models_trace_rotates_inside_the_break_where_fuse_rope_says(fuse, routine, rolls_per_layer):
+    """The traced step's rolls (the rotation) outside the attention breaks: none where the break rotates, q's and
+    k's in each layer's piece where it does not."""
     from benchmarks.common import decode_batch
 
     cfg = llama.preset("tiny")
     params = llama.init_params(cfg, torch.float32, "cpu")
     batch, _ = decode_batch(cfg.vocab_size, 4, 16, 16, 64)
     cache = llama.init_cache(cfg, 1 + 4 * 4, 16, torch.float32, "cpu")
-    for fuse, rolls in ((True, 0), (False, 2 * cfg.n_layers)):
-        step = llama.make_step(cfg, max_seq_len=64, fuse_rope=fuse)
-        gm = make_fx(lambda p, c, b: step(p, c, b, "decode"), tracing_mode="fake")(params, cache, batch)
-        ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-        assert ops.count(torch.ops.aten.roll.default) == rolls
-        assert ops.count(torch.ops.fgraph.attention.default) == cfg.n_layers
+    step = llama.make_step(cfg, max_seq_len=64, **({} if fuse == "decode" else {"fuse_rope": fuse}))
+    gm = make_fx(lambda p, c, b: step(p, c, b, routine), tracing_mode="fake")(params, cache, batch)
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten.roll.default) == rolls_per_layer * cfg.n_layers
+    assert ops.count(torch.ops.fgraph.attention.default) == cfg.n_layers
 
 
 # ------------------------------------------------------------------------------------------ interpreter
