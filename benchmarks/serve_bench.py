@@ -220,8 +220,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--fuse-rope",
         choices=sorted(FUSE_ROPE),
-        default="decode",
-        help="the steps whose RoPE runs inside the attention break (llama.forward's fuse_rope; default: decode)",
+        default="all",
+        help="the steps whose RoPE runs inside the attention break (llama.forward's fuse_rope; default: all)",
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--smoke", action="store_true", help="CPU check: tiny preset, torch backend, 6 short requests")

@@ -169,7 +169,7 @@ def forward(
     max_seq_len: int | None = None,
     mlp=None,
     tp=None,
-    fuse_rope: bool | str = "decode",
+    fuse_rope: bool | str = True,
 ):
     """One step over N new tokens of S sequences -> (logits [N, V] in the model dtype, cache with their k/v written).
 
@@ -179,8 +179,8 @@ def forward(
       columns and vocab rows) and tp adds the collectives: vocab-parallel embedding, an all-reduce of the
       attention and MLP outputs (partial sums over this rank's heads / columns), an all-gather of the logits.
     fuse_rope: where attention rotates q and k inside its break (`rope=`), so that no kernel between the qkv matmul
-      and the break does: "decode" (decode steps, where it is measured faster: docs/performance.md), True (every
-      step) or False (none: rotated here first). The same numbers either way.
+      and the break does: True (every step: both routines then share their compiled pieces), "decode" (decode steps
+      only) or False (none: rotated here first). The same numbers either way (docs/performance.md).
     """
     tokens, positions = batch.tokens, batch.positions  # [N], [N]
     assert tokens.ndim == 1 and positions.shape == tokens.shape, (tokens.shape, positions.shape)
@@ -226,7 +226,7 @@ def forward(
 
 
 def make_step(
-    cfg: LlamaConfig, backend: str = "torch", max_seq_len: int | None = None, tp=None, fuse_rope: bool | str = "decode"
+    cfg: LlamaConfig, backend: str = "torch", max_seq_len: int | None = None, tp=None, fuse_rope: bool | str = True
 ):
     """`step(params, cache, batch, routine)`: the contract's pure step, with config, backend and tp closed over."""
 

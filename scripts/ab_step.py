@@ -5,7 +5,7 @@ and Inductor's options (FULL+C) per variant, each checked against eager before t
       --variant pdl:backend=flash_attn,triton.enable_pdl=1 [--preset qwen2.5-0.5b] [--batches 1 64] [--ctx 1024]
 
 A variant is `name:key=value,...`: `backend` (default flash_attn on CUDA, torch on the CPU) and `mode` (default FULL+C)
-are fgraph's; `fuse_rope` (default "decode") is the model's (RoPE inside the attention break); `triton_attn.NAME` sets
+are fgraph's; `fuse_rope` (default True) is the model's (RoPE inside the attention break); `triton_attn.NAME` sets
 the triton backend's module constant NAME (WAVES, BLOCK_N, DECODE_STAGES, ...) while the variant's eager oracle runs and
 its graphs are captured; every other key is an Inductor option for the compiled pieces (values: ints, floats, True /
 False, else strings). Each variant's own eager step (its backend's kernels, uncompiled) is its oracle: rel_err is max
@@ -33,7 +33,7 @@ from fgraph.ops import attention as A
 def parse_variant(text: str, dev: str) -> tuple[str, dict]:
     """'name:k=v,...' -> (name, {"backend", "mode", "inductor": {...}, "triton_attn": {...}})."""
     name, _, rest = text.partition(":")
-    spec = {"backend": "flash_attn" if dev == "cuda" else "torch", "mode": "FULL+C", "fuse_rope": "decode"}
+    spec = {"backend": "flash_attn" if dev == "cuda" else "torch", "mode": "FULL+C", "fuse_rope": True}
     spec.update(inductor={}, triton_attn={})
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")

@@ -148,9 +148,9 @@ def test_the_model_rotating_in_the_break_equals_rotating_first(routine, dtype):
 @pytest.mark.parametrize(
     "fuse, routine, rolls_per_layer",
     [
-        ("decode", "decode", 0),  # the default: decode steps rotate in the break
-        ("decode", "mixed", 2),  # mixed steps rotate in the piece, as measured for serving
+        (True, "decode", 0),  # the default: every step rotates in the break
         (True, "mixed", 0),
+        ("decode", "mixed", 2),  # decode steps only: mixed ones rotate in the piece
         (False, "decode", 2),
     ],
 )
@@ -163,7 +163,7 @@ def test_the_models_trace_rotates_inside_the_break_where_fuse_rope_says(fuse, ro
     params = llama.init_params(cfg, torch.float32, "cpu")
     batch, _ = decode_batch(cfg.vocab_size, 4, 16, 16, 64)
     cache = llama.init_cache(cfg, 1 + 4 * 4, 16, torch.float32, "cpu")
-    step = llama.make_step(cfg, max_seq_len=64, **({} if fuse == "decode" else {"fuse_rope": fuse}))
+    step = llama.make_step(cfg, max_seq_len=64, **({} if fuse is True else {"fuse_rope": fuse}))
     gm = make_fx(lambda p, c, b: step(p, c, b, routine), tracing_mode="fake")(params, cache, batch)
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert ops.count(torch.ops.aten.roll.default) == rolls_per_layer * cfg.n_layers
