@@ -18,6 +18,7 @@ from examples import llama
 from examples.layers import rope_cos_sin, rope_inv_freq
 from fgraph.ops import _attn_torch, _rope
 from fgraph.ops import attention as A
+from tests.test_attention_gpu import backend_or_skip
 from tests.test_attention_triton import LENS, LLAMA, QWEN, Batch, all_padding, interpreter, same
 
 MIXED = ([1, 2, 17, 1, 40, 20], LENS)  # (query lens, seq lens): decodes, a prompt, chunks after a history
@@ -192,19 +193,10 @@ def test_triton_rotating_in_the_break_is_rotating_first(routine, shape, dtype):
 
 
 # ------------------------------------------------------------------------------------------ GPU
-def cuda_or_skip(backend):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA")
-    try:
-        return A.resolve_backend(backend, "cuda")
-    except fgraph.FgraphError as e:
-        pytest.skip(str(e))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
 def test_rotate_is_the_reference_bitwise_on_cuda(dtype):
-    cuda_or_skip("triton")
+    backend_or_skip("triton")
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(37, (14 + 2 * 2) * 64, generator=g).to("cuda", dtype)  # strided views of a fused qkv
     q, k = qkv[:, : 14 * 64].view(37, 14, 64), qkv[:, 14 * 64 : 16 * 64].view(37, 2, 64)
@@ -223,13 +215,11 @@ def test_rotate_is_the_reference_bitwise_on_cuda(dtype):
 @pytest.mark.parametrize("shape", [QWEN, (32, 8, 128)], ids=["14x2x64", "32x8x128"])
 def test_every_backend_rotating_in_the_break_is_rotating_first_bitwise(backend, routine, shape):
     """bf16 on CUDA: each backend's kernels, after the break's rotation or the reference's, bit for bit."""
-    cuda_or_skip(backend)
+    backend_or_skip(backend)
     qlens, seqlens = ([1] * len(LENS), LENS) if routine == "decode" else MIXED
     page = A.page_size_for(backend)
     batch = Batch(qlens, seqlens, shape, page, torch.bfloat16, bucket=sum(qlens) + 2, device="cuda")
     cos, sin = tables(batch)
-    if backend == "flashinfer":
-        pytest.importorskip("flashinfer")
     check_same(batch, both(batch, backend, routine, cos, sin))
 
 
@@ -238,7 +228,7 @@ def test_every_backend_rotating_in_the_break_is_rotating_first_bitwise(backend, 
 def test_triton_decode_rotating_in_a_cuda_graph_equals_eager_bitwise(bucket):
     """Captured once on an all-padding batch, replayed on real ones: the replay equals an eager call of the same
     kernel, and the reference rotated first (outputs close, caches bitwise)."""
-    cuda_or_skip("triton")
+    backend_or_skip("triton")
     shape, page, max_seq = QWEN, 16, 1024
     rig = Batch([1] * bucket, [1] * bucket, shape, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq)
     static = all_padding(bucket, page, rig.max_pages).to("cuda")

@@ -167,8 +167,8 @@ def decode(
             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
             cos.stride(0), scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page,
             BLOCK_N=BLOCK_N, SPLITS=splits, SPLITS_P2=_pow2(splits), LAST_MERGES=LAST_MERGES,
-            ROPE=rope is not None, PRECISION=precision, UPCAST=upcast, PTX=q.is_cuda, num_warps=_decode_warps(D),
-            num_stages=DECODE_STAGES,
+            PART_CACHE=".wt" if LAST_MERGES else "", ROPE=rope is not None, PRECISION=precision, UPCAST=upcast,
+            PTX=q.is_cuda, num_warps=_decode_warps(D), num_stages=DECODE_STAGES,
         )  # fmt: skip
         if splits > 1 and not LAST_MERGES:
             K.merge[(N, Hq)](part, lse, out, out.stride(0), out.stride(1), Hq, SPLITS=splits,

@@ -83,7 +83,8 @@ def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, lock_p
            cos_ptr, sin_ptr, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_page, s_row, s_head, s_bt, s_c,
            qk_scale, chunk, Hq, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, LAST_MERGES: tl.constexpr,
-           ROPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+           PART_CACHE: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+           PTX: tl.constexpr):  # fmt: skip
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, D)
@@ -129,13 +130,10 @@ def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, lock_p
         at = (b64 * Hq + heads) * SPLITS + s  # [BLOCK_G] rows of part [N, Hq, SPLITS, D] and lse [N, Hq, SPLITS]
         some = den > 0  # an empty split (past the sequence's keys) leaves its part unwritten: the merge skips it
         den = tl.where(some, den, 1.0)
-        if LAST_MERGES:  # write-through: the last program, on another SM, reads them
-            tl.store(lse_ptr + at, tl.where(some, m + tl.log2(den), float("-inf")), mask=live, cache_modifier=".wt")
-            tl.store(part_ptr + at[:, None] * D + d[None, :], acc / den[:, None], mask=(live & some)[:, None],
-                     cache_modifier=".wt")  # fmt: skip
-        else:
-            tl.store(lse_ptr + at, tl.where(some, m + tl.log2(den), float("-inf")), mask=live)
-            tl.store(part_ptr + at[:, None] * D + d[None, :], acc / den[:, None], mask=(live & some)[:, None])
+        # PART_CACHE: ".wt" (write-through) with LAST_MERGES, whose last program reads them on another SM
+        tl.store(lse_ptr + at, tl.where(some, m + tl.log2(den), float("-inf")), mask=live, cache_modifier=PART_CACHE)
+        tl.store(part_ptr + at[:, None] * D + d[None, :], acc / den[:, None], mask=(live & some)[:, None],
+                 cache_modifier=PART_CACHE)  # fmt: skip
         if LAST_MERGES:  # the group's last split program to finish merges them all (no merge kernel)
             tl.debug_barrier()  # every thread's stores made before the count (acq_rel) publishes them
             lock = lock_ptr + b64 * tl.num_programs(1) + h
@@ -147,8 +145,8 @@ def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, lock_p
                 top = tl.where(live, tl.max(every, 1), 0.0)  # finite: split 0 holds the new token
                 out = tl.zeros([BLOCK_G, D], tl.float32)
                 total = tl.zeros([BLOCK_G], tl.float32)
-                # unrolled, so every split's loads are in flight together (a loop waited for each: 5 % slower at
-                # 0.5B B=1); in split order, so the same sums whichever program is last
+                # unrolled, so every split's loads may be in flight together; in split order, so the same sums
+                # whichever program is last
                 for t in tl.static_range(SPLITS):
                     lse = tl.load(lse_ptr + first + t, mask=live, other=float("-inf"), cache_modifier=".cv")
                     has = lse > float("-inf")  # an empty split's part is unwritten

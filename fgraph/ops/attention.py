@@ -273,11 +273,11 @@ def attention_p(
                 "pass cos and sin with one row per token of q (padded with q: compute them from the padded positions)",
             )
         cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)  # [N, D] views
-    if cos is not None and (backend, routine) in _rope.FUSES:
-        rope = {"rope": (cos, sin)}  # the kernel rotates q and k as it loads them (q of any row stride)
-    else:
-        if cos is not None:
+        if (backend, routine) in _rope.FUSES:
+            rope = {"rope": (cos, sin)}  # the kernel rotates q and k as it loads them (q of any row stride)
+        else:
             q, k = _rope.rotate(q, k, cos, sin)  # fresh and contiguous
+    if not rope:
         q = q.contiguous()  # (at run time, inside the break: a no-op for the usual q, fresh from RoPE)
     _module(backend).forward(
         out,
