@@ -17,6 +17,7 @@ import fgraph
 from examples import llama
 from examples.layers import rope_cos_sin, rope_inv_freq
 from fgraph.ops import _attn_torch, _rope
+from fgraph.ops import _attn_triton as T
 from fgraph.ops import attention as A
 from tests.test_attention_gpu import backend_or_skip
 from tests.test_attention_triton import LENS, LLAMA, QWEN, Batch, all_padding, interpreter, same
@@ -127,6 +128,18 @@ def test_a_cache_in_another_dtype_gets_k_rotated_in_qs_dtype_then_cast(routine):
     check_same(batch, both(batch, "torch", routine, cos, sin))
 
 
+def test_the_rotate_kernel_is_not_launched_for_a_head_dim_it_cannot_tile():
+    """Its row is one tl.arange tile (a power of two); a head dim of 96 (FA2 and FlashInfer take it) rotates in the
+    reference's torch ops."""
+    q, k = torch.randn(3, 4, 96), torch.randn(3, 2, 96)
+    assert not _rope._launchable(q, k)
+    if T.kernels() is not None:  # (with Triton installed: the same tensors at a head dim of 64 would launch)
+        assert _rope._launchable(q[..., :64].contiguous(), k[..., :64].contiguous())
+    cos, sin = torch.randn(3, 96), torch.randn(3, 96)
+    got = _rope.rotate(q, k, cos, sin)
+    same(got[0], A.apply_rope(q, cos[:, None], sin[:, None]))
+
+
 # ------------------------------------------------------------------------------------------ the model
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("routine", ["decode", "mixed"])
@@ -194,15 +207,16 @@ def test_triton_rotating_in_the_break_is_rotating_first(routine, shape, dtype):
 
 # ------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 96])  # 96: not a tile of the kernel's, the reference rotates
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
-def test_rotate_is_the_reference_bitwise_on_cuda(dtype):
+def test_rotate_is_the_reference_bitwise_on_cuda(dtype, D):
     backend_or_skip("triton")
     g = torch.Generator().manual_seed(0)
-    qkv = torch.randn(37, (14 + 2 * 2) * 64, generator=g).to("cuda", dtype)  # strided views of a fused qkv
-    q, k = qkv[:, : 14 * 64].view(37, 14, 64), qkv[:, 14 * 64 : 16 * 64].view(37, 2, 64)
+    qkv = torch.randn(37, (14 + 2 * 2) * D, generator=g).to("cuda", dtype)  # strided views of a fused qkv
+    q, k = qkv[:, : 14 * D].view(37, 14, D), qkv[:, 14 * D : 16 * D].view(37, 2, D)
     pos = torch.randint(0, 1 << 15, (37,), generator=g).cuda()
-    cos, sin = rope_cos_sin(rope_inv_freq(64, 1e6).cuda(), pos, dtype)
-    assert _rope._one_launch(q, k)
+    cos, sin = rope_cos_sin(rope_inv_freq(D, 1e6).cuda(), pos, dtype)
+    assert _rope._one_launch(q, k) == (D == 64)
     got = _rope.rotate(q, k, cos[:, 0], sin[:, 0])
     for a, b in zip(got, (A.apply_rope(q, cos, sin), A.apply_rope(k, cos, sin))):
         assert a.is_contiguous()

@@ -28,8 +28,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def _launchable(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the rotate kernel takes these tensors: one dtype, unit stride in D, and D a power of two (its row is
+    one tl.arange tile; FA2 and FlashInfer take head dims such as 80 or 96, which the reference rotates)."""
+    D = q.shape[-1]
+    tiles = D & (D - 1) == 0
+    return tiles and q.dtype == k.dtype and q.stride(-1) == k.stride(-1) == 1 and _attn_triton.kernels() is not None
+
+
 def _one_launch(q: torch.Tensor, k: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype == k.dtype and q.stride(-1) == k.stride(-1) == 1 and _attn_triton.kernels() is not None
+    return q.is_cuda and _launchable(q, k)
 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
