@@ -118,6 +118,17 @@ def test_a_rope_that_does_not_fit_is_an_fgraph_error(rope, match):
         A.attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, routine="decode", rope=bad)
 
 
+def test_the_break_itself_refuses_tables_of_another_token_count():
+    """Under a symbolic trace attention() cannot compare cos's rows with q's (module _check_rope): the break does,
+    when it runs (an eager call, the warm-up before a capture)."""
+    batch = Batch([1] * 8, [3] * 8, QWEN, 16, torch.float32, bucket=8)
+    cos, sin = tables(batch)
+    m, out = batch.meta, torch.empty_like(batch.q)
+    with pytest.raises(fgraph.FgraphError, match="have 2 and 2 rows for 8 tokens"):
+        A.attention_p(out, batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, m.query_start_loc, m.seq_lens,
+                      m.block_table, m.slot_mapping, cos[:2], sin[:2], "torch", "decode", 0.125, 512, 16)  # fmt: skip
+
+
 @pytest.mark.parametrize("routine", ["decode", "mixed"])
 def test_a_cache_in_another_dtype_gets_k_rotated_in_qs_dtype_then_cast(routine):
     """As without rope=: k rotated in q's dtype (float32 here), then cast to the cache's (bfloat16)."""
