@@ -42,6 +42,9 @@ class config(metaclass=_Checked):
     # no-split-K kernel where it times faster than cuBLAS (fgraph/capture/_small_m.py and _gemv.py;
     # docs/performance.md: what it measures)
     small_m_gemv = True
+    # with small_m_gemv: a gated MLP's silu(gate) * up after its fused gate_up matmul runs as fgraph::linear_glu, one
+    # kernel where it times faster than the matmul and the activation's launch (docs/performance.md)
+    small_m_glu = True
     # retraces are bounded and loud (torch's recompile limit is the model): a warning once a function has made this
     # many signatures on its own (capture() not counted), and past max_signatures new ones run eagerly
     warn_signatures = 8

@@ -3,7 +3,8 @@ fgraph.config.small_m_gemv off and on, in one process, alternating rounds, logit
 
   python3 scripts/ab_gemv.py [--presets qwen2.5-0.5b llama3-8b] [--batches 1 8 64] [--ctx 1024] [--rounds 5]
 
-Part 1 (`gemm` rows): per preset, layer GEMM and row count, cuBLAS's time and every candidate config's, each
+Part 1 (`gemm` rows): per preset, layer GEMM and row count, cuBLAS's time and every candidate config's (for
+`gate_up+silu_mul`, fgraph::linear_glu's: "cublas" is then cuBLAS and the activation's launch), each
 replayed in a CUDA graph (triton.testing.do_bench_cudagraph: kernel time with its launch gaps), the fastest, and
 what the op's tuner picks; % of copy bandwidth = the weight's bytes over the time, against this run's copy rate.
 Part 2 (`step` rows): the step's median ms (CUDA events, back-to-back calls) and spread over rounds per variant,
@@ -50,18 +51,24 @@ def part_gemms(name, cfg, batches, bw) -> None:
     for gemm, (n, k, bias) in gemm_shapes(cfg).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-        for m in [B for B in batches if B <= _gemv.MAX_ROWS]:
+        glus = (False, True) if gemm == "gate_up" else (False,)
+        for m, glu in [(B, g) for B in batches if B <= _gemv.MAX_ROWS for g in glus]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            us = {"cublas": 1e3 * do_bench_cudagraph(lambda: _gemv._cublas(x, w, b, out=y), rep=20)}
-            for cfg_ in _gemv.candidates(m, n, k):
-                us[str(cfg_)] = 1e3 * do_bench_cudagraph(lambda c=cfg_: _gemv._launch(c, x, w, b, y), rep=20)
+            y = torch.empty(m, n // 2 if glu else n, device="cuda", dtype=torch.bfloat16)
+            if glu:  # fgraph::linear_glu: against cuBLAS and the activation's launch
+                full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                unfused = lambda: _gemv.silu_mul(_gemv._cublas(x, w, b, out=full), out=y)  # noqa: E731
+            else:
+                unfused = lambda: _gemv._cublas(x, w, b, out=y)  # noqa: E731
+            us = {"cublas": 1e3 * do_bench_cudagraph(unfused, rep=20)}
+            for cfg_ in _gemv.candidates(m, y.shape[1], k, glu):
+                us[str(cfg_)] = 1e3 * do_bench_cudagraph(lambda c=cfg_: _gemv._launch(c, x, w, b, y, glu), rep=20)
             best = min((v, c) for c, v in us.items() if c != "cublas")
-            _gemv._choice.pop((m, n, k, torch.bfloat16, bias, x.device.index), None)
-            chose = _gemv._tune(x, w, b)
+            _gemv._choice.pop((m, n, k, torch.bfloat16, bias, glu, x.device.index), None)
+            chose = _gemv._tune(x, w, b, glu)
             pct = lambda t: round(100 * 2 * n * k / (t * 1e-6) / bw, 1)  # noqa: E731
-            emit({"part": "gemm", "model": name, "gemm": gemm, "M": m, "N": n, "K": k, "bias": bias,
-                  "cublas_us": round(us["cublas"], 2), "cublas_pct_bw": pct(us["cublas"]),
+            emit({"part": "gemm", "model": name, "gemm": gemm + ("+silu_mul" if glu else ""), "M": m, "N": n, "K": k,
+                  "bias": bias, "cublas_us": round(us["cublas"], 2), "cublas_pct_bw": pct(us["cublas"]),
                   "best_triton_us": round(best[0], 2), "best_triton": best[1], "best_pct_bw": pct(best[0]),
                   "best_over_cublas": round(best[0] / us["cublas"], 3), "tuner_picks": str(chose) if chose else "cublas",
                   "all_us": {c: round(v, 2) for c, v in us.items()}})  # fmt: skip

@@ -7,7 +7,7 @@ and Inductor's options (FULL+C) per variant, each checked against eager before t
 A variant is `name:key=value,...`: `backend` (default flash_attn on CUDA, torch on the CPU) and `mode` (default FULL+C)
 are fgraph's; `fuse_rope` (default True) is the model's (RoPE inside the attention break); `triton_attn.NAME` sets
 the triton backend's module constant NAME (WAVES, BLOCK_N, DECODE_STAGES, ...) while the variant's eager oracle runs and
-its graphs are captured; every other key is an Inductor option for the compiled pieces (values: ints, floats, True /
+its graphs are captured; `config.NAME` sets fgraph.config.NAME the same way (small_m_glu, ...); every other key is an Inductor option for the compiled pieces (values: ints, floats, True /
 False, else strings). Each variant's own eager step (its backend's kernels, uncompiled) is its oracle: rel_err is max
 |jitted - eager| / max |eager| of the logits. On the CPU: a check of the script (tiny preset, torch backend).
 One JSON line per (variant, batch) row.
@@ -23,6 +23,7 @@ import statistics
 import torch
 import torch.utils._pytree as pytree
 
+import fgraph
 from benchmarks import kernels
 from benchmarks.common import decode_batch, device_name, jit_step, time_ms
 from examples import llama
@@ -34,7 +35,7 @@ def parse_variant(text: str, dev: str) -> tuple[str, dict]:
     """'name:k=v,...' -> (name, {"backend", "mode", "inductor": {...}, "triton_attn": {...}})."""
     name, _, rest = text.partition(":")
     spec = {"backend": "flash_attn" if dev == "cuda" else "torch", "mode": "FULL+C", "fuse_rope": True}
-    spec.update(inductor={}, triton_attn={})
+    spec.update(inductor={}, triton_attn={}, config={})
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key in ("backend", "mode"):
@@ -43,6 +44,8 @@ def parse_variant(text: str, dev: str) -> tuple[str, dict]:
             spec[key] = _value(value)
         elif key.startswith("triton_attn."):
             spec["triton_attn"][key.partition(".")[2]] = _value(value)
+        elif key.startswith("config."):
+            spec["config"][key.partition(".")[2]] = _value(value)
         else:
             spec["inductor"][key] = _value(value)
     return name, spec
@@ -99,7 +102,7 @@ def main(argv=None) -> None:
         f.capture(params, caches[name], batches[name][a.batches[0]], routine="decode", progress=False)
 
     for name, v in variants.items():
-        with knobs(T, v["triton_attn"]):
+        with knobs(T, v["triton_attn"]), knobs(fgraph.config, v["config"]):
             setup(name, v)
     for B in a.batches:
         calls = {

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -129,7 +130,7 @@ def test_what_the_op_cannot_serve_stays_as_traced():
 def rewriting_on_cpu(monkeypatch):
     """Compiled pieces rewritten as CUDA ones are (the rewrite is for CUDA pieces; here its CPU path is checked)."""
     rewrite = _small_m.rewrite
-    monkeypatch.setattr(_small_m, "rewrite", lambda gm, device_type="cuda": rewrite(gm, "cpu"))
+    monkeypatch.setattr(_small_m, "rewrite", lambda gm, device_type="cuda", **kw: rewrite(gm, "cpu", **kw))
     yield
 
 
@@ -177,6 +178,114 @@ def test_every_candidate_config_computes_the_product_in_the_interpreter():
     assert {c[-1] for c in _gemv.candidates(2, 40, 2100)} == {1, 2, 4, 8}
 
 
+# -- fgraph::linear_glu: a gated MLP's gate_up matmul and its activation -------------------------------------------
+def gated(x, w13):
+    gate, up = F.linear(x, w13).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def glus(gm) -> int:
+    return sum(n.target is _gemv.glu_op for n in gm.graph.nodes)
+
+
+def test_off_the_kernel_fgraph_linear_glu_is_the_unfused_ops_bit_for_bit():
+    x, w = rand(3, 40), rand(48, 40, seed=1)
+    assert torch.equal(_gemv.glu_op(x, w), gated(x, w))
+    torch.library.opcheck(torch.ops.fgraph.linear_glu, (x, w))
+
+
+GATED = {
+    "chunk": gated,
+    "split": lambda x, w: (lambda g, u: F.silu(g) * u)(*F.linear(x, w).split(24, dim=1)),
+    "split_with_sizes, up times silu": lambda x, w: (lambda g, u: u * F.silu(g))(*F.linear(x, w).split([24, 24], -1)),
+}
+
+
+@pytest.mark.parametrize("spelling", GATED)
+def test_silu_of_a_matmuls_first_half_times_its_second_becomes_one_fgraph_linear_glu(spelling):
+    a = (rand(3, 40), rand(48, 40, seed=1))
+    gm, other, n = rewritten(GATED[spelling], a)
+    assert n == 1 and glus(other) == 1 and linears(other) == 0
+    gone = (torch.ops.aten.mm.default, torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor)
+    assert not any(node.target in gone for node in other.graph.nodes)
+    assert torch.equal(gm(*a), other(*a))
+
+
+def test_a_gated_mlp_becomes_glu_then_linear_at_any_weight_size_unless_switched_off():
+    # an 8B's gate_up weight is 235 MB: without its kernel the op runs the matmul and the activation's one launch,
+    # what Inductor ran, so no size is excluded (fgraph::linear's are: here the down projection's 8.6 MB is not)
+    from examples.layers import gated_mlp
+
+    a = (rand(2, 2100), rand(2 * 2100, 2100, seed=1), rand(2100, 2100, seed=2))
+    gm, other, n = rewritten(gated_mlp, a)
+    assert n == 1 and glus(other) == 1 and linears(other) == 0 and torch.equal(gm(*a), other(*a))
+    off = make_fx(gated_mlp)(*a)
+    assert _small_m.rewrite(off, "cpu", glu=False) == 0 and glus(off) == 0
+
+
+def test_what_fgraph_linear_glu_cannot_serve_stays_as_traced():
+    x, w, b = rand(2, 8), rand(12, 8, seed=1), rand(12, seed=2)
+
+    def gate_read_twice(x, w):
+        gate, up = F.linear(x, w).chunk(2, -1)
+        return F.silu(gate) * up, gate
+
+    cases = {
+        "the gate read elsewhere too": (gate_read_twice, (x, w)),
+        "a split in three": (lambda x, w: (lambda g, u, _: F.silu(g) * u)(*F.linear(x, w).split(4, -1)), (x, w)),
+        "a split along the rows": (lambda x, w: (lambda g, u: F.silu(g) * u)(*F.linear(x, w).chunk(2, 0)), (x, w)),
+        "another activation": (lambda x, w: (lambda g, u: F.gelu(g) * u)(*F.linear(x, w).chunk(2, -1)), (x, w)),
+        "a bias": (lambda x, w: (lambda g, u: F.silu(g) * u)(*F.linear(x, w, b).chunk(2, -1)), (x, w)),
+        "float32": (gated, (x.float(), w.float())),
+        "more rows than the kernel takes": (gated, (rand(32, 8), w)),
+        "another device": (gated, (x, w)),
+    }
+    for why, (fn, a) in cases.items():
+        gm, other, _ = rewritten(fn, a, device_type="cuda" if why == "another device" else "cpu")
+        assert glus(other) == 0, why
+        for want, got in zip(pytree.tree_leaves(gm(*a)), pytree.tree_leaves(other(*a))):
+            assert torch.equal(want, got), why
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_compiled_pieces_call_fgraph_linear_glu_when_its_switch_is_on_and_equal_eager(on, tmp_path, monkeypatch):
+    from examples.layers import gated_mlp
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fgraph.config, "small_m_glu", on)
+    params = {"w13": rand(96, 16, seed=1), "w2": rand(16, 48, seed=3)}
+    mlp_ = lambda params, x: gated_mlp(x, params["w13"], params["w2"])  # noqa: E731 (its own jit state)
+    with rewriting_on_cpu(monkeypatch):
+        before = dict(compiler.counts)
+        f = fgraph.jit(mlp_, batch={"x": fgraph.Batched()}, buckets=[1, 4], compile=True)
+        for m in (1, 3, 4):  # 3: padded into bucket 4
+            x = rand(m, 16, seed=10 + m)
+            want = mlp_(params, x)
+            # (off, Inductor's fused activation rounds once where eager rounds silu's result first)
+            torch.testing.assert_close(f(params, x), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    assert compiler.counts["linear"] - before["linear"] == 2 * 2  # gate_up (with or without its activation), down
+    assert compiler.counts["glu"] - before["glu"] == (2 if on else 0)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
+)
+def test_every_glu_config_and_the_activation_kernel_compute_the_unfused_result_in_the_interpreter():
+    for m, (n, k) in [(1, (20, 40)), (3, (64, 96)), (5, (33, 513)), (16, (64, 96))]:
+        x, w = rand(m, k, dtype=torch.float16), rand(2 * n, k, dtype=torch.float16, seed=1)
+        y = x.float() @ w.float().t()
+        want = F.silu(y[:, :n]) * y[:, n:]
+        assert _gemv.candidates(m, n, k, glu=True)
+        for cfg in _gemv.candidates(m, n, k, glu=True):
+            out = torch.full((m, n), float("nan"), dtype=torch.float16)
+            _gemv._launch(cfg, x, w, None, out, glu=True)
+            torch.testing.assert_close(out.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+        yh, out = x @ w.t(), torch.full((m, n), float("nan"), dtype=torch.float16)
+        _gemv._launch_glu(yh, out, block=64)  # (blocks that straddle rows)
+        assert torch.equal(out, gated(x, w))
+    assert all(c[-1] == 1 for c in _gemv.candidates(2, 40, 2100, glu=True))  # K is not split
+
+
 # -- on the GPU ------------------------------------------------------------------------------------------------
 # (rows, N, K, bias): decode shapes of the 0.5B (qkv with its bias, o, down) and 8B (o), and sizes off every block
 GPU_SHAPES = [(1, 1152, 896, True), (8, 896, 4864, False), (16, 4096, 4096, False), (3, 1000, 777, True)]
@@ -208,7 +317,7 @@ def test_the_tuned_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
     x, w = rand(m, k, device="cuda"), rand(n, k, device="cuda", seed=1) / k**0.5
     b = rand(n, device="cuda", seed=2) if bias else None
     _gemv.op(x, w, b)  # tunes the key outside the capture, as fgraph's warm-up does
-    assert (m, n, k, bf16, bias, x.device.index) in _gemv._choice
+    assert (m, n, k, bf16, bias, False, x.device.index) in _gemv._choice
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = _gemv.op(x, w, b)
@@ -242,7 +351,7 @@ def test_every_split_k_config_sums_its_partials_once_in_order_replay_after_repla
 @pytest.mark.gpu
 def test_a_key_first_met_inside_a_capture_runs_cublas_and_is_counted():
     x, w = rand(2, 512, device="cuda"), rand(520, 512, device="cuda", seed=1)
-    assert (2, 520, 512, bf16, False, x.device.index) not in _gemv._choice
+    assert (2, 520, 512, bf16, False, False, x.device.index) not in _gemv._choice
     before = dict(_gemv.counts)
     torch.mm(x, w.t())  # (cuBLAS's own set-up, outside the capture)
     g = torch.cuda.CUDAGraph()
@@ -293,3 +402,59 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     assert torch.equal(got.sequences[:, : ids.shape[1] + 1], want.sequences[:, : ids.shape[1] + 1])  # the prefill
     scale = want.logits[1].abs().max().item()
     torch.testing.assert_close(got.logits[1], want.logits[1], atol=3e-2 * scale, rtol=0)  # the first decode step
+
+
+# (rows, N, K) of fgraph::linear_glu: 0.5B's and 8B's gate_up at decode sizes, and sizes off every block
+GLU_SHAPES = [(1, 4864, 896), (8, 4864, 896), (1, 14336, 4096), (3, 1000, 777)]
+
+
+def gated_inputs(m, n, k):
+    return rand(m, k, device="cuda"), rand(2 * n, k, device="cuda", seed=1) / k**0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GLU_SHAPES)
+def test_every_glu_kernel_is_as_close_to_the_float32_result_as_cublas_and_the_activation_launch(shape):
+    m, n, k = shape
+    x, w = gated_inputs(m, n, k)
+    y = x.float() @ w.float().t()
+    want = F.silu(y[:, :n]) * y[:, n:]
+    unfused = _gemv.silu_mul(_gemv._cublas(x, w, None))
+    # the activation's launch is eager's two ops on the same matmul output, to one rounding of its exp
+    torch.testing.assert_close(unfused, gated(x, w))
+    for cfg in _gemv.candidates(m, n, k, glu=True):
+        out = torch.full((m, n), float("nan"), dtype=bf16, device="cuda")
+        _gemv._launch(cfg, x, w, None, out, glu=True)
+        assert err(out, want) <= 2 * err(unfused, want) + 1e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GLU_SHAPES)
+def test_the_tuned_glu_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
+    m, n, k = shape
+    x, w = gated_inputs(m, n, k)
+    _gemv.glu_op(x, w)  # tunes the key outside the capture, as fgraph's warm-up does
+    assert (m, 2 * n, k, bf16, False, True, x.device.index) in _gemv._choice
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = _gemv.glu_op(x, w)
+    for seed in (5, 6):
+        x.copy_(rand(m, k, device="cuda", seed=seed))
+        g.replay()
+        assert torch.equal(y, _gemv.glu_op(x, w))
+
+
+@pytest.mark.gpu
+def test_a_compiled_cuda_gated_mlp_calls_fgraph_linear_glu_and_equals_eager(tmp_path, monkeypatch):
+    from examples.layers import gated_mlp
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    params = {"w13": rand(2 * 512, 256, device="cuda", seed=1) / 16, "w2": rand(256, 512, device="cuda", seed=3) / 22}
+    mlp_ = lambda params, x: gated_mlp(x, params["w13"], params["w2"])  # noqa: E731 (its own jit state)
+    before = compiler.counts["glu"]
+    f = fgraph.jit(mlp_, batch={"x": fgraph.Batched()}, buckets=[1, 8], mode="FULL", compile=True)
+    for m in (1, 5, 8):
+        x = rand(m, 256, device="cuda", seed=10 + m)
+        want = mlp_(params, x)
+        torch.testing.assert_close(f(params, x), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    assert compiler.counts["glu"] - before == 2

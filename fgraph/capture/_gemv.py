@@ -23,6 +23,12 @@ Which kernel serves a shape is measured, not guessed: the first call of a (rows,
 CUDA-graph capture times each candidate config and cuBLAS itself, replayed in a CUDA graph (kernel time with its
 launch gaps, as in a decode graph), and keeps the fastest where it beats cuBLAS by a margin (MARGIN); elsewhere
 cuBLAS stays. A key met first inside a capture (no timing possible there) runs cuBLAS, counted as `untuned`.
+
+`fgraph::linear_glu`: silu(y[:, :N]) * y[:, N:] for y = x @ w^T, w [2N, K] a gated MLP's fused gate and up rows.
+The same kernel, each program streaming its gate slab and its up slab ([BLOCK_N, K] each) and applying the
+activation before its store, so the step runs one kernel where it ran the matmul and the activation's. Without the
+kernel (CPU, more rows, a config that lost) it is cuBLAS's matmul and then the activation in one launch (`silu_mul`),
+as Inductor fuses it; on the CPU torch's ops, bit for bit. Its tuner times the kernel against those two launches.
 """
 
 from __future__ import annotations
@@ -44,66 +50,24 @@ _DOT = [(16, 128, 4, 3, True), (16, 256, 4, 4, True), (32, 128, 4, 3, True), (32
 # them drains, so a kernel's time alone overstates what replacing cuBLAS saves inside a decode graph
 # (docs/performance.md: 5-10 % faster alone measured as 1 % slower in the step)
 MARGIN = 0.85
+# the fused gate_up + activation against cuBLAS and the activation's own launch: the launch it saves is saved in the
+# decode graph too (docs/performance.md: what it measures)
+GLU_MARGIN = 0.95
 
-# tuned: keys timed; triton / cublas: tuned keys each serves (split: the triton ones with K split); untuned: keys
-# met first inside a capture (cuBLAS)
-counts = {"tuned": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0}
+# tuned: keys timed (glu: of them, fgraph::linear_glu's); triton / cublas: tuned keys each serves (split: the triton
+# ones with K split); untuned: keys met first inside a capture (cuBLAS)
+counts = {"tuned": 0, "glu": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0}
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 
 @functools.cache
 def kernel():
-    """The Triton kernel; None without Triton."""
+    """The Triton kernels (`_gemv_kernels`: gemv, glu); None without Triton."""
     try:
-        import triton
-        import triton.language as tl
+        from . import _gemv_kernels
     except ImportError:
         return None
-
-    @triton.jit
-    def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, sx, sw, sy, HAS_BIAS: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-             SPLITS: tl.constexpr):  # fmt: skip
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        n_ok, m_ok = rn < N, rm < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        w_rows = w_ptr + rn.to(tl.int64)[:, None] * sw
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
-        k_lo = tl.program_id(1) * K_SPLIT  # this program's K range: [k_lo, k_hi); K_SPLIT a multiple of BLOCK_K
-        k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            kk = k0 + rk
-            k_ok = kk < k_hi
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-            if DOT:
-                acc += tl.dot(x, tl.trans(w))
-            else:
-                acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-        ok = m_ok[:, None] & n_ok[None, :]
-        if SPLITS > 1:  # ws [SPLITS, M, N] float32; the last program of this column block to arrive sums them
-            part = rm[:, None] * N + rn[None, :]
-            tl.store(ws_ptr + tl.program_id(1) * M * N + part, acc, mask=ok, cache_modifier=".wt")
-            tl.debug_barrier()  # every thread's partial stored before the count (acq_rel) publishes it
-            arrived = tl.atomic_add(lock_ptr + tl.program_id(0), 1, sem="acq_rel")
-            if arrived == SPLITS - 1:
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLITS):  # in split order: the same sum whichever program is last
-                    acc += tl.load(ws_ptr + s * M * N + part, mask=ok, other=0.0, cache_modifier=".cv")
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                out = y_ptr + rm.to(tl.int64)[:, None] * sy + rn[None, :]
-                tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok)
-                tl.atomic_xchg(lock_ptr + tl.program_id(0), 0)  # ready for the next launch
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            out = y_ptr + rm.to(tl.int64)[:, None] * sy + rn[None, :]
-            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-    return gemv
+    return _gemv_kernels
 
 
 def eligible(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -128,17 +92,17 @@ def _pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def _launch(cfg: tuple, x, w, b, y) -> None:
+def _launch(cfg: tuple, x, w, b, y, glu: bool = False) -> None:
     block_n, block_k, warps, stages, dot, splits = cfg
-    (M, K), N = x.shape, w.shape[0]
+    (M, K), N = x.shape, w.shape[0] // 2 if glu else w.shape[0]
     block_m = 16 if dot else _pow2(M)
     k_split = -(-K // (splits * block_k)) * block_k  # each split's K range, whole blocks
     grid = (-(-N // block_n), splits)
     ws, locks = (_workspace(x, N, splits), _locks(x, cfg, N)) if splits > 1 else (y, y)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel()[grid](x, w, b if b is not None else w, y, ws, locks, M, N, K, k_split, x.stride(0), w.stride(0),
-                       y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                       DOT=dot, SPLITS=splits, num_warps=warps, num_stages=stages)  # fmt: skip
+        kernel().gemv[grid](x, w, b if b is not None else w, y, ws, locks, M, N, K, k_split, x.stride(0), w.stride(0),
+                            y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                            DOT=dot, SPLITS=splits, GLU=glu, num_warps=warps, num_stages=stages)  # fmt: skip
 
 
 def _workspace(x, n: int, splits: int) -> torch.Tensor:
@@ -170,49 +134,93 @@ SPLITS = (2, 4, 8)
 MAX_BLOCKS = 1024  # column blocks x splits per launch beyond which splitting K adds no parallelism worth timing
 
 
-def candidates(m: int, n: int, k: int) -> list[tuple]:
+def candidates(m: int, n: int, k: int, glu: bool = False) -> list[tuple]:
     """The configs worth timing for m rows of an [n, k] weight: each base config unsplit, and split in SPLITS where
-    every split keeps at least two BLOCK_K blocks of K and the launch stays under MAX_BLOCKS programs."""
-    got = _DOT + ([c for c in _REDUCE if _pow2(m) * c[0] * c[1] <= 16384] if m <= 4 else [])
+    every split keeps at least two BLOCK_K blocks of K and the launch stays under MAX_BLOCKS programs. glu: n output
+    columns of a [2n, k] weight; a program holds two products, so the reduce path's register budget is halved and K
+    is not split."""
+    budget = 8192 if glu else 16384
+    got = _DOT + ([c for c in _REDUCE if _pow2(m) * c[0] * c[1] <= budget] if m <= 4 else [])
     got = [c for c in got if c[0] <= max(16, n) and c[1] <= max(128, 2 * k)]
     split = [(*c, s) for c in got for s in SPLITS if k >= 2 * s * c[1] and -(-n // c[0]) * s <= MAX_BLOCKS]
-    return [(*c, 1) for c in got] + split
+    return [(*c, 1) for c in got] + ([] if glu else split)
 
 
-def _tune(x, w, b) -> tuple | None:
-    """Time every candidate and cuBLAS on these tensors (each replayed in a CUDA graph); the fastest config if it
-    beats cuBLAS by MARGIN, else None (cuBLAS)."""
+def _tune(x, w, b, glu: bool = False) -> tuple | None:
+    """Time every candidate and what runs without the kernel (cuBLAS; glu: cuBLAS, then the activation's launch),
+    each replayed in a CUDA graph; the fastest config if it beats that by its margin, else None."""
     from triton.testing import do_bench_cudagraph
 
-    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    cublas_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
-    best, best_ms = None, MARGIN * cublas_ms
-    for cfg in candidates(x.shape[0], w.shape[0], w.shape[1]):
-        ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y), rep=10)
+    n = w.shape[0] // 2 if glu else w.shape[0]
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if glu:
+        full = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        unfused_ms = do_bench_cudagraph(lambda: silu_mul(_cublas(x, w, None, out=full), out=y), rep=10)
+    else:
+        unfused_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
+    best, best_ms = None, (GLU_MARGIN if glu else MARGIN) * unfused_ms
+    for cfg in candidates(x.shape[0], n, w.shape[1], glu):
+        ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y, glu), rep=10)
         if ms < best_ms:
             best, best_ms = cfg, ms
     counts["tuned"] += 1
+    counts["glu"] += glu
     counts["triton" if best is not None else "cublas"] += 1
     counts["split"] += best is not None and best[-1] > 1
     return best
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ w [N, K]^T (+ b): the tuned kernel where eligible, else cuBLAS (torch.mm / addmm)."""
-    if not eligible(x, w, b):
-        return _cublas(x, w, b)
-    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, x.device.index)
+def _pick(x, w, b, glu: bool = False) -> tuple | None:
+    """The tuned config serving these tensors, tuning their key on its first call; None: cuBLAS serves."""
+    if not eligible(x, w, b) or (glu and (w.shape[0] % 2 or b is not None)):
+        return None
+    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, glu, x.device.index)
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: cuBLAS, as without the kernel
             counts["untuned"] += 1
-            return _cublas(x, w, b)
+            return None
         with torch.cuda.device(x.device):  # (the timing's graphs and streams on the tensors' device)
-            _choice[key] = _tune(x, w, b)
-    cfg = _choice[key]
+            _choice[key] = _tune(x, w, b, glu)
+    return _choice[key]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T (+ b): the tuned kernel where eligible, else cuBLAS (torch.mm / addmm)."""
+    cfg = _pick(x, w, b)
     if cfg is None:
         return _cublas(x, w, b)
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     _launch(cfg, x, w, b, y)
+    return y
+
+
+def silu_mul(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(y[:, :N]) * y[:, N:] for y [M, 2N]: one Triton launch on CUDA in half precision, else torch's ops (bit
+    for bit the unfused ones)."""
+    m, n = y.shape[0], y.shape[1] // 2
+    if not (y.is_cuda and y.dtype in (torch.bfloat16, torch.float16) and y.stride(1) == 1 and kernel() is not None):
+        gate, up = y.split(n, dim=-1)
+        return torch.mul(torch.nn.functional.silu(gate), up, out=out)
+    out = torch.empty(m, n, dtype=y.dtype, device=y.device) if out is None else out
+    if m * n:
+        _launch_glu(y, out)
+    return out
+
+
+def _launch_glu(y, out, block: int = 1024) -> None:
+    m, n = out.shape
+    with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
+        kernel().glu[(-(-m * n // block),)](y, out, m, n, y.stride(0), out.stride(0), BLOCK=block)
+
+
+def linear_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu(y[:, :N]) * y[:, N:] for y = x [M, K] @ w [2N, K]^T (gate rows, then up rows): at few rows one kernel,
+    where it times faster; else cuBLAS's matmul, then `silu_mul`."""
+    cfg = _pick(x, w, None, glu=True)
+    if cfg is None:
+        return silu_mul(_cublas(x, w, None))
+    y = torch.empty(x.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
+    _launch(cfg, x, w, None, y, glu=True)
     return y
 
 
@@ -226,4 +234,15 @@ def _(x, w, b):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
+@torch.library.custom_op("fgraph::linear_glu", mutates_args=())
+def _linear_glu_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return linear_glu(x, w)
+
+
+@_linear_glu_op.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0] // 2)
+
+
 op = torch.ops.fgraph.linear.default
+glu_op = torch.ops.fgraph.linear_glu.default

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._config import config as fgraph_config
 from .._errors import SignatureError
-from . import _small_m
+from . import _gemv, _small_m
 
 
 def inductor_options(fname: str, compile) -> dict | None:
@@ -94,15 +94,18 @@ class Compiled(torch.nn.Module):
 
 
 def with_linear(module: fx.GraphModule) -> fx.GraphModule:
-    """The piece with its few-row matmuls as `fgraph::linear` (fgraph.config.small_m_gemv), made once per piece."""
+    """The piece with its few-row matmuls as `fgraph::linear` and its gated activations as `fgraph::linear_glu`
+    (fgraph.config.small_m_gemv, small_m_glu), made once per piece and setting."""
     if not fgraph_config.small_m_gemv:
         return module
-    got = module.meta.get("fgraph_linear")
+    key = ("fgraph_linear", fgraph_config.small_m_glu)
+    got = module.meta.get(key)
     if got is None:
         other = fx.GraphModule(module, copy.deepcopy(module.graph))
-        n = _small_m.rewrite(other)
+        n = _small_m.rewrite(other, glu=fgraph_config.small_m_glu)
         compiler.counts["linear"] += n
-        got = module.meta["fgraph_linear"] = other if n else module
+        compiler.counts["glu"] += sum(node.target is _gemv.glu_op for node in other.graph.nodes)
+        got = module.meta[key] = other if n else module
     return got
 
 
@@ -151,8 +154,9 @@ class Compiler:
         self.shared: dict[str, Shared] = {}
         # compiled / loaded: compile_fx calls Inductor ran / served from its FX-graph cache (static: those made for
         # one bucket's own shapes); shared: pieces served by a compilation this process already had
-        # linear: matmuls of the signatures' pieces rewritten into fgraph::linear (fgraph/capture/_small_m.py)
-        self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "linear": 0, "seconds": 0.0}
+        # linear: matmuls of the signatures' pieces rewritten into fgraph::linear or fgraph::linear_glu (glu: those;
+        # fgraph/capture/_small_m.py)
+        self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "linear": 0, "glu": 0, "seconds": 0.0}
 
     def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:
         """The piece compiled for its traced (symbolic) input avals, compiled now or found.

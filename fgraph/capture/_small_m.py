@@ -15,9 +15,15 @@ and o, 2 MB and 1.6 MB, where cuBLAS reaches 8-12 % of copy bandwidth); on the l
 the best config or ahead, and a rewritten matmul that the tuner hands back to cuBLAS made the 8B step 0.4-0.8 %
 slower (docs/performance.md), so those are not rewritten. SPLIT_WEIGHT / SPLIT_COLUMNS: a few output columns over a
 long K (0.5B's down, 896 x 4864, 8.7 MB), where cuBLAS splits K into a GEMM and a reduction kernel and the kernel's
-in-kernel split-K (`_gemv`) may serve it in one."""
+in-kernel split-K (`_gemv`) may serve it in one.
+
+A gated MLP's `silu(gate) * up` over the two halves of one matmul (`linear(x, w13).chunk(2, -1)`: split, silu, mul)
+becomes one `fgraph::linear_glu(x, w13)` whatever the weight's size: without its kernel the op runs the matmul and
+the activation's one launch, what Inductor ran, so only a kernel that timed faster changes the step."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -56,8 +62,9 @@ def _small(w) -> bool:
     return nbytes <= SMALL_WEIGHT or (nbytes <= SPLIT_WEIGHT and w.shape[0] <= SPLIT_COLUMNS)
 
 
-def _fits(x, w, b, device_type: str) -> bool:
-    """Whether the op may serve x @ w.T (+ b), given their traced values (b None: no bias)."""
+def _fits(x, w, b, device_type: str, any_size: bool = False) -> bool:
+    """Whether the op may serve x @ w.T (+ b), given their traced values (b None: no bias); any_size: a weight of
+    any size (fgraph::linear_glu, whose fallback is what ran before)."""
     return (
         isinstance(x, torch.Tensor)
         and isinstance(w, torch.Tensor)
@@ -68,7 +75,7 @@ def _fits(x, w, b, device_type: str) -> bool:
         and w.dtype == x.dtype
         and w.stride()[1] == 1
         and isinstance(w.numel(), int)
-        and _small(w)
+        and (any_size or _small(w))
         and _few_rows(x.shape[0])
         and (b is None or (isinstance(b, torch.Tensor) and b.dim() == 1 and b.dtype == x.dtype))
     )
@@ -112,6 +119,55 @@ def _rewrite_bmm(gm: fx.GraphModule, node, device_type: str) -> bool:
     return True
 
 
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+
+
+def _halves(node) -> fx.Node | None:
+    """y where `node` splits y [M, 2N] along its last axis into two halves of N, else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in _SPLITS:
+        return None
+    y, size = node.args[:2]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    shape = getattr(_val(y), "shape", None)
+    if shape is None or len(shape) != 2 or dim not in (1, -1):
+        return None
+    n = shape[1] // 2
+    halves = [n, n] if node.target is aten.split_with_sizes.default else size
+    return y if isinstance(y, fx.Node) and shape[1] == 2 * n and halves in (n, [n, n]) else None
+
+
+def _item(node, index: int):
+    """The split node whose item `index` `node` is (its only user being what reads it), else None."""
+    if isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] == index and len(node.users) == 1:
+        return node.args[0]
+    return None
+
+
+def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> bool:
+    """mul(silu(split(mm(x, t(w)))[0]), split(...)[1]) -> fgraph::linear_glu(x, w), each node used only there."""
+    for act, up in (node.args[:2], node.args[1::-1]):
+        gate = _peel(act, {aten.silu.default})
+        split = _item(gate, 0)
+        if split is None or len(act.users) != 1 or _item(up, 1) is not split or len(split.users) != 2:
+            continue
+        mm = _halves(split)
+        if mm is None or mm.target is not aten.mm.default or len(mm.users) != 1:
+            continue
+        x, wt = mm.args[:2]
+        w = _transposed(wt)
+        if w is None or not _fits(_val(x), _val(w), None, device_type, any_size=True):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(_gemv.glu_op, (x, w))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        for dead in (node, act, up, gate, split, mm):
+            gm.graph.erase_node(dead)
+        _erase_unused(wt)
+        return True
+    return False
+
+
 def _erase_unused(node) -> None:
     """node and the chain of single-input producers below it that the rewrite left without users."""
     while isinstance(node, fx.Node) and node.op == "call_function" and not node.users:
@@ -120,9 +176,12 @@ def _erase_unused(node) -> None:
         node = below
 
 
-def rewrite(gm: fx.GraphModule, device_type: str = "cuda") -> int:
-    """Rewrite `gm`'s eligible matmuls in place; the number rewritten."""
+def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True) -> int:
+    """Rewrite `gm`'s eligible matmuls in place (glu: gated activations too); the number rewritten."""
     done = 0
+    for node in list(gm.graph.nodes):  # (first: the activation's matmul would be rewritten into fgraph::linear)
+        if glu and node.op == "call_function" and node.target is aten.mul.Tensor:
+            done += _rewrite_glu(gm, node, device_type)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.bmm.default:
             done += _rewrite_bmm(gm, node, device_type)
