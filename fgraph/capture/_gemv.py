@@ -210,7 +210,7 @@ def silu_mul(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def _launch_glu(y, out, block: int = 1024) -> None:
     m, n = out.shape
     with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel().glu[(-(-m * n // block),)](y, out, m, n, y.stride(0), out.stride(0), BLOCK=block)
+        kernel().glu[(m, -(-n // block))](y, out, n, y.stride(0), out.stride(0), BLOCK=block)
 
 
 def linear_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

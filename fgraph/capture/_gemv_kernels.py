@@ -74,13 +74,12 @@ def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, sx, sw,
 
 
 @triton.jit
-def glu(y_ptr, out_ptr, M, N, sy, so, BLOCK: tl.constexpr):
+def glu(y_ptr, out_ptr, N, sy, so, BLOCK: tl.constexpr):
     """out [M, N] = silu(y[:, :N]) * y[:, N:], y [M, 2N]: the activation after a gate_up matmul cuBLAS ran (one
-    launch, as Inductor's fused kernel for it)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    row, col = i // N, i % N
-    ok = i < M * N
-    src = y_ptr + row.to(tl.int64) * sy + col
-    g = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(src + N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * so + col, silu_mul(g, u, out_ptr.dtype.element_ty), mask=ok)
+    launch, as Inductor's fused kernel for it). Grid (M, cdiv(N, BLOCK)): a row's block, contiguous loads."""
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = col < N
+    g = tl.load(y_ptr + row * sy + col, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(y_ptr + row * sy + N + col, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * so + col, silu_mul(g, u, out_ptr.dtype.element_ty), mask=ok)
