@@ -51,9 +51,9 @@ WAVES = 8  # decode programs to aim for when splitting, per SM (splits_for; docs
 UNSPLIT_WAVES = 2  # a batch of this many programs per SM or more is not split
 MAX_SPLITS = 32  # the merge reads [splits, D] per head; past this the merge costs more than longer splits
 DECODE_STAGES = 3  # software-pipelined key blocks in flight per decode program (Triton's default on sm_90)
-# decode's last split program of a group merges the splits (True), or a merge kernel after it (False): the merge
-# kernel measured faster at 0.5B B=1 (docs/performance.md)
-LAST_MERGES = False
+# decode's last split program of a group merges the splits (True), or a merge kernel after it (False): the
+# in-kernel merge measured as fast or faster at every cell (docs/performance.md)
+LAST_MERGES = True
 LOG2E = 1.4426950408889634
 
 
