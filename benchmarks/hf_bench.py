@@ -59,6 +59,12 @@ def make_model(smoke: bool, device: str, dtype, layers: int = 2):
     return model
 
 
+def decode_rates(batch: int, new: int, pairs: list[tuple[float, float]]) -> list[float]:
+    """Decode tokens/s of each round's (t(1), t(N)) generate times: B * (N - 1) / (t(N) - t(1)). A round whose 1-token
+    generate took as long as its N-token one measured no decode time and has no rate (not one of B * (N - 1) / ~0)."""
+    return [batch * (new - 1) / (tn - t1) for t1, tn in pairs if tn > t1]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.hf_bench", description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, no torch.compile")
@@ -170,13 +176,17 @@ def main(argv=None):
                     if r:
                         times[name][n].append(time.perf_counter() - t0)
         for name in contenders:
-            rates = [B * (new - 1) / max(tn - t1, 1e-9) for t1, tn in zip(times[name][1], times[name][new])]
+            pairs = list(zip(times[name][1], times[name][new]))
+            valid = decode_rates(B, new, pairs)
+            rates = valid or [float("nan")]
             row = {
                 "bench": "hf_bench", "device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "ctx": ctx,
                 "new_tokens": new, "cache": args.cache, "compile": args.compile, "contender": name, "tokens_equal_eager": equal[name],
                 "tokens_equal_eager_static": equal_static[name], "first_different_token": differs[name],
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),
-                "decode_tok_s_max": max(rates), "rounds": rounds, "first_generate_s": first_s[name],
+                "decode_tok_s_max": max(rates), "rounds": rounds, "invalid_rounds": len(pairs) - len(valid),
+                "generate_s": {1: [round(t, 4) for t, _ in pairs], new: [round(t, 4) for _, t in pairs]},
+                "first_generate_s": first_s[name],
             }  # fmt: skip
             if name.startswith("hf_fgraph"):  # (its counts before the calls below)
                 s = contenders[name].forward.stats()

@@ -179,6 +179,13 @@ def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, c
     assert (tmp_path / "hf_bench.jsonl").read_text().count("\n") == 3
 
 
+def test_a_round_whose_short_generate_took_as_long_as_its_long_one_has_no_decode_rate():
+    # (the H200's B=8 run had one: 64 tokens in no more time than 1, a rate of 5e11 tokens/s in the row's max)
+    from benchmarks import hf_bench
+
+    assert hf_bench.decode_rates(8, 64, [(0.01, 0.2), (0.3, 0.3), (0.5, 0.2)]) == pytest.approx([8 * 63 / 0.19])
+
+
 def test_a_sliding_window_cache_is_a_clear_error():
     """transformers' sliding-window StaticCache layers count tokens in a Python int, changed by every call, which no
     graph replays: refused at trace time, with the way out an HF user can take."""
