@@ -45,6 +45,10 @@ class config(metaclass=_Checked):
     # with small_m_gemv: a gated MLP's silu(gate) * up after its fused gate_up matmul runs as fgraph::linear_glu, one
     # kernel where it times faster than the matmul and the activation's launch (docs/performance.md)
     small_m_glu = True
+    # with small_m_gemv: the RMSNorm (and the residual add before it) that a matmul or fgraph::linear_glu reads runs
+    # inside it, as fgraph::norm_linear: one kernel where it times faster than the norm's launch and the matmul's.
+    # Off until measured in the decode step (docs/performance.md)
+    small_m_norm = False
     # retraces are bounded and loud (torch's recompile limit is the model): a warning once a function has made this
     # many signatures on its own (capture() not counted), and past max_signatures new ones run eagerly
     warn_signatures = 8

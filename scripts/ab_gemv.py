@@ -64,7 +64,7 @@ def part_gemms(name, cfg, batches, bw) -> None:
             for cfg_ in _gemv.candidates(m, y.shape[1], k, glu):
                 us[str(cfg_)] = 1e3 * do_bench_cudagraph(lambda c=cfg_: _gemv._launch(c, x, w, b, y, glu), rep=20)
             best = min((v, c) for c, v in us.items() if c != "cublas")
-            _gemv._choice.pop((m, n, k, torch.bfloat16, bias, glu, x.device.index), None)
+            _gemv._choice.pop((m, n, k, torch.bfloat16, bias, glu, 0, x.device.index), None)
             chose = _gemv._tune(x, w, b, glu)
             pct = lambda t: round(100 * 2 * n * k / (t * 1e-6) / bw, 1)  # noqa: E731
             emit({"part": "gemm", "model": name, "gemm": gemm + ("+silu_mul" if glu else ""), "M": m, "N": n, "K": k,

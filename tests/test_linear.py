@@ -317,7 +317,7 @@ def test_the_tuned_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
     x, w = rand(m, k, device="cuda"), rand(n, k, device="cuda", seed=1) / k**0.5
     b = rand(n, device="cuda", seed=2) if bias else None
     _gemv.op(x, w, b)  # tunes the key outside the capture, as fgraph's warm-up does
-    assert (m, n, k, bf16, bias, False, x.device.index) in _gemv._choice
+    assert (m, n, k, bf16, bias, False, 0, x.device.index) in _gemv._choice
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = _gemv.op(x, w, b)
@@ -351,7 +351,7 @@ def test_every_split_k_config_sums_its_partials_once_in_order_replay_after_repla
 @pytest.mark.gpu
 def test_a_key_first_met_inside_a_capture_runs_cublas_and_is_counted():
     x, w = rand(2, 512, device="cuda"), rand(520, 512, device="cuda", seed=1)
-    assert (2, 520, 512, bf16, False, False, x.device.index) not in _gemv._choice
+    assert (2, 520, 512, bf16, False, False, 0, x.device.index) not in _gemv._choice
     before = dict(_gemv.counts)
     torch.mm(x, w.t())  # (cuBLAS's own set-up, outside the capture)
     g = torch.cuda.CUDAGraph()
@@ -434,7 +434,7 @@ def test_the_tuned_glu_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
     m, n, k = shape
     x, w = gated_inputs(m, n, k)
     _gemv.glu_op(x, w)  # tunes the key outside the capture, as fgraph's warm-up does
-    assert (m, 2 * n, k, bf16, False, True, x.device.index) in _gemv._choice
+    assert (m, 2 * n, k, bf16, False, True, 0, x.device.index) in _gemv._choice
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y = _gemv.glu_op(x, w)

@@ -54,15 +54,15 @@ MARGIN = 0.85
 # decode graph too (docs/performance.md: what it measures)
 GLU_MARGIN = 0.95
 
-# tuned: keys timed (glu: of them, fgraph::linear_glu's); triton / cublas: tuned keys each serves (split: the triton
-# ones with K split); untuned: keys met first inside a capture (cuBLAS)
-counts = {"tuned": 0, "glu": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0}
+# tuned: keys timed (glu / norm: of them, those with the activation / the norm); triton / cublas: tuned keys each
+# serves (split: the triton ones with K split); untuned: keys met first inside a capture (cuBLAS)
+counts = {"tuned": 0, "glu": 0, "norm": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0}
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 
 @functools.cache
 def kernel():
-    """The Triton kernels (`_gemv_kernels`: gemv, glu); None without Triton."""
+    """The Triton kernels (`_gemv_kernels`: gemv, glu, add_rms_norm); None without Triton."""
     try:
         from . import _gemv_kernels
     except ImportError:
@@ -92,17 +92,20 @@ def _pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def _launch(cfg: tuple, x, w, b, y, glu: bool = False) -> None:
+def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None) -> None:
+    """One launch of `cfg` into y; norm: (r or None, nw, eps, s) for fgraph::norm_linear (x, r and s contiguous)."""
     block_n, block_k, warps, stages, dot, splits = cfg
     (M, K), N = x.shape, w.shape[0] // 2 if glu else w.shape[0]
     block_m = 16 if dot else _pow2(M)
     k_split = -(-K // (splits * block_k)) * block_k  # each split's K range, whole blocks
     grid = (-(-N // block_n), splits)
     ws, locks = (_workspace(x, N, splits), _locks(x, cfg, N)) if splits > 1 else (y, y)
+    r, nw, eps, s = norm if norm is not None else (None, x, 0.0, x)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel().gemv[grid](x, w, b if b is not None else w, y, ws, locks, M, N, K, k_split, x.stride(0), w.stride(0),
-                            y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                            DOT=dot, SPLITS=splits, GLU=glu, num_warps=warps, num_stages=stages)  # fmt: skip
+        kernel().gemv[grid](x, w, b if b is not None else w, y, ws, locks, r if r is not None else x, nw, s, eps, M, N,
+                            K, k_split, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m,
+                            BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits, GLU=glu, NORM=norm is not None,
+                            HAS_RES=r is not None, num_warps=warps, num_stages=stages)  # fmt: skip
 
 
 def _workspace(x, n: int, splits: int) -> torch.Tensor:
@@ -134,53 +137,79 @@ SPLITS = (2, 4, 8)
 MAX_BLOCKS = 1024  # column blocks x splits per launch beyond which splitting K adds no parallelism worth timing
 
 
-def candidates(m: int, n: int, k: int, glu: bool = False) -> list[tuple]:
+def candidates(m: int, n: int, k: int, glu: bool = False, norm: bool = False) -> list[tuple]:
     """The configs worth timing for m rows of an [n, k] weight: each base config unsplit, and split in SPLITS where
     every split keeps at least two BLOCK_K blocks of K and the launch stays under MAX_BLOCKS programs. glu: n output
-    columns of a [2n, k] weight; a program holds two products, so the reduce path's register budget is halved and K
-    is not split."""
+    columns of a [2n, k] weight; a program holds two products, so the reduce path's register budget is halved. glu
+    and norm (each program reads whole rows first) do not split K."""
     budget = 8192 if glu else 16384
     got = _DOT + ([c for c in _REDUCE if _pow2(m) * c[0] * c[1] <= budget] if m <= 4 else [])
     got = [c for c in got if c[0] <= max(16, n) and c[1] <= max(128, 2 * k)]
     split = [(*c, s) for c in got for s in SPLITS if k >= 2 * s * c[1] and -(-n // c[0]) * s <= MAX_BLOCKS]
-    return [(*c, 1) for c in got] + ([] if glu else split)
+    return [(*c, 1) for c in got] + ([] if glu or norm else split)
 
 
-def _tune(x, w, b, glu: bool = False) -> tuple | None:
-    """Time every candidate and what runs without the kernel (cuBLAS; glu: cuBLAS, then the activation's launch),
-    each replayed in a CUDA graph; the fastest config if it beats that by its margin, else None."""
+def _unfused(x, w, b, glu: bool, norm: tuple | None):
+    """(y, s): what runs where the kernel does not: the norm's launch (norm: (r or None, nw, eps); s = x + r, or x),
+    cuBLAS, then the activation's launch (glu)."""
+    s = None
+    if norm is not None:
+        s, x = add_rms_norm(x, *norm)
+    y = _cublas(x, w, b)
+    return (silu_mul(y) if glu else y), s
+
+
+def _tune(x, w, b, glu: bool = False, norm: tuple | None = None) -> tuple | None:
+    """Time every candidate and what runs without the kernel (`_unfused`: cuBLAS and the launches beside it), each
+    replayed in a CUDA graph; the fastest config if it beats that by its margin, else None."""
     from triton.testing import do_bench_cudagraph
 
     n = w.shape[0] // 2 if glu else w.shape[0]
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    if glu:
-        full = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        unfused_ms = do_bench_cudagraph(lambda: silu_mul(_cublas(x, w, None, out=full), out=y), rep=10)
+    if glu or norm is not None:
+        unfused_ms = do_bench_cudagraph(lambda: _unfused(x, w, b, glu, norm), rep=10)
     else:
         unfused_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
-    best, best_ms = None, (GLU_MARGIN if glu else MARGIN) * unfused_ms
-    for cfg in candidates(x.shape[0], n, w.shape[1], glu):
-        ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y, glu), rep=10)
+    best, best_ms = None, (GLU_MARGIN if glu or norm is not None else MARGIN) * unfused_ms
+    fused = None if norm is None else (*norm, torch.empty_like(x))
+    for cfg in candidates(x.shape[0], n, w.shape[1], glu, norm is not None):
+        ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y, glu, fused), rep=10)
         if ms < best_ms:
             best, best_ms = cfg, ms
     counts["tuned"] += 1
     counts["glu"] += glu
+    counts["norm"] += norm is not None
     counts["triton" if best is not None else "cublas"] += 1
     counts["split"] += best is not None and best[-1] > 1
     return best
 
 
-def _pick(x, w, b, glu: bool = False) -> tuple | None:
+def _normable(x, norm: tuple | None) -> bool:
+    """Whether the kernel can read rms_norm(x (+ r)) * nw: x and r contiguous alike, nw one weight per column."""
+    if norm is None:
+        return True
+    r, nw, _ = norm
+    return (
+        x.is_contiguous()
+        and (r is None or (r.shape == x.shape and r.dtype == x.dtype and r.is_contiguous()))
+        and nw.shape == (x.shape[1],)
+        and nw.dtype == x.dtype
+        and nw.is_contiguous()
+    )
+
+
+def _pick(x, w, b, glu: bool = False, norm: tuple | None = None) -> tuple | None:
     """The tuned config serving these tensors, tuning their key on its first call; None: cuBLAS serves."""
-    if not eligible(x, w, b) or (glu and (w.shape[0] % 2 or b is not None)):
+    if not eligible(x, w, b) or (glu and (w.shape[0] % 2 or b is not None)) or not _normable(x, norm):
         return None
-    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, glu, x.device.index)
+    normed = 0 if norm is None else 1 + (norm[0] is not None)
+    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, glu, normed, x.device.index)
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: cuBLAS, as without the kernel
             counts["untuned"] += 1
             return None
         with torch.cuda.device(x.device):  # (the timing's graphs and streams on the tensors' device)
-            _choice[key] = _tune(x, w, b, glu)
+            _choice[key] = _tune(x, w, b, glu, norm)
     return _choice[key]
 
 
@@ -218,10 +247,45 @@ def linear_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     where it times faster; else cuBLAS's matmul, then `silu_mul`."""
     cfg = _pick(x, w, None, glu=True)
     if cfg is None:
-        return silu_mul(_cublas(x, w, None))
+        return _unfused(x, w, None, True, None)[0]
     y = torch.empty(x.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
     _launch(cfg, x, w, None, y, glu=True)
     return y
+
+
+def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, nw: torch.Tensor, eps: float):
+    """(s, h): s = x + r (x itself without r), h = nw * rms_norm(s) rounded as the examples' and HF's rms_norm round
+    it (in float32, the normalised value cast back, then the weight): one Triton launch on CUDA in half precision,
+    else those torch ops, bit for bit."""
+    s = x if r is None else x + r
+    if not (
+        s.is_cuda and s.dtype in (torch.bfloat16, torch.float16) and kernel() is not None and _normable(s, (r, nw, eps))
+    ):
+        sf = s.float()
+        return s, nw * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
+    s = x if r is None else torch.empty_like(x)
+    h = torch.empty_like(x)
+    if x.numel():
+        with torch.cuda.device(x.device):
+            kernel().add_rms_norm[(x.shape[0],)](x, r if r is not None else x, nw, s, h, x.shape[1], x.stride(0),
+                                                 h.stride(0), eps, HAS_RES=r is not None,
+                                                 BLOCK=_pow2(x.shape[1]))  # fmt: skip
+    return s, h
+
+
+def norm_linear(x, r, nw, eps: float, w, b, glu: bool):
+    """(y, s) for s = x + r (r None: s is empty, x is the sum) and h = nw * rms_norm(s): y = h @ w^T (+ b), or with
+    glu silu·mul of its halves. At few rows one kernel that normalises as it reads, where it times faster; else the
+    norm's launch, cuBLAS and (glu) the activation's."""
+    norm = (r, nw, eps)
+    cfg = _pick(x, w, b, glu, norm)
+    if cfg is None:
+        y, s = _unfused(x, w, b, glu, norm)
+    else:
+        y = torch.empty(x.shape[0], w.shape[0] // 2 if glu else w.shape[0], dtype=x.dtype, device=x.device)
+        s = torch.empty_like(x) if r is not None else x
+        _launch(cfg, x, w, b, y, glu, (*norm, s))
+    return y, (s if r is not None else x.new_empty(0))  # (an op's output may not be its input)
 
 
 @torch.library.custom_op("fgraph::linear", mutates_args=())
@@ -232,6 +296,25 @@ def _linear_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 @_linear_op.register_fake
 def _(x, w, b):
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("fgraph::norm_linear", mutates_args=())
+def _norm_linear_op(
+    x: torch.Tensor,
+    r: torch.Tensor | None,
+    nw: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    glu: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return norm_linear(x, r, nw, eps, w, b, glu)
+
+
+@_norm_linear_op.register_fake
+def _(x, r, nw, eps, w, b, glu):
+    y = x.new_empty(x.shape[0], w.shape[0] // 2 if glu else w.shape[0])
+    return y, (x.new_empty(x.shape) if r is not None else x.new_empty(0))
 
 
 @torch.library.custom_op("fgraph::linear_glu", mutates_args=())
@@ -246,3 +329,4 @@ def _(x, w):
 
 op = torch.ops.fgraph.linear.default
 glu_op = torch.ops.fgraph.linear_glu.default
+norm_op = torch.ops.fgraph.norm_linear.default

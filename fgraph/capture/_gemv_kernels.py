@@ -16,11 +16,32 @@ def silu_mul(g, u, TY: tl.constexpr):
 
 
 @triton.jit
-def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, sx, sw, sy, HAS_BIAS: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-         SPLITS: tl.constexpr, GLU: tl.constexpr):  # fmt: skip
+def summed(x_rows, r_rows, kk, ok, HAS_RES: tl.constexpr):
+    """x's tile [rows, cols] (+ r's, the sum rounded to x's dtype as eager's add is)."""
+    x = tl.load(x_rows + kk[None, :], mask=ok, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(r_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def normed(s, nw_ptr, kk, k_ok, rstd):
+    """RMSNorm of the tile s [rows, cols] given its rows' 1 / rms, rounded as eager's rms_norm: the normalised value
+    to s's dtype, then its product with the weight."""
+    n = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
+    nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0)
+    return (nw[None, :].to(tl.float32) * n.to(tl.float32)).to(s.dtype)
+
+
+@triton.jit
+def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_ptr, eps, M, N, K, K_SPLIT, sx, sw, sy,
+         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+         DOT: tl.constexpr, SPLITS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
+         HAS_RES: tl.constexpr):  # fmt: skip
     """y [M, N] = x [M, K] @ w [N, K]^T (+ b). GLU: w is [2N, K], gate rows then up rows, and y = silu(x @ gate^T) *
-    (x @ up^T), each product rounded to y's dtype first as the unfused matmul's output is (no bias, no split)."""
+    (x @ up^T), each product rounded to y's dtype first as the unfused matmul's output is (no bias, no split).
+    NORM: the matmul reads rms_norm(s) * nw for s = x (+ r with HAS_RES; program 0 stores s [M, K], rows of stride
+    sx too), each program first summing the squares of s's whole rows (no split)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -30,6 +51,18 @@ def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, sx, sw,
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * sw
     u_rows = w_ptr + (rn + N).to(tl.int64)[:, None] * sw
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
+    r_rows = r_ptr + rm.to(tl.int64)[:, None] * sx
+    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM: 1 / rms of each row of s
+    if NORM:
+        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            ok = m_ok[:, None] & (kk < K)[None, :]
+            s = summed(x_rows, r_rows, kk, ok, HAS_RES)
+            squares += tl.sum(s.to(tl.float32) * s.to(tl.float32), axis=1)
+            if HAS_RES:
+                tl.store(s_ptr + rm.to(tl.int64)[:, None] * sx + kk[None, :], s, mask=ok & (tl.program_id(0) == 0))
+        rstd = tl.rsqrt(squares / K + eps)
     k_lo = tl.program_id(1) * K_SPLIT  # this program's K range: [k_lo, k_hi); K_SPLIT a multiple of BLOCK_K
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -37,7 +70,9 @@ def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, sx, sw,
         k_ok = kk < k_hi
         w_ok = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_ok, other=0.0)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        x = summed(x_rows, r_rows, kk, m_ok[:, None] & k_ok[None, :], HAS_RES)  # [BLOCK_M, BLOCK_K]
+        if NORM:
+            x = normed(x, nw_ptr, kk, k_ok, rstd)
         if DOT:
             acc += tl.dot(x, tl.trans(w))
         else:
@@ -83,3 +118,17 @@ def glu(y_ptr, out_ptr, N, sy, so, BLOCK: tl.constexpr):
     g = tl.load(y_ptr + row * sy + col, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(y_ptr + row * sy + N + col, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * so + col, silu_mul(g, u, out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def add_rms_norm(x_ptr, r_ptr, nw_ptr, s_ptr, h_ptr, K, sx, sh, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """h = rms_norm(s) * nw for s = x (+ r, stored to s), one row per program (BLOCK >= K): what runs before
+    cuBLAS where fgraph::norm_linear's kernel does not (one launch, as Inductor's fused kernel for it)."""
+    row = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, BLOCK)
+    ok = kk < K
+    s = summed(x_ptr + row * sx, r_ptr + row * sx, kk, ok[None, :], HAS_RES)  # [1, BLOCK]
+    if HAS_RES:
+        tl.store(s_ptr + row * sx + kk[None, :], s, mask=ok[None, :])
+    rstd = tl.rsqrt(tl.sum(s.to(tl.float32) * s.to(tl.float32), axis=1) / K + eps)
+    tl.store(h_ptr + row * sh + kk[None, :], normed(s, nw_ptr, kk, ok, rstd), mask=ok[None, :])

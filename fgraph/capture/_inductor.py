@@ -94,17 +94,19 @@ class Compiled(torch.nn.Module):
 
 
 def with_linear(module: fx.GraphModule) -> fx.GraphModule:
-    """The piece with its few-row matmuls as `fgraph::linear` and its gated activations as `fgraph::linear_glu`
-    (fgraph.config.small_m_gemv, small_m_glu), made once per piece and setting."""
+    """The piece with its few-row matmuls as `fgraph::linear`, its gated activations as `fgraph::linear_glu` and
+    the RMSNorms they read as `fgraph::norm_linear` (fgraph.config.small_m_gemv, small_m_glu, small_m_norm), made
+    once per piece and setting."""
     if not fgraph_config.small_m_gemv:
         return module
-    key = ("fgraph_linear", fgraph_config.small_m_glu)
+    key = ("fgraph_linear", fgraph_config.small_m_glu, fgraph_config.small_m_norm)
     got = module.meta.get(key)
     if got is None:
         other = fx.GraphModule(module, copy.deepcopy(module.graph))
-        n = _small_m.rewrite(other, glu=fgraph_config.small_m_glu)
+        n = _small_m.rewrite(other, glu=fgraph_config.small_m_glu, norm=fgraph_config.small_m_norm)
         compiler.counts["linear"] += n
-        compiler.counts["glu"] += sum(node.target is _gemv.glu_op for node in other.graph.nodes)
+        for op, name in ((_gemv.glu_op, "glu"), (_gemv.norm_op, "norm")):
+            compiler.counts[name] += sum(node.target is op for node in other.graph.nodes)
         got = module.meta[key] = other if n else module
     return got
 
@@ -154,9 +156,10 @@ class Compiler:
         self.shared: dict[str, Shared] = {}
         # compiled / loaded: compile_fx calls Inductor ran / served from its FX-graph cache (static: those made for
         # one bucket's own shapes); shared: pieces served by a compilation this process already had
-        # linear: matmuls of the signatures' pieces rewritten into fgraph::linear or fgraph::linear_glu (glu: those;
-        # fgraph/capture/_small_m.py)
-        self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "linear": 0, "glu": 0, "seconds": 0.0}
+        # linear: matmuls of the signatures' pieces rewritten into fgraph::linear, linear_glu or norm_linear (glu,
+        # norm: those of the last two; fgraph/capture/_small_m.py)
+        self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "linear": 0, "glu": 0, "norm": 0}
+        self.counts["seconds"] = 0.0
 
     def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:
         """The piece compiled for its traced (symbolic) input avals, compiled now or found.

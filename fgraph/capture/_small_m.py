@@ -17,6 +17,11 @@ slower (docs/performance.md), so those are not rewritten. SPLIT_WEIGHT / SPLIT_C
 long K (0.5B's down, 896 x 4864, 8.7 MB), where cuBLAS splits K into a GEMM and a reduction kernel and the kernel's
 in-kernel split-K (`_gemv`) may serve it in one.
 
+With `norm` (fgraph.config.small_m_norm), a matmul or fgraph::linear_glu that reads an RMSNorm (the examples' and HF's
+rms_norm: `w * (xf * rsqrt(mean(xf ** 2, -1) + eps)).to(dtype)`, xf = s in float32), itself read only there, becomes
+`fgraph::norm_linear`, and so does the residual add before it (s = x + r), whose sum the op also returns for the
+add's other readers: the Inductor kernel that added and normalised goes into the matmul's.
+
 A gated MLP's `silu(gate) * up` over the two halves of one matmul (`linear(x, w13).chunk(2, -1)`: split, silu, mul)
 becomes one `fgraph::linear_glu(x, w13)` whatever the weight's size: without its kernel the op runs the matmul and
 the activation's one launch, what Inductor ran, so only a kernel that timed faster changes the step."""
@@ -176,26 +181,131 @@ def _erase_unused(node) -> None:
         node = below
 
 
-def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True) -> int:
-    """Rewrite `gm`'s eligible matmuls in place (glu: gated activations too); the number rewritten."""
+def _matmul(node) -> tuple | None:
+    """(x, w, b, w's transpose node) where node is mm(x, t(w)) or addmm(b, x, t(w)) at addmm's default scalars."""
+    if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+        return None
+    if node.target is aten.mm.default:
+        b, (x, wt) = None, node.args[:2]
+    elif node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1 and len(node.args) == 3:
+        b, x, wt = node.args
+    else:
+        return None
+    w = _transposed(wt)
+    return None if w is None else (x, w, b, wt)
+
+
+def _call(node, target, users: int | None = 1) -> bool:
+    """Whether node calls target and (users not None) has that many users."""
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_function"
+        and node.target is target
+        and (users is None or len(node.users) == users)
+    )
+
+
+def _rms_norm(h) -> tuple | None:
+    """(s, nw, eps, its nodes) where h = nw * (xf * rsqrt(mean(xf ** 2, -1, keepdim) + eps)).to(s's dtype) and
+    xf = s.to(float32) (the examples' and HF's rms_norm; either operand order of each mul), every node but s read
+    only inside it; else None."""
+    if not _call(h, aten.mul.Tensor):
+        return None
+    for nw, n in (h.args[:2], h.args[1::-1]):
+        m = n.args[0] if _call(n, aten._to_copy.default) and set(n.kwargs) == {"dtype"} else None
+        if not _call(m, aten.mul.Tensor):
+            continue
+        for xf, rs in (m.args[:2], m.args[1::-1]):
+            add = rs.args[0] if _call(rs, aten.rsqrt.default) else None
+            mean = add.args[0] if _call(add, aten.add.Tensor) and isinstance(add.args[1], float) else None
+            if not _call(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1], [1]):
+                continue
+            pw = mean.args[0]
+            keep = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+            if not (keep and _call(pw, aten.pow.Tensor_Scalar) and pw.args[1] == 2 and pw.args[0] is xf):
+                continue
+            if not _call(xf, aten._to_copy.default, 2) or xf.kwargs != {"dtype": torch.float32}:
+                continue
+            s, sv, nv = xf.args[0], _val(xf.args[0]), _val(nw)
+            if isinstance(sv, torch.Tensor) and isinstance(nv, torch.Tensor) and n.kwargs["dtype"] == sv.dtype:
+                if sv.dim() == 2 and nv.shape == (sv.shape[1],) and nv.dtype == sv.dtype:
+                    return s, nw, add.args[1], [h, n, m, rs, add, mean, pw, xf]
+    return None
+
+
+def _residual(s) -> tuple:
+    """(x, r) where s = x + r of two tensors of s's shape and dtype (add.Tensor, alpha 1); else (s, None)."""
+    if _call(s, aten.add.Tensor, None) and len(s.args) == 2 and not s.kwargs:
+        x, r = (_val(a) for a in s.args)
+        sv = _val(s)
+        if all(isinstance(t, torch.Tensor) and t.shape == sv.shape and t.dtype == sv.dtype for t in (x, r)):
+            return s.args
+    return s, None
+
+
+def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> bool:
+    """A matmul or fgraph::linear_glu of rms_norm(x (+ r)) -> fgraph::norm_linear(x, r, nw, eps, w, b, glu): its
+    output 0 the product, its output 1 the sum x + r for the sum's other readers."""
+    if node.target is _gemv.glu_op:
+        (h, w), b, wt, glu = node.args, None, None, True
+    else:
+        got = _matmul(node)
+        if got is None:
+            return False
+        (h, w, b, wt), glu = got, False
+    norm = _rms_norm(h)
+    if norm is None:
+        return False
+    s, nw, eps, dead = norm
+    x, r = _residual(s)
+    if not _fits(_val(x), _val(w), None if b is None else _val(b), device_type, any_size=True):
+        return False
+    readers = [u for u in s.users if u is not dead[-1]] if r is not None else []
+    at = min([node, *readers], key=order.__getitem__)  # the op goes before the first that reads it
+    inputs = [a for a in (x, r, nw, w, b) if isinstance(a, fx.Node)]
+    if any(order[a] >= order[at] for a in inputs):
+        return False
+    with gm.graph.inserting_before(at):
+        new = gm.graph.call_function(_gemv.norm_op, (x, r, nw, eps, w, b, glu))
+        y = gm.graph.call_function(operator.getitem, (new, 0))
+        total = gm.graph.call_function(operator.getitem, (new, 1))
+    order.update(dict.fromkeys((new, y, total), order[at] - 0.5))  # (after every node before `at`)
+    y.meta = dict(node.meta)
+    total.meta = dict(s.meta) if r is not None else {"val": _val(x).new_empty(0)}
+    new.meta = {"val": (y.meta["val"], total.meta["val"])}
+    node.replace_all_uses_with(y)
+    gm.graph.erase_node(node)
+    for d in dead:
+        gm.graph.erase_node(d)
+    if r is not None:
+        s.replace_all_uses_with(total)
+        gm.graph.erase_node(s)
+    _erase_unused(wt)
+    return True
+
+
+def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, norm: bool = False) -> int:
+    """Rewrite `gm`'s eligible matmuls in place (glu: gated activations too; norm: the RMSNorm they read); the
+    number of ops made."""
     done = 0
     for node in list(gm.graph.nodes):  # (first: the activation's matmul would be rewritten into fgraph::linear)
         if glu and node.op == "call_function" and node.target is aten.mul.Tensor:
             done += _rewrite_glu(gm, node, device_type)
+    if norm:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in (aten.mm.default, aten.addmm.default, _gemv.glu_op):
+                if _rewrite_norm(gm, node, device_type, order):
+                    done += node.target is not _gemv.glu_op  # (a glu op made above, now this one: counted once)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.bmm.default:
             done += _rewrite_bmm(gm, node, device_type)
             continue
-        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+        got = _matmul(node)
+        if got is None:
             continue
-        if node.target is aten.mm.default:
-            b, (x, wt) = None, node.args[:2]
-        elif node.kwargs.get("beta", 1) == 1 and node.kwargs.get("alpha", 1) == 1 and len(node.args) == 3:
-            b, x, wt = node.args
-        else:
-            continue
-        w = _transposed(wt)
-        if w is None or not _fits(_val(x), _val(w), None if b is None else _val(b), device_type):
+        x, w, b, wt = got
+        if not _fits(_val(x), _val(w), None if b is None else _val(b), device_type):
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(_gemv.op, (x, w, b))
