@@ -5,6 +5,7 @@ from __future__ import annotations
 from ._errors import FgraphError
 from ._jit import Jitted
 from ._lower import avals_lines
+from .capture import kernels_made
 from .trace import op_summary
 
 
@@ -50,6 +51,9 @@ def _entry_text(name: str, e, n: int | None) -> str:
             lines.append(
                 f"      compiled: {how}" + (f", shared by {c.shared.uses} uses" if c.how == "symbolic" else "")
             )
+            made = kernels_made(c.module)
+            if made:  # fgraph's own kernels in the piece (fgraph.config.small_m_*: fgraph/capture/_small_m.py)
+                lines.append(f"      fgraph kernels: {made}")
     if e.graphs:
         lines.append(
             f"  captured: {len(e.graphs)} graph{'s' if len(e.graphs) != 1 else ''} in {e.capture_seconds:.3f} s "

@@ -265,6 +265,9 @@ def test_compiled_pieces_call_fgraph_linear_glu_when_its_switch_is_on_and_equal_
             torch.testing.assert_close(f(params, x), want, atol=2e-2 * want.abs().max().item(), rtol=0)
     assert compiler.counts["linear"] - before["linear"] == 2 * 2  # gate_up (with or without its activation), down
     assert compiler.counts["glu"] - before["glu"] == (2 if on else 0)
+    said = str(fgraph.explain(f))  # each compiled piece names fgraph's kernels in it
+    assert ("fgraph kernels: fgraph::linear x1, fgraph::linear_glu x1" in said) == on
+    assert ("fgraph kernels: fgraph::linear x2" in said) == (not on)
 
 
 @pytest.mark.skipif(

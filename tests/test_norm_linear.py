@@ -138,6 +138,7 @@ def test_compiled_pieces_call_fgraph_norm_linear_when_switched_on_and_equal_eage
         for want, got in zip(fn(x, r, params), f(x, r, params)):
             torch.testing.assert_close(got, want, atol=3e-2 * want.abs().max().item(), rtol=0)
     assert compiler.counts["norm"] - before["norm"] == 2 * 2  # two norms in each bucket's piece
+    assert "fgraph kernels: fgraph::linear x1, fgraph::norm_linear x2" in str(fgraph.explain(f))
 
 
 @pytest.mark.skipif(

@@ -317,3 +317,12 @@ def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, nor
     if done:
         gm.recompile()
     return done
+
+
+def kernels_made(gm: fx.GraphModule) -> str:
+    """The fgraph ops a rewrite made in gm, counted by name ("" if none): for explain."""
+    n = {name: sum(node.target is op for node in gm.graph.nodes) for name, op in _OPS.items()}
+    return ", ".join(f"{name} x{c}" for name, c in n.items() if c)
+
+
+_OPS = {"fgraph::linear": _gemv.op, "fgraph::linear_glu": _gemv.glu_op, "fgraph::norm_linear": _gemv.norm_op}
