@@ -13,6 +13,7 @@ equal to eager calls of the same kernels and close to the reference.
 import math
 import os
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -296,3 +297,38 @@ def test_decode_counters_first_met_inside_a_capture_belong_to_that_graph(monkeyp
         eager, _, _ = batch.run(T, "decode", max_seq)
         torch.cuda.synchronize()
         same(out, eager)
+
+
+@pytest.mark.gpu
+def test_the_in_kernel_merge_records_under_torch_compile_reduce_overhead(monkeypatch):
+    """With LAST_MERGES, torch.compile(mode="reduce-overhead") of a function that calls the op, first at this size:
+    cudagraph trees warm it up with the calling thread's allocations routed into the tree's pool, where counters
+    kept for the process would fail the recording ("tensor(s) in the cudagraph pool not tracked as outputs"). They
+    are made outside it, and the recorded replays equal eager calls of the same kernels."""
+    gpu_or_skip()
+    monkeypatch.setattr(T, "_lock_bufs", {})
+    monkeypatch.setattr(T, "LAST_MERGES", True)
+    max_seq, page, bucket = 1024, 16, 8
+    assert T.splits_for(bucket, QWEN[1], max_seq) > 1
+    rig = Batch([1] * bucket, [1] * bucket, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq)
+    q, kv, kc, vc, meta = rig.q.clone(), rig.kv.clone(), rig.k_cache.clone(), rig.v_cache.clone(), rig.meta
+    for t in (q, kv, kc, vc, *attrs.astuple(meta, recurse=False)):  # (as decode_bench's peer marks its inputs)
+        torch._dynamo.mark_static_address(t)
+
+    def step():
+        return A.attention(q, kv[:, 0], kv[:, 1], kc, vc, meta, backend="triton", routine="decode",
+                           max_seq_len=max_seq)  # fmt: skip
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for seed in range(4):  # warm-up, recording, then replays
+        lens = torch.randint(1, max_seq + 1, (bucket,), generator=torch.Generator().manual_seed(seed)).tolist()
+        batch = Batch([1] * bucket, lens, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq, seed=seed)
+        for dst, src in ((q, batch.q), (kv, batch.kv), (kc, batch.k_cache), (vc, batch.v_cache)):
+            dst.copy_(src)
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            getattr(meta, name).copy_(getattr(batch.meta, name))
+        got = compiled().clone()
+        eager, _, _ = batch.run(T, "decode", max_seq)
+        torch.cuda.synchronize()
+        same(got[: batch.n], eager[: batch.n])
+    assert [t.tolist() for t in T._lock_bufs.values()] == [[0] * bucket * QWEN[1]]

@@ -36,6 +36,7 @@ Online softmax in float32 (base 2, the scale folded into log2(e)); partial outpu
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 
@@ -99,15 +100,32 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
     program puts its own back), one buffer per device and size for the process, shared by every layer's launch (one
     after another on a stream: decodes of one size must not run concurrently on two streams). Met first inside a
     CUDA-graph capture, a buffer is made zero in the graph instead (a memset node), not kept: it belongs to that
-    graph's pool."""
+    graph's pool. Kept ones are made outside any pool the calling thread allocates to (`_zeros_outside_pools`)."""
     key = (device, n)
     got = _lock_bufs.get(key)
     if got is None:
-        zeros = torch.zeros(n, dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return zeros
-        got = _lock_bufs[key] = zeros
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        got = _lock_bufs[key] = _zeros_outside_pools(n, device)
     return got
+
+
+def _zeros_outside_pools(n: int, device: torch.device) -> torch.Tensor:
+    """int32 zeros [n] from the device's own memory, not a pool the calling thread's allocations are routed to:
+    torch.compile's cudagraph trees warm a function up with its thread's allocations in the tree's pool, and a
+    tensor left alive there that is not an output fails the recording. A helper thread's allocation is not routed;
+    it zeroes them on its own stream and waits for that, so the caller's stream finds them zero."""
+    if device.type != "cuda":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+    def made():
+        zeros = torch.zeros(n, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)
+        return zeros
+
+    with concurrent.futures.ThreadPoolExecutor(1) as helper:
+        return helper.submit(made).result()
 
 
 def _pow2(n: int) -> int:
