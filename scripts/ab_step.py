@@ -4,12 +4,15 @@ and Inductor's options (FULL+C) per variant, each checked against eager before t
   python3 scripts/ab_step.py --variant fa2:backend=flash_attn --variant triton:backend=triton \
       --variant pdl:backend=flash_attn,triton.enable_pdl=1 [--preset qwen2.5-0.5b] [--batches 1 64] [--ctx 1024]
 
-A variant is `name:key=value,...`: `backend` (default flash_attn on CUDA, torch on the CPU) and `mode` (default FULL+C)
-are fgraph's; `fuse_rope` (default True) is the model's (RoPE inside the attention break); `triton_attn.NAME` sets
-the triton backend's module constant NAME (WAVES, BLOCK_N, DECODE_STAGES, ...) while the variant's eager oracle runs and
-its graphs are captured; `config.NAME` sets fgraph.config.NAME the same way (small_m_glu, ...); every other key is an Inductor option for the compiled pieces (values: ints, floats, True /
-False, else strings). Each variant's own eager step (its backend's kernels, uncompiled) is its oracle: rel_err is max
-|jitted - eager| / max |eager| of the logits. On the CPU: a check of the script (tiny preset, torch backend).
+A variant is `name:key=value,...`: `backend` (default flash_attn on CUDA, torch on the CPU) and `mode` (default
+FULL+C) are fgraph's; `fuse_rope` (default True) is the model's (RoPE inside the attention break); `triton_attn.NAME`
+sets the triton backend's module constant NAME (WAVES, BLOCK_N, DECODE_STAGES, LAST_MERGES, ...) while the variant's
+eager oracle runs and its graphs are captured; `config.NAME` sets fgraph.config.NAME the same way (small_m_glu,
+small_m_norm, ...), and `small_m.NAME` the matmul rewrite's constant NAME (SMALL_WEIGHT, SPLIT_WEIGHT, SPLIT_COLUMNS:
+which weights become fgraph::linear); every other key is an Inductor option for the compiled pieces (values: ints,
+floats, True / False, else strings). Each variant's own eager step (its backend's kernels, uncompiled) is its oracle:
+rel_err is max |jitted - eager| / max |eager| of the logits. On the CPU: a check of the script (tiny preset, torch
+backend).
 One JSON line per (variant, batch) row.
 """
 
@@ -27,6 +30,7 @@ import fgraph
 from benchmarks import kernels
 from benchmarks.common import decode_batch, device_name, jit_step, time_ms
 from examples import llama
+from fgraph.capture import _small_m
 from fgraph.ops import _attn_triton as T
 from fgraph.ops import attention as A
 
@@ -35,7 +39,7 @@ def parse_variant(text: str, dev: str) -> tuple[str, dict]:
     """'name:k=v,...' -> (name, {"backend", "mode", "inductor": {...}, "triton_attn": {...}})."""
     name, _, rest = text.partition(":")
     spec = {"backend": "flash_attn" if dev == "cuda" else "torch", "mode": "FULL+C", "fuse_rope": True}
-    spec.update(inductor={}, triton_attn={}, config={})
+    spec.update(inductor={}, triton_attn={}, config={}, small_m={})
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key in ("backend", "mode"):
@@ -44,8 +48,8 @@ def parse_variant(text: str, dev: str) -> tuple[str, dict]:
             spec[key] = _value(value)
         elif key.startswith("triton_attn."):
             spec["triton_attn"][key.partition(".")[2]] = _value(value)
-        elif key.startswith("config."):
-            spec["config"][key.partition(".")[2]] = _value(value)
+        elif key.startswith(("config.", "small_m.")):
+            spec[key.partition(".")[0]][key.partition(".")[2]] = _value(value)
         else:
             spec["inductor"][key] = _value(value)
     return name, spec
@@ -102,7 +106,7 @@ def main(argv=None) -> None:
         f.capture(params, caches[name], batches[name][a.batches[0]], routine="decode", progress=False)
 
     for name, v in variants.items():
-        with knobs(T, v["triton_attn"]), knobs(fgraph.config, v["config"]):
+        with knobs(T, v["triton_attn"]), knobs(fgraph.config, v["config"]), knobs(_small_m, v["small_m"]):
             setup(name, v)
     for B in a.batches:
         calls = {
