@@ -8,6 +8,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
@@ -94,6 +97,33 @@ def test_a_norm_without_a_residual_add_is_rewritten_alone():
     assert torch.equal(gm(*a), other(*a))
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    m=st.integers(1, 20),
+    k=st.sampled_from([8, 24, 40]),
+    n=st.sampled_from([8, 12, 32]),
+    residual=st.booleans(),
+    glu=st.booleans(),
+    bias=st.booleans(),
+)
+def test_any_norm_before_a_matmul_is_rewritten_at_few_rows_and_computes_the_traced_bits(m, k, n, residual, glu, bias):
+    def fn(x, r, nw, w, b):
+        s = x + r if residual else x
+        y = linear(rms_norm(s, nw, EPS), w, b if bias and not glu else None)
+        if glu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return (y, s * 2) if residual else y  # (the sum read again after the matmul)
+
+    w_rows = 2 * n if glu else n
+    a = (rand(m, k), rand(m, k, seed=1), rand(k, seed=2), rand(w_rows, k, seed=3), rand(w_rows, seed=4))
+    gm, other = make_fx(fn)(*a), make_fx(fn)(*a)
+    _small_m.rewrite(other, "cpu", norm=True)
+    assert ops(other, _gemv.norm_op) == (m <= _gemv.MAX_ROWS)
+    for want, got in zip(pytree.tree_leaves(gm(*a)), pytree.tree_leaves(other(*a))):
+        assert torch.equal(want, got)
+
+
 def test_what_fgraph_norm_linear_cannot_serve_stays_as_traced():
     x, nw, w = rand(2, 16), rand(16, seed=1), rand(24, 16, seed=2)
 
@@ -120,7 +150,7 @@ def test_what_fgraph_norm_linear_cannot_serve_stays_as_traced():
         gm, other = make_fx(fn)(*a), make_fx(fn)(*a)
         _small_m.rewrite(other, "cpu", norm=True)
         assert ops(other, _gemv.norm_op) == 0, why
-        for want, got in zip(torch.utils._pytree.tree_leaves(gm(*a)), torch.utils._pytree.tree_leaves(other(*a))):
+        for want, got in zip(pytree.tree_leaves(gm(*a)), pytree.tree_leaves(other(*a))):
             assert torch.equal(want, got), why
 
 
