@@ -266,6 +266,20 @@ def test_cuda_graph_replays_equal_eager_calls_bitwise(routine, bucket, shape):
         assert math.isfinite(out[: batch.n].float().sum().item())
 
 
+def decodes_into(static, seeds, bucket, page, max_seq):
+    """Per seed, a decode batch of random lengths (1 to max_seq) on the GPU, copied into the tensors a graph reads,
+    static = (q, kv, k_cache, v_cache, metadata); yields the batch, whose eager run is the oracle."""
+    q, kv, kc, vc, meta = static
+    for seed in seeds:
+        lens = torch.randint(1, max_seq + 1, (bucket,), generator=torch.Generator().manual_seed(seed)).tolist()
+        batch = Batch([1] * bucket, lens, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq, seed=seed)
+        for dst, src in ((q, batch.q), (kv, batch.kv), (kc, batch.k_cache), (vc, batch.v_cache)):
+            dst.copy_(src)
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            getattr(meta, name).copy_(getattr(batch.meta, name))
+        yield batch
+
+
 @pytest.mark.gpu
 def test_decode_counters_first_met_inside_a_capture_belong_to_that_graph(monkeypatch):
     """With LAST_MERGES, a decode of a size no eager call has run: its arrival counters are made zero inside the
@@ -286,13 +300,7 @@ def test_decode_counters_first_met_inside_a_capture_belong_to_that_graph(monkeyp
     with torch.cuda.graph(graph):
         out = call()
     assert not T._lock_bufs
-    for seed in range(3):
-        lens = torch.randint(1, max_seq + 1, (bucket,), generator=torch.Generator().manual_seed(seed)).tolist()
-        batch = Batch([1] * bucket, lens, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq, seed=seed)
-        for dst, src in ((q, batch.q), (kv, batch.kv), (kc, batch.k_cache), (vc, batch.v_cache)):
-            dst.copy_(src)
-        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
-            getattr(static, name).copy_(getattr(batch.meta, name))
+    for batch in decodes_into((q, kv, kc, vc, static), range(3), bucket, page, max_seq):
         graph.replay()
         eager, _, _ = batch.run(T, "decode", max_seq)
         torch.cuda.synchronize()
@@ -320,13 +328,7 @@ def test_the_in_kernel_merge_records_under_torch_compile_reduce_overhead(monkeyp
                            max_seq_len=max_seq)  # fmt: skip
 
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-    for seed in range(4):  # warm-up, recording, then replays
-        lens = torch.randint(1, max_seq + 1, (bucket,), generator=torch.Generator().manual_seed(seed)).tolist()
-        batch = Batch([1] * bucket, lens, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq, seed=seed)
-        for dst, src in ((q, batch.q), (kv, batch.kv), (kc, batch.k_cache), (vc, batch.v_cache)):
-            dst.copy_(src)
-        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
-            getattr(meta, name).copy_(getattr(batch.meta, name))
+    for batch in decodes_into((q, kv, kc, vc, meta), range(4), bucket, page, max_seq):  # warm-up, record, replays
         got = compiled().clone()
         eager, _, _ = batch.run(T, "decode", max_seq)
         torch.cuda.synchronize()
