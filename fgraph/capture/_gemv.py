@@ -29,6 +29,11 @@ The same kernel, each program streaming its gate slab and its up slab ([BLOCK_N,
 activation before its store, so the step runs one kernel where it ran the matmul and the activation's. Without the
 kernel (CPU, more rows, a config that lost) it is cuBLAS's matmul and then the activation in one launch (`silu_mul`),
 as Inductor fuses it; on the CPU torch's ops, bit for bit. Its tuner times the kernel against those two launches.
+
+`fgraph::norm_linear`: the matmul (or linear_glu) of h = nw * rms_norm(s), s = x + r (or x), also returning s. The
+same kernel, each program first summing the squares of its rows of s (it reads all of x in its K loop anyway), then
+normalising each x tile as it loads it; program 0 stores s. Without the kernel: one launch adds and normalises
+(`add_rms_norm`), then cuBLAS (and the activation's launch); on the CPU torch's ops, bit for bit.
 """
 
 from __future__ import annotations
