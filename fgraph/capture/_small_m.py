@@ -17,14 +17,14 @@ slower (docs/performance.md), so those are not rewritten. SPLIT_WEIGHT / SPLIT_C
 long K (0.5B's down, 896 x 4864, 8.7 MB), where cuBLAS splits K into a GEMM and a reduction kernel and the kernel's
 in-kernel split-K (`_gemv`) may serve it in one.
 
+A gated MLP's `silu(gate) * up` over the two halves of one matmul (`linear(x, w13).chunk(2, -1)`: split, silu, mul)
+becomes one `fgraph::linear_glu(x, w13)` whatever the weight's size: without its kernel the op runs the matmul and
+the activation's one launch, what Inductor ran, so only a kernel that timed faster changes the step.
+
 With `norm` (fgraph.config.small_m_norm), a matmul or fgraph::linear_glu that reads an RMSNorm (the examples' and HF's
 rms_norm: `w * (xf * rsqrt(mean(xf ** 2, -1) + eps)).to(dtype)`, xf = s in float32), itself read only there, becomes
 `fgraph::norm_linear`, and so does the residual add before it (s = x + r), whose sum the op also returns for the
-add's other readers: the Inductor kernel that added and normalised goes into the matmul's.
-
-A gated MLP's `silu(gate) * up` over the two halves of one matmul (`linear(x, w13).chunk(2, -1)`: split, silu, mul)
-becomes one `fgraph::linear_glu(x, w13)` whatever the weight's size: without its kernel the op runs the matmul and
-the activation's one launch, what Inductor ran, so only a kernel that timed faster changes the step."""
+add's other readers: the Inductor kernel that added and normalised goes into the matmul's."""
 
 from __future__ import annotations
 
