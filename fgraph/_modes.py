@@ -29,13 +29,15 @@ class Mode(enum.Enum):
         return self
 
 
-def resolve_mode(fname: str, requested: Mode, decode: bool, gm: fx.GraphModule, is_break) -> tuple[Mode, str]:
-    """requested mode -> effective runtime mode for one signature, limited by the weakest break's support.
+def resolve_mode(fname: str, requested: Mode, routine, gm: fx.GraphModule, is_break) -> tuple[Mode, str]:
+    """requested mode -> effective runtime mode for one signature, limited by the weakest break's support. routine:
+    the call's routine static ("decode" is a decode routine), None where the function takes none (a mixed step).
 
     Full graphs need every break at ALWAYS (UNIFORM_DECODE suffices for decode signatures); otherwise the
     signature runs its piecewise program, which the full graph was wrapped around anyway. A primitive that is
     not a break sits inside a captured piece, so it must meet that bar in every graphed mode: else an error.
     """
+    decode = routine == "decode"
     want = requested.for_routine(decode)
     need = P.Support.UNIFORM_DECODE if decode else P.Support.ALWAYS
     weakest = None
@@ -58,4 +60,9 @@ def resolve_mode(fname: str, requested: Mode, decode: bool, gm: fx.GraphModule, 
         return Mode.PIECEWISE, (f"FULL requested -> PIECEWISE ({weakest[1]}; {weakest[2]} supports {weakest[0].name})")
     if want is requested:
         return want, f"{requested.name} requested"
+    if routine is None:
+        return want, (
+            f"{requested.name} requested -> {want.name}: a call without a routine static is a mixed step "
+            "(mode='FULL' captures it whole)"
+        )
     return want, f"{requested.name} requested -> {want.name} for the {'decode' if decode else 'mixed'} routine"

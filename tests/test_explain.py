@@ -113,3 +113,17 @@ def test_explain_cache_misses_covers_a_functions_first_miss(caplog):
         "routine='decode', bucket=8) differs in static arguments {'breaks': 2, 'routine': 'decode'} vs {'breaks': 2, "
         "'routine': 'mixed'}",
     ]
+
+
+def test_a_function_without_a_routine_is_told_it_runs_as_a_mixed_step_and_how_to_capture_it_whole():
+    def fn(x):
+        o = torch.empty_like(x)
+        toys.toy_scale(o, x, 0.5)
+        return o * 2
+
+    f = fgraph.jit(fn, batch={"x": fgraph.Batched()}, buckets=[4])  # the default mode, FULL_AND_PIECEWISE
+    text = str(fgraph.explain(f, torch.ones(3, 2)))
+    assert "mode: PIECEWISE (FULL_AND_PIECEWISE requested -> PIECEWISE: a call without a routine static is a " in text
+    assert "(mode='FULL' captures it whole)" in text
+    whole = fgraph.jit(fn, batch={"x": fgraph.Batched()}, buckets=[4], mode="FULL")
+    assert "mode: FULL (FULL requested)" in str(fgraph.explain(whole, torch.ones(3, 2)))

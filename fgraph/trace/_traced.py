@@ -102,8 +102,8 @@ class Traced:
                 f,
             )
         is_break = breaks_filter(jitted.options.breaks)
-        decode = call.statics.get(jitted.options.routine) == "decode"
-        self.mode, self.reason = resolve_mode(fname, jitted.options.mode, decode, gm, is_break)
+        routine = call.statics.get(jitted.options.routine)
+        self.mode, self.reason = resolve_mode(fname, jitted.options.mode, routine, gm, is_break)
         self.program: Program = split(gm, is_break, {ph.name: ph_paths[ph] for ph in placeholders})
         self.seconds = time.perf_counter() - t0
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
