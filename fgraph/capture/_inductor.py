@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._config import config as fgraph_config
 from .._errors import SignatureError
-from . import _gemv, _small_m
+from . import _small_m
 
 
 def inductor_options(fname: str, compile) -> dict | None:
@@ -104,9 +104,10 @@ def with_linear(module: fx.GraphModule) -> fx.GraphModule:
     if got is None:
         other = fx.GraphModule(module, copy.deepcopy(module.graph))
         n = _small_m.rewrite(other, glu=fgraph_config.small_m_glu, norm=fgraph_config.small_m_norm)
+        made = _small_m.ops_made(other)
         compiler.counts["linear"] += n
-        for op, name in ((_gemv.glu_op, "glu"), (_gemv.norm_op, "norm")):
-            compiler.counts[name] += sum(node.target is op for node in other.graph.nodes)
+        compiler.counts["glu"] += made["fgraph::linear_glu"]
+        compiler.counts["norm"] += made["fgraph::norm_linear"]
         got = module.meta[key] = other if n else module
     return got
 

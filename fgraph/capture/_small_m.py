@@ -286,20 +286,18 @@ def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> bo
 
 def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, norm: bool = False) -> int:
     """Rewrite `gm`'s eligible matmuls in place (glu: gated activations too; norm: the RMSNorm they read); the
-    number of ops made."""
-    done = 0
+    number of ops made (gm holds none before)."""
     for node in list(gm.graph.nodes):  # (first: the activation's matmul would be rewritten into fgraph::linear)
         if glu and node.op == "call_function" and node.target is aten.mul.Tensor:
-            done += _rewrite_glu(gm, node, device_type)
+            _rewrite_glu(gm, node, device_type)
     if norm:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target in (aten.mm.default, aten.addmm.default, _gemv.glu_op):
-                if _rewrite_norm(gm, node, device_type, order):
-                    done += node.target is not _gemv.glu_op  # (a glu op made above, now this one: counted once)
+                _rewrite_norm(gm, node, device_type, order)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.bmm.default:
-            done += _rewrite_bmm(gm, node, device_type)
+            _rewrite_bmm(gm, node, device_type)
             continue
         got = _matmul(node)
         if got is None:
@@ -313,16 +311,20 @@ def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, nor
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         _erase_unused(wt)
-        done += 1
-    if done:
+    made = sum(ops_made(gm).values())
+    if made:
         gm.recompile()
-    return done
+    return made
+
+
+def ops_made(gm: fx.GraphModule) -> dict[str, int]:
+    """How many of each fgraph op gm calls, by name: what a rewrite made in it."""
+    return {name: sum(node.target is op for node in gm.graph.nodes) for name, op in _OPS.items()}
 
 
 def kernels_made(gm: fx.GraphModule) -> str:
     """The fgraph ops a rewrite made in gm, counted by name ("" if none): for explain."""
-    n = {name: sum(node.target is op for node in gm.graph.nodes) for name, op in _OPS.items()}
-    return ", ".join(f"{name} x{c}" for name, c in n.items() if c)
+    return ", ".join(f"{name} x{c}" for name, c in ops_made(gm).items() if c)
 
 
 _OPS = {"fgraph::linear": _gemv.op, "fgraph::linear_glu": _gemv.glu_op, "fgraph::norm_linear": _gemv.norm_op}
