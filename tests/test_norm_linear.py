@@ -224,6 +224,9 @@ def test_every_norm_kernel_is_as_close_to_the_float32_result_as_the_norms_launch
     y, s = _gemv._unfused(x, w, b, glu, (r, nw, EPS))
     assert torch.equal(s, x + r)
     torch.testing.assert_close(_gemv.add_rms_norm(x, r, nw, EPS)[1], rms_norm(x + r, nw, EPS))
+    strided = torch.cat([x, x], dim=1)[:, :k]  # rows of another stride (a slice of a wider output): torch's ops
+    got_s, got_h = _gemv.add_rms_norm(strided, r, nw, EPS)
+    assert torch.equal(got_s, x + r) and torch.equal(got_h, rms_norm(x + r, nw, EPS))
     for cfg in _gemv.candidates(m, n, k, glu, True):
         out, total = torch.empty_like(y), torch.empty_like(x)
         _gemv._launch(cfg, x, w, b, out, glu, (r, nw, EPS, total))

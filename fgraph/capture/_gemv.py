@@ -262,13 +262,13 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, nw: torch.Tensor, eps:
     """(s, h): s = x + r (x itself without r), h = nw * rms_norm(s) rounded as the examples' and HF's rms_norm round
     it (in float32, the normalised value cast back, then the weight): one Triton launch on CUDA in half precision,
     else those torch ops, bit for bit."""
-    s = x if r is None else x + r
     if not (
-        s.is_cuda and s.dtype in (torch.bfloat16, torch.float16) and kernel() is not None and _normable(s, (r, nw, eps))
+        x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and kernel() is not None and _normable(x, (r, nw, eps))
     ):
+        s = x if r is None else x + r
         sf = s.float()
         return s, nw * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
-    s = x if r is None else torch.empty_like(x)
+    s = x if r is None else torch.empty_like(x)  # (x contiguous: s and h share its row stride in the kernel)
     h = torch.empty_like(x)
     if x.numel():
         with torch.cuda.device(x.device):
