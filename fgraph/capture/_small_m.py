@@ -101,16 +101,16 @@ def _broadcast_weight(r) -> fx.Node | None:
     return w if w is not None and _val(wt).dim() == 2 else None
 
 
-def _rewrite_bmm(gm: fx.GraphModule, node, device_type: str) -> bool:
+def _rewrite_bmm(gm: fx.GraphModule, node, device_type: str) -> None:
     """bmm(l [b, m, k], one weight's transpose broadcast) -> view(fgraph::linear(reshape(l, [-1, k]), w), [b, m, n])."""
     left, right = node.args[:2]
     w = _broadcast_weight(right)
     if w is None or _peel(left, _VIEWS) is None or _val(left) is None or _val(left).dim() != 3:
-        return False
+        return
     sizes, (n, k) = list(left.args[1]), _val(w).shape
     rows = _val(left).reshape(-1, k)
     if not _fits(rows, _val(w), None, device_type):
-        return False
+        return
     with gm.graph.inserting_before(node):
         x = gm.graph.call_function(aten.reshape.default, (left, [-1, k]))
         x.meta["val"] = rows
@@ -121,7 +121,6 @@ def _rewrite_bmm(gm: fx.GraphModule, node, device_type: str) -> bool:
     node.replace_all_uses_with(out)
     gm.graph.erase_node(node)
     _erase_unused(right)  # the broadcast weight's view, expand and transpose
-    return True
 
 
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
@@ -148,7 +147,7 @@ def _item(node, index: int):
     return None
 
 
-def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> bool:
+def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> None:
     """mul(silu(split(mm(x, t(w)))[0]), split(...)[1]) -> fgraph::linear_glu(x, w), each node used only there."""
     for act, up in (node.args[:2], node.args[1::-1]):
         gate = _peel(act, {aten.silu.default})
@@ -169,8 +168,7 @@ def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> bool:
         for dead in (node, act, up, gate, split, mm):
             gm.graph.erase_node(dead)
         _erase_unused(wt)
-        return True
-    return False
+        return
 
 
 def _erase_unused(node) -> None:
@@ -243,7 +241,7 @@ def _residual(s) -> tuple:
     return s, None
 
 
-def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> bool:
+def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> None:
     """A matmul or fgraph::linear_glu of rms_norm(x (+ r)) -> fgraph::norm_linear(x, r, nw, eps, w, b, glu): its
     output 0 the product, its output 1 the sum x + r for the sum's other readers."""
     if node.target is _gemv.glu_op:
@@ -251,20 +249,20 @@ def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> bo
     else:
         got = _matmul(node)
         if got is None:
-            return False
+            return
         (h, w, b, wt), glu = got, False
     norm = _rms_norm(h)
     if norm is None:
-        return False
+        return
     s, nw, eps, dead = norm
     x, r = _residual(s)
     if not _fits(_val(x), _val(w), None if b is None else _val(b), device_type, any_size=True):
-        return False
+        return
     readers = [u for u in s.users if u is not dead[-1]] if r is not None else []
     at = min([node, *readers], key=order.__getitem__)  # the op goes before the first that reads it
     inputs = [a for a in (x, r, nw, w, b) if isinstance(a, fx.Node)]
     if any(order[a] >= order[at] for a in inputs):
-        return False
+        return
     with gm.graph.inserting_before(at):
         new = gm.graph.call_function(_gemv.norm_op, (x, r, nw, eps, w, b, glu))
         y = gm.graph.call_function(operator.getitem, (new, 0))
@@ -281,7 +279,6 @@ def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> bo
         s.replace_all_uses_with(total)
         gm.graph.erase_node(s)
     _erase_unused(wt)
-    return True
 
 
 def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, norm: bool = False) -> int:
