@@ -50,6 +50,20 @@ def test_off_the_kernel_fgraph_norm_linear_is_the_unfused_ops_bit_for_bit(residu
     torch.library.opcheck(torch.ops.fgraph.norm_linear, (x, r if residual else None, nw, EPS, w, b, glu))
 
 
+@pytest.mark.parametrize("glu", [True, False])
+def test_off_its_kernel_the_normalised_rows_go_through_what_serves_the_matmul_alone(glu, monkeypatch):
+    """The norm's launch, then fgraph::linear or linear_glu with their own tuned choice: where the kernel with the
+    norm inside loses, the matmul's kernel without it may still serve (a lost comparison costs no launch)."""
+    seen = []
+    alone = _gemv.linear_glu if glu else _gemv.linear
+    monkeypatch.setattr(_gemv, "linear_glu" if glu else "linear", lambda h, w, *b: seen.append(h) or alone(h, w, *b))
+    x, r, nw = rand(3, 40), rand(3, 40, seed=1), rand(40, seed=2)
+    w = rand(48, 40, seed=3)
+    y, s = _gemv.norm_op(x, r, nw, EPS, w, None, glu)
+    (h,) = seen
+    assert torch.equal(h, rms_norm(x + r, nw, EPS)) and torch.equal(y, unfused(x, r, nw, w, None, glu)[0])
+
+
 def layer(x, r, n1, wqkv, bqkv, n2, w13, w2):
     """A decoder layer's matmuls around their norms: the qkv projection (bias) and the gated MLP, each reading the
     RMSNorm of a residual sum that a later add reads again."""
@@ -239,8 +253,12 @@ def test_every_norm_kernel_is_as_close_to_the_float32_result_as_the_norms_launch
 def test_the_tuned_norm_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
     m, n, k, glu, bias = shape
     x, r, nw, w, b = gpu_inputs(m, n, k, glu, bias)
+    untuned = _gemv.counts["untuned"]
     _gemv.norm_op(x, r, nw, EPS, w, b, glu)  # tunes the key outside the capture, as fgraph's warm-up does
     assert (m, w.shape[0], k, bf16, bias, glu, 2, x.device.index) in _gemv._choice
+    # and the matmul alone first, which its fallback calls: timed in a capture, it could not have tuned there
+    assert (m, w.shape[0], k, bf16, bias, glu, 0, x.device.index) in _gemv._choice
+    assert _gemv.counts["untuned"] == untuned
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         y, s = _gemv.norm_op(x, r, nw, EPS, w, b, glu)
