@@ -49,7 +49,19 @@ class config(metaclass=_Checked):
     # inside it, as fgraph::norm_linear: one kernel where it times faster than the norm's launch and the matmul's.
     # Off until measured in the decode step (docs/performance.md)
     small_m_norm = False
+    # fgraph's own Triton kernels of a decode step (fgraph::linear's family, the triton attention's decode and merge)
+    # launch with programmatic dependent launch: each may start while the kernel before it runs and waits for it
+    # (griddepcontrol.wait) before touching memory, so launches overlap the kernels before them (CUDA graphs keep it
+    # as a programmatic edge). Off until measured in the decode step (docs/performance.md)
+    pdl = False
     # retraces are bounded and loud (torch's recompile limit is the model): a warning once a function has made this
     # many signatures on its own (capture() not counted), and past max_signatures new ones run eagerly
     warn_signatures = 8
     max_signatures = 64
+
+
+def pdl_args(t) -> dict:
+    """The launch arguments of a Triton kernel that honours fgraph.config.pdl, for a launch on t's device: its `PDL`
+    constexpr (on: griddepcontrol.wait before the kernel's first load or store, then launch_dependents) and, on,
+    Triton's `launch_pdl`. CUDA only: off elsewhere (Triton's interpreter)."""
+    return {"PDL": True, "launch_pdl": True} if config.pdl and t.is_cuda else {"PDL": False}

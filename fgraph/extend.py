@@ -8,6 +8,7 @@ warm-up, a capture and each replay get their own. `DoneEvent` tells when a repla
 """
 
 from ._config import config as config
+from ._config import pdl_args as pdl_args
 from ._errors import FgraphError as FgraphError
 from ._primitives import PlanCall as PlanCall
 from ._primitives import Primitive as Primitive
@@ -20,3 +21,11 @@ from ._pytree import register as register
 from ._signature import Aval as Aval
 from ._signature import Batched as Batched
 from .capture import DoneEvent as DoneEvent
+
+
+def pdl_prologue():
+    """The Triton JIT function `after_prior(PDL)`, a kernel's first statement where it honours fgraph.config.pdl (its
+    launch arguments: `pdl_args(t)`). Imports Triton."""
+    from ._pdl import after_prior
+
+    return after_prior

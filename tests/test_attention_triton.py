@@ -308,6 +308,38 @@ def test_decode_counters_first_met_inside_a_capture_belong_to_that_graph(monkeyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("last_merges", [True, False], ids=["merged-in-kernel", "merge-kernel"])
+def test_decode_launched_with_pdl_replays_the_bits_of_eager_decode_without_it(last_merges, monkeypatch):
+    """fgraph.config.pdl: decode (and its merge kernel) may start while the kernel before it runs, waiting for it
+    before touching memory; inside a CUDA graph after a kernel that writes q, every replay equals eager decode."""
+    gpu_or_skip()
+    monkeypatch.setattr(T, "LAST_MERGES", last_merges)
+    max_seq, page, bucket = 1024, 16, 8
+    assert T.splits_for(bucket, QWEN[1], max_seq) > 1
+    rig = Batch([1] * bucket, [1] * bucket, QWEN, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq)
+    q, kv, kc, vc, meta = rig.q.clone(), rig.kv.clone(), rig.k_cache.clone(), rig.v_cache.clone(), rig.meta
+    q_in = q.clone()
+
+    def call():
+        q.copy_(q_in)  # the kernel before decode writes what it reads
+        return A.attention(q, kv[:, 0], kv[:, 1], kc, vc, meta, backend="triton", routine="decode",
+                           max_seq_len=max_seq)  # fmt: skip
+
+    monkeypatch.setattr(fgraph.config, "pdl", True)
+    call()  # compiles the PDL variants
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for batch in decodes_into((q_in, kv, kc, vc, meta), range(3), bucket, page, max_seq):
+        graph.replay()
+        with monkeypatch.context() as m:
+            m.setattr(fgraph.config, "pdl", False)
+            eager, _, _ = batch.run(T, "decode", max_seq)
+        torch.cuda.synchronize()
+        same(out[: batch.n], eager[: batch.n])
+
+
+@pytest.mark.gpu
 def test_the_in_kernel_merge_records_under_torch_compile_reduce_overhead(monkeypatch):
     """With LAST_MERGES, torch.compile(mode="reduce-overhead") of a function that calls the op, first at this size:
     cudagraph trees warm it up with the calling thread's allocations routed into the tree's pool, where counters

@@ -206,7 +206,7 @@ def test_every_norm_config_and_the_norm_kernel_compute_the_unfused_result_in_the
                     assert not residual or torch.equal(total, want_s)
             got_s, got_h = torch.empty_like(x), torch.full((m, k), float("nan"), dtype=h)
             _gemv.kernel().add_rms_norm[(m,)](x, r if residual else x, nw, got_s, got_h, k, k, k, EPS,
-                                              HAS_RES=residual, BLOCK=_gemv._pow2(k))  # fmt: skip
+                                              HAS_RES=residual, BLOCK=_gemv._pow2(k), PDL=False)  # fmt: skip
             torch.testing.assert_close(got_h, rms_norm(want_s, nw, EPS), atol=0, rtol=2e-3)
             assert not residual or torch.equal(got_s, want_s)
     assert all(c[-1] == 1 for c in _gemv.candidates(2, 40, 2100, norm=True))  # K is not split

@@ -43,6 +43,8 @@ import functools
 
 import torch
 
+from .._config import pdl_args
+
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce
 # path (rows <= 4) keeps BLOCK_M x BLOCK_N x BLOCK_K
@@ -110,7 +112,7 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
         kernel().gemv[grid](x, w, b if b is not None else w, y, ws, locks, r if r is not None else x, nw, s, eps, M, N,
                             K, k_split, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m,
                             BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits, GLU=glu, NORM=norm is not None,
-                            HAS_RES=r is not None, num_warps=warps, num_stages=stages)  # fmt: skip
+                            HAS_RES=r is not None, num_warps=warps, num_stages=stages, **pdl_args(x))  # fmt: skip
 
 
 def _workspace(x, n: int, splits: int) -> torch.Tensor:
@@ -248,7 +250,7 @@ def silu_mul(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 def _launch_glu(y, out, block: int = 1024) -> None:
     m, n = out.shape
     with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel().glu[(m, -(-n // block))](y, out, n, y.stride(0), out.stride(0), BLOCK=block)
+        kernel().glu[(m, -(-n // block))](y, out, n, y.stride(0), out.stride(0), BLOCK=block, **pdl_args(y))
 
 
 def linear_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -278,7 +280,7 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, nw: torch.Tensor, eps:
         with torch.cuda.device(x.device):
             kernel().add_rms_norm[(x.shape[0],)](x, r if r is not None else x, nw, s, h, x.shape[1], x.stride(0),
                                                  h.stride(0), eps, HAS_RES=r is not None,
-                                                 BLOCK=_pow2(x.shape[1]))  # fmt: skip
+                                                 BLOCK=_pow2(x.shape[1]), **pdl_args(x))  # fmt: skip
     return s, h
 
 

@@ -6,6 +6,8 @@ Importing this module imports Triton: _gemv.kernel() does, on first use.
 import triton
 import triton.language as tl
 
+from .._pdl import after_prior
+
 
 @triton.jit
 def silu_mul(g, u, TY: tl.constexpr):
@@ -37,11 +39,12 @@ def normed(s, nw_ptr, kk, k_ok, rstd):
 def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_ptr, eps, M, N, K, K_SPLIT, sx, sw, sy,
          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
          DOT: tl.constexpr, SPLITS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
-         HAS_RES: tl.constexpr):  # fmt: skip
+         HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y [M, N] = x [M, K] @ w [N, K]^T (+ b). GLU: w is [2N, K], gate rows then up rows, and y = silu(x @ gate^T) *
     (x @ up^T), each product rounded to y's dtype first as the unfused matmul's output is (no bias, no split).
     NORM: the matmul reads rms_norm(s) * nw for s = x (+ r with HAS_RES; program 0 stores s [M, K], rows of stride
     sx too), each program first summing the squares of s's whole rows (no split)."""
+    after_prior(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -109,9 +112,10 @@ def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_ptr, eps
 
 
 @triton.jit
-def glu(y_ptr, out_ptr, N, sy, so, BLOCK: tl.constexpr):
+def glu(y_ptr, out_ptr, N, sy, so, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out [M, N] = silu(y[:, :N]) * y[:, N:], y [M, 2N]: the activation after a gate_up matmul cuBLAS ran (one
     launch, as Inductor's fused kernel for it). Grid (M, cdiv(N, BLOCK)): a row's block, contiguous loads."""
+    after_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < N
@@ -121,9 +125,11 @@ def glu(y_ptr, out_ptr, N, sy, so, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def add_rms_norm(x_ptr, r_ptr, nw_ptr, s_ptr, h_ptr, K, sx, sh, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def add_rms_norm(x_ptr, r_ptr, nw_ptr, s_ptr, h_ptr, K, sx, sh, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):  # fmt: skip
     """h = rms_norm(s) * nw for s = x (+ r, stored to s), one row per program (BLOCK >= K): what runs before
     cuBLAS where fgraph::norm_linear's kernel does not (one launch, as Inductor's fused kernel for it)."""
+    after_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK)
     ok = kk < K

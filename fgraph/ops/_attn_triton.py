@@ -42,6 +42,7 @@ import functools
 
 import torch
 
+from fgraph.extend import pdl_args
 from fgraph.ops._kv_write import write_kv
 
 # Block sizes and warps: tiles that fit the registers without spilling for head dims 64 and 128 (ptxas, sm_90).
@@ -186,11 +187,11 @@ def decode(
             cos.stride(0), scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page,
             BLOCK_N=BLOCK_N, SPLITS=splits, SPLITS_P2=_pow2(splits), LAST_MERGES=LAST_MERGES,
             PART_CACHE=".wt" if LAST_MERGES else "", ROPE=rope is not None, PRECISION=precision, UPCAST=upcast,
-            PTX=q.is_cuda, num_warps=_decode_warps(D), num_stages=DECODE_STAGES,
+            PTX=q.is_cuda, num_warps=_decode_warps(D), num_stages=DECODE_STAGES, **pdl_args(q),
         )  # fmt: skip
         if splits > 1 and not LAST_MERGES:
             K.merge[(N, Hq)](part, lse, out, out.stride(0), out.stride(1), Hq, SPLITS=splits,
-                             SPLITS_P2=_pow2(splits), D=D, num_warps=4)  # fmt: skip
+                             SPLITS_P2=_pow2(splits), D=D, num_warps=4, **pdl_args(q))  # fmt: skip
 
 
 def mixed(out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, *, scale) -> None:

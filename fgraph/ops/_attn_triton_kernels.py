@@ -6,6 +6,10 @@ Importing this module imports Triton: _attn_triton.kernels() does, on first use.
 import triton
 import triton.language as tl
 
+from fgraph.extend import pdl_prologue
+
+after_prior = pdl_prologue()  # (a Triton JIT function the kernels call: griddepcontrol.wait with fgraph.config.pdl)
+
 
 @triton.jit
 def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -84,7 +88,8 @@ def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, lock_p
            qk_scale, chunk, Hq, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, LAST_MERGES: tl.constexpr,
            PART_CACHE: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-           PTX: tl.constexpr):  # fmt: skip
+           PTX: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    after_prior(PDL)
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, D)
@@ -163,8 +168,9 @@ def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, lock_p
 
 @triton.jit
 def merge(part_ptr, lse_ptr, o_ptr, s_ot, s_oh, Hq, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-          D: tl.constexpr):  # fmt: skip
+          D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[b, head] = the splits' partial outputs weighted by their share of the softmax's sum."""
+    after_prior(PDL)
     b, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     sp, d = tl.arange(0, SPLITS_P2), tl.arange(0, D)
     at = (b * Hq + head) * SPLITS + sp  # [SPLITS_P2]
