@@ -3,7 +3,10 @@
 # here, then carry [".gpu"]). Logs go to $OUT (or /tmp).
 #   bash scripts/gpu_tests.sh             every GPU test, in separate processes (a CUDA error poisons a process,
 #                                         and FlashInfer keeps wrappers per process), one lane each:
-#                                           single        the single-GPU tests but FlashInfer's and the models'
+#                                           single        the single-GPU tests but FlashInfer's, the models' and
+#                                                         the kernels'
+#                                           kernels       fgraph's Triton kernels' specs (fgraph::linear and its
+#                                                         family, the triton attention, RoPE, the KV write, PDL)
 #                                           models        tests/test_models_gpu.py but FlashInfer's and the
 #                                                         compiled ones
 #                                           compiled      test_models_gpu's Inductor-compiled tests (-k compile:
@@ -15,7 +18,8 @@
 #                                         The lanes run side by side, on one GPU too (timings are not what these
 #                                         check).
 #   LANES="single models" bash scripts/gpu_tests.sh   only those lanes (a device command has 10 minutes; all the
-#                                         single-GPU lanes side by side take about 6 of them)
+#                                         single-GPU lanes side by side took about 5 of them, the single lane the
+#                                         longest, before the kernels lane was split off it)
 #   bash scripts/gpu_tests.sh PYTEST_ARGS  one pytest process with those arguments; exits with pytest's status
 #
 # Exit status: 0 only if every lane that ran passed; 1 if any lane failed, or if no CUDA GPU is visible (then
@@ -45,6 +49,9 @@ fi
 # every gpu-marked test of tests/ but the multi-GPU files (a new test file joins a lane without an edit here)
 single="tests --ignore=tests/test_tp_gpu.py --ignore=tests/test_ep_gpu.py"
 models=tests/test_models_gpu.py
+# (a lane of their own: the single lane ran ~290 s of the suite's ~300 with them)
+kernels="tests/test_linear.py tests/test_norm_linear.py tests/test_attention_triton.py tests/test_pdl.py
+tests/test_rope.py tests/test_kv_write.py"
 fi_tc="import sys, pytest, fgraph.ops._attn_flashinfer as FI; FI.TENSOR_CORE_PLAN_PATHS = False; \
 sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-k', 'flashinfer', 'tests/test_models_gpu.py']))"
 rcs=$(mktemp -d)
@@ -55,7 +62,8 @@ lane() {
   "$@" > "$log/gpu_tests-$name.log" 2>&1
   echo "$?" > "$rcs/$name"
 }
-lane_rest() { lane single t $single --ignore=$models -k "not flashinfer"; }
+lane_rest() { lane single t $single --ignore=$models ${kernels//tests\//--ignore=tests/} -k "not flashinfer"; }
+lane_kernels() { lane kernels t $kernels -k "not flashinfer"; }
 lane_models() { lane models t $models -k "not flashinfer and not compile"; }
 lane_compiled() { lane compiled t $models -k "compile and not flashinfer"; }
 lane_fi() {
@@ -63,10 +71,11 @@ lane_fi() {
   lane flashinfer-tc-plan-paths-off timeout -k 10 "$limit" python3 -c "$fi_tc"
 }
 lane_multi() { lane multigpu t tests/test_tp_gpu.py tests/test_ep_gpu.py -k "not bench"; }
-want="${LANES:-single models compiled flashinfer flashinfer-tc-plan-paths-off multigpu}"
+want="${LANES:-single kernels models compiled flashinfer flashinfer-tc-plan-paths-off multigpu}"
 has() { [[ " $want " == *" $1 "* ]]; }
 lanes=""
 has single && lanes="$lanes single"
+has kernels && lanes="$lanes kernels"
 has models && lanes="$lanes models"
 has compiled && lanes="$lanes compiled"
 has flashinfer && lanes="$lanes flashinfer flashinfer-tc-plan-paths-off"
@@ -75,6 +84,7 @@ if [ "$n" -ge 2 ] && has multigpu; then lanes="$lanes multigpu"; fi
 on() { if [ "$n" -ge 2 ]; then CUDA_VISIBLE_DEVICES=$1 "${@:2}"; else "${@:2}"; fi; }
 if [[ " $lanes " == *" multigpu "* ]]; then lane_multi & fi
 if has single; then on 1 lane_rest & fi
+if has kernels; then on 0 lane_kernels & fi
 if has models; then on 1 lane_models & fi
 if has compiled; then on 0 lane_compiled & fi
 if has flashinfer; then on 0 lane_fi & fi
