@@ -1,7 +1,7 @@
 """fgraph.config.pdl: fgraph's own Triton kernels of a decode step launch with programmatic dependent launch, so a
 kernel may start while the one before it runs. Each waits for that kernel (griddepcontrol.wait) before it touches
-memory: read from the kernels' source on the CPU; on the GPU, chains of them inside CUDA graphs give the bits they
-give without PDL."""
+memory: read from the kernels' source and from the PTX Triton compiles for sm_90, on the CPU; on the GPU, chains of
+them inside CUDA graphs give the bits they give without PDL."""
 
 import ast
 import pathlib
@@ -40,6 +40,52 @@ def test_every_pdl_kernel_waits_for_the_kernel_before_it_before_its_first_load_o
     for name, f in jitted.items():
         body = f.body[1:] if isinstance(f.body[0], ast.Expr) and isinstance(f.body[0].value, ast.Constant) else f.body
         assert ast.unparse(body[0]) == "after_prior(PDL)", name
+
+
+def _ptx(fn, types: dict, constexprs: dict, pdl: bool, **options) -> tuple[str, bool]:
+    """fn compiled for sm_90 (no GPU needed: Triton's own ptxas) with PDL as given -> (its PTX, launch_pdl)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    constexprs = {**constexprs, "PDL": pdl}
+    signature = {
+        n: "constexpr" if n in constexprs else types.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names
+    }
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": pdl, **options})
+    return k.asm["ptx"], k.metadata.launch_pdl
+
+
+def _first_global_access(ptx: str) -> int:
+    return min(i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.")) if i >= 0)
+
+
+GEMV = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT=True, SPLITS=4, GLU=False, NORM=True,
+            HAS_RES=True)  # fmt: skip
+DECODE = dict(G=7, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=64, SPLITS=16, SPLITS_P2=16, LAST_MERGES=True,
+              PART_CACHE=".wt", ROPE=True, PRECISION="tf32", UPCAST=False, PTX=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "decode"])
+def test_pdl_kernels_compile_for_sm90_with_the_wait_before_any_global_access_and_without_it_when_off(kernel):
+    """What the device runs, read from the PTX: on, griddepcontrol.wait precedes every global load, store, async
+    copy and atomic (the split's counters), and the launch asks for PDL; off, no griddepcontrol at all."""
+    pytest.importorskip("triton")
+    from fgraph.capture import _gemv_kernels
+    from fgraph.ops import _attn_triton_kernels
+
+    fn, consts, types = {
+        "gemv": (_gemv_kernels.gemv, GEMV, {"eps": "fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}),
+        "decode": (_attn_triton_kernels.decode, DECODE, {"qk_scale": "fp32", "part_ptr": "*fp32", "lse_ptr": "*fp32",
+                   "lock_ptr": "*i32", "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i64"}),
+    }[kernel]  # fmt: skip
+    ptx, launch = _ptx(fn, types, consts, pdl=True)
+    assert launch and ptx.find("griddepcontrol.wait") < _first_global_access(ptx)
+    assert "griddepcontrol.launch_dependents" in ptx
+    ptx, launch = _ptx(fn, types, consts, pdl=False)
+    assert not launch and "griddepcontrol" not in ptx
 
 
 # -- on the GPU ------------------------------------------------------------------------------------------------
