@@ -287,7 +287,7 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, nw: torch.Tensor, eps:
 def norm_linear(x, r, nw, eps: float, w, b, glu: bool):
     """(y, s) for s = x + r (r None: s is empty, x is the sum) and h = nw * rms_norm(s): y = h @ w^T (+ b), or with
     glu silu·mul of its halves. At few rows one kernel that normalises as it reads, where it times faster; else the
-    norm's launch, cuBLAS and (glu) the activation's."""
+    norm's launch, then fgraph::linear or linear_glu as they serve the normalised rows (`_unfused`)."""
     norm = (r, nw, eps)
     cfg = _pick(x, w, b, glu, norm)
     if cfg is None:

@@ -155,11 +155,11 @@ def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> None:
         if split is None or len(act.users) != 1 or _item(up, 1) is not split or len(split.users) != 2:
             continue
         mm = _halves(split)
-        if mm is None or mm.target is not aten.mm.default or len(mm.users) != 1:
+        got = _matmul(mm) if mm is not None and len(mm.users) == 1 else None
+        if got is None or got[2] is not None:  # (mm(x, t(w)): no bias)
             continue
-        x, wt = mm.args[:2]
-        w = _transposed(wt)
-        if w is None or not _fits(_val(x), _val(w), None, device_type, any_size=True):
+        x, w, _, wt = got
+        if not _fits(_val(x), _val(w), None, device_type, any_size=True):
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(_gemv.glu_op, (x, w))
