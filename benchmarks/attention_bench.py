@@ -4,8 +4,8 @@ replayed inside a CUDA graph, against the bytes it must read over the copy bandw
   shapes     Qwen2.5-0.5B (14 q heads, 2 kv heads, dim 64) and Llama-3-8B (32, 8, 128), bf16, one layer
   batches    B sequences with one new token each, every sequence at context C (B = the bucket: no padding)
   routines   decode, and the same batch through the mixed routine (what a mixed graph costs on decode work)
-  graph      each (backend, routine) replayed as one torch.cuda.CUDAGraph; flashinfer mixed is not
-             capturable and runs eagerly (graph = no: its time includes Python launch overhead)
+  graph      each (backend, routine) replayed as one torch.cuda.CUDAGraph (flashinfer's mixed routine through
+             its CUDA-graph prefill wrapper: one sequence slot per token, as here)
   floor      K and V bytes of the batch / copy bandwidth (read+write bytes of a 2 GiB copy per second)
   plan_us    flashinfer: host time of the plan hook per step (host metadata + plan()), hook = what
              fgraph.jit runs before every replay, on the same metadata every step (so the plan is skipped);
@@ -16,7 +16,8 @@ replayed inside a CUDA graph, against the bytes it must read over the copy bandw
              steps, so most steps re-plan); skip_us: +1 a step inside one page (every plan skipped, only
              host metadata + upload; skip_full_us: the same without reusing the last step's indptr and page
              ids, i.e. full host metadata + full upload); new_us: the page counts change every step (every step re-plans through
-             the module's plan call); step_skipped: the share of steps step_us skipped
+             the module's plan call); step_skipped: the share of steps step_us skipped; mixed new_us: the
+             hook when the page counts change every step (two layouts in turn: every plan the module's call)
 
 usage (device): source .gpu/activate.sh; python3 -m benchmarks.attention_bench [--quick] [--backends triton flash_attn ...]
 Prints a table; writes benchmarks/results/attention.json (or under --out / $OUT).
@@ -98,14 +99,11 @@ def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, b
     plan()
     step()  # warm-up: flashinfer creates and plans its wrapper here
     torch.cuda.synchronize()
-    graphed = not (backend == "flashinfer" and routine == "mixed")
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        fn = graph.replay
-    else:
-        fn = step
+    graphed = True
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    fn = graph.replay
     once = gpu_ms(fn, 1, reps=1, warm=1)  # keep slow configurations (the torch reference at 8k) to about a second
     ms = gpu_ms(fn, max(2, min(iters, int(1000 / max(once, 1e-3)))), warm=1)
     kv_bytes = 2 * batch * ctx * hkv * d * BF.itemsize
@@ -166,9 +164,17 @@ def bench(backend: str, routine: str, shape, batch: int, ctx: int, iters: int, b
             finally:
                 FI.host_plan = real
             plan()  # leave it planned our way
-    del fn, k_cache, v_cache
-    if graphed:
-        del graph
+        else:  # a mixed step's plan when its offsets change every step (two page layouts in turn): the module call
+            other = A.build_metadata([1] * batch, [ctx - page] * batch, pages, page, max_pages)
+            turn = iter(range(1 << 30))
+            metas = (meta, other)
+            row["new_us"] = host_us(
+                lambda: A.plan_attention(
+                    metas[next(turn) % 2], backend=backend, routine=routine, page_size=page, scale=d**-0.5
+                )
+            )
+            plan()
+    del fn, graph, k_cache, v_cache
     if backend == "flashinfer":
         from fgraph.ops import _attn_flashinfer as FI
 

@@ -365,10 +365,7 @@ def test_capture_support_per_backend():
     assert rule({"backend": "torch", "routine": "mixed"})[0] is Support.ALWAYS
     assert rule({"backend": "flash_attn", "routine": "mixed"})[0] is Support.ALWAYS
     assert rule({"backend": "triton", "routine": "mixed"})[0] is Support.ALWAYS
-    assert rule({"backend": "flashinfer", "routine": "decode"}) == (
-        Support.UNIFORM_DECODE,
-        "flashinfer prefill is not capturable",
-    )
+    assert rule({"backend": "flashinfer", "routine": "mixed"})[0] is Support.ALWAYS
 
 
 def test_flash_attn_split_count_depends_on_shapes_only():
@@ -592,12 +589,10 @@ def test_jit_matches_eager(routine, lens, backend, fake_flashinfer):
     stats = step.stats()["total"]
     assert stats["traces"] == 1 and stats["calls"] == 2
     if backend == "flashinfer":  # one plan per execution, from the hook: warm-up, then each call (the eager
-        # oracle plans its own 5 unpadded sequences); decode plans may be made by the module call or skipped
-        if routine == "decode":
-            counts = [w.counts for key, w in FI._wrappers.items() if key[1] == 8]
-            assert len(counts) == 1 and sum(counts[0].values()) == 3, counts
-        else:
-            assert len([b for _, b in fake_flashinfer.plans if b > 5]) == 3
+        # oracle plans its own unpadded sequences); plans after the first may be module calls or skipped
+        bucket = 8 if routine == "decode" else 32
+        counts = [w.counts for key, w in FI._wrappers.items() if key[:2] == (routine, bucket)]
+        assert len(counts) == 1 and sum(counts[0].values()) == 3, counts
 
 
 def decode_wrapper_births(fake, monkeypatch) -> list:
@@ -753,11 +748,11 @@ def test_flashinfer_decode_graphs_copy_the_staged_metadata_in_themselves(fake_fl
             for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
                 d.copy_(src)
         want, _ = toy_step(cache, batch, routine="decode", backend="flashinfer")
-        before = dict(FI._decode_bufs["cpu"].uploads) if "cpu" in FI._decode_bufs else None
+        before = dict(FI._plan_bufs["cpu"].uploads) if "cpu" in FI._plan_bufs else None
         got, jcache = step(jcache, batch, routine="decode", backend="flashinfer")
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         if before is not None:
-            after = FI._decode_bufs["cpu"].uploads
+            after = FI._plan_bufs["cpu"].uploads
             staged.append({k: after[k] - before[k] for k in after if after[k] != before[k]})
     (e,) = [e for e in step.entries.values() if e.full is not None]
     assert e.buffers.graph_mirror is not None
@@ -916,19 +911,79 @@ class FakeFlashInfer:
                     k, v = kv_of(*kv, self.indptr, self.indices, self.last, b)
                     out[b] = _attend(q[b : b + 1], k, v, self.scale, k.shape[0])[0].to(out.dtype)
 
+        def prefill_schedule(iws, qo, indptr, lens, rows, batch, page):
+            """The C++ PrefillPlan in CUDA-graph mode: the schedule (here the host offsets) goes to the int
+            workspace, the info it returns is fixed by the rows and the batch."""
+            assert all(t.device.type == "cpu" and t.dtype == torch.int32 for t in (qo, indptr, lens))
+            assert len(qo) == batch + 1 and int(qo[-1]) <= rows and (qo.diff() >= 0).all()
+            assert torch.equal((lens + page - 1) // page, indptr.diff()), (lens, indptr)
+            iws.copy_(torch.cat([qo, indptr]))
+            return (rows, batch, 16)
+
+        def prefill_module_plan(fws, iws, pinned, qo, indptr, lens, rows, batch, hq, hkv, page, graph, *rest):
+            assert graph and rest[2:] == (True, -1, -1, False, 0), rest  # causal, no window, split settings
+            fake.module += 1
+            return prefill_schedule(iws, qo, indptr, lens, rows, batch, page)
+
         class BatchPrefillWithPagedKVCacheWrapper:
-            def __init__(self, ws, layout, backend):
-                assert backend == "fa2"
+            def __init__(
+                self,
+                ws,
+                layout,
+                use_cuda_graph=False,
+                qo_indptr_buf=None,
+                paged_kv_indptr_buf=None,
+                paged_kv_indices_buf=None,
+                paged_kv_last_page_len_buf=None,
+                backend="auto",
+            ):
+                assert backend == "fa2" and layout == "NHD"
+                self.is_cuda_graph_enabled, self._backend, self._window_left = use_cuda_graph, backend, -1
+                self._float_workspace_buffer = self._pin_memory_int_workspace_buffer = ws
+                self._max_total_num_rows, self.device = None, ws.device
+                if use_cuda_graph:  # flashinfer's checks of the buffers
+                    B = len(qo_indptr_buf) - 1
+                    assert len(paged_kv_indptr_buf) == B + 1 and len(paged_kv_last_page_len_buf) == B
+                    self.qo, self.indptr, self.indices, self.last = (
+                        qo_indptr_buf,
+                        paged_kv_indptr_buf,
+                        paged_kv_indices_buf,
+                        paged_kv_last_page_len_buf,
+                    )
+                    self._int_workspace_buffer = torch.zeros(2 * B + 2, dtype=torch.int32)
 
             def plan(
                 self, qo_indptr, indptr, indices, last, hq, hkv, d, page, causal, sm_scale, q_data_type, kv_data_type
             ):
-                assert causal and all(t.device.type == "cpu" for t in (qo_indptr, indptr, indices, last))
-                self.p = [t.clone() for t in (qo_indptr, indptr, indices, last)] + [sm_scale]
+                assert causal and all(t.device.type == "cpu" for t in (qo_indptr, indptr, last))
                 fake.plans.append(("mixed", len(last)))
+                self.scale = sm_scale
+                if not self.is_cuda_graph_enabled:
+                    self.p = [t.clone() for t in (qo_indptr, indptr, indices, last)]
+                    return
+                rows = int(qo_indptr[-1])  # graph mode: the first plan fixes the rows, and the batch is fixed
+                self._max_total_num_rows = self._max_total_num_rows or rows
+                assert len(last) == len(self.last) and len(indices) <= len(self.indices)
+                self.qo.copy_(qo_indptr)
+                self.indptr.copy_(indptr)
+                self.last.copy_(last)
+                self.indices[: len(indices)].copy_(indices)
+                self._cached_module = type("module", (), {"plan": staticmethod(prefill_module_plan)})()
+                lens = (indptr.diff() - 1) * page + last
+                self._plan_info = prefill_schedule(
+                    self._int_workspace_buffer, qo_indptr, indptr, lens, self._max_total_num_rows, len(last), page
+                )
 
             def run(self, q, kv, out):
-                qo, indptr, indices, last, scale = self.p
+                scale = self.scale
+                if self.is_cuda_graph_enabled:  # graph mode: the schedule from the int workspace, the rest buffers
+                    qo, indptr, indices, last, B = self.qo, self.indptr, self.indices, self.last, len(self.last)
+                    assert torch.equal(self._int_workspace_buffer, torch.cat([qo, indptr])), (
+                        "stale plan: its schedule is not the buffers' offsets"
+                    )
+                    assert self._plan_info == (self._max_total_num_rows, B, 16)
+                else:
+                    qo, indptr, indices, last = self.p
                 assert q.shape[0] == qo[-1]
                 for b in range(len(last)):
                     k, v = kv_of(*kv, indptr, indices, last, b)
@@ -987,7 +1042,7 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setattr(FI, "_fi", lambda: fake)
     monkeypatch.setitem(A.TAKES, "flashinfer", (None, None))  # the stand-in computes in any dtype (float64 here)
     monkeypatch.setattr(FI, "WORKSPACE_BYTES", 64)
-    for name in ("_workspaces", "_decode_bufs", "_wrappers", "_groups", "_states"):
+    for name in ("_workspaces", "_plan_bufs", "_wrappers", "_groups", "_states"):
         monkeypatch.setattr(FI, name, {})
     return fake
 
@@ -1001,10 +1056,10 @@ def _layers(case, meta, routine, bucket, n_layers=3):
     return out[: case.q.shape[0]]
 
 
-def plans_made(bucket=None) -> int:
-    """Plans the decode wrappers (of one bucket, or all) got, whichever way: plan(), fast, module, or skipped."""
+def plans_made(bucket=None, routine="decode") -> int:
+    """Plans a routine's wrappers (of one bucket, or all) got, whichever way: plan(), fast, module, or skipped."""
     return sum(
-        sum(w.counts.values()) for key, w in FI._wrappers.items() if key[0] == "decode" and bucket in (None, key[1])
+        sum(w.counts.values()) for key, w in FI._wrappers.items() if key[0] == routine and bucket in (None, key[1])
     )
 
 
@@ -1017,12 +1072,13 @@ def test_flashinfer_plans_once_per_step_from_the_hook(routine, lens, fake_flashi
         A.plan_attention(meta, backend="flashinfer", routine=routine, page_size=PAGE, scale=D**-0.5)
         out = _layers(case, meta, routine, bucket)
         torch.testing.assert_close(out.double(), case.expected(), rtol=1e-5, atol=1e-5)
-        if routine == "decode":  # step 0: the new wrapper, by warm-up
-            assert plans_made() == seed + 1
-        else:
-            assert fake_flashinfer.plans == [(routine, bucket)] * (seed + 1)
+        assert plans_made(routine=routine) == seed + 1  # step 0: the new wrapper, by warm-up
     if routine == "decode":  # lengths 1, 4, 5, 9, 17, then +1 (new page counts), then +2 (the same: skipped)
         assert FI.stats() == {"plan": 1, "fast": 1, "module": 0, "skip": 1}
+    else:  # the metadata padded to the bucket: a CUDA-graph prefill wrapper, set up by plan(), then the module's
+        # plan called directly (each step's page counts change)
+        assert FI.stats() == {"plan": 1, "fast": 0, "module": 2, "skip": 0}
+        assert fake_flashinfer.plans == [("mixed", bucket)]
 
 
 def test_flashinfer_decode_steps_within_pages_upload_only_the_last_page_lengths(fake_flashinfer):
@@ -1035,7 +1091,7 @@ def test_flashinfer_decode_steps_within_pages_upload_only_the_last_page_lengths(
     ):  # +4: new pages; seed 1: others
         case = Case([1] * 5, [n + grow for n in lens], 4, 2, dtype=torch.float32, seed=seed)
         meta = A.pad_metadata(case.meta, 8)
-        bufs = FI._decode_bufs.get("cpu")
+        bufs = FI._plan_bufs.get("cpu")
         before = (
             dict(bufs.uploads)
             if bufs is not None
@@ -1044,7 +1100,7 @@ def test_flashinfer_decode_steps_within_pages_upload_only_the_last_page_lengths(
         A.plan_attention(meta, backend="flashinfer", routine="decode", page_size=PAGE, scale=D**-0.5)
         out = _layers(case, meta, "decode", 8)
         torch.testing.assert_close(out.double(), case.expected(), rtol=1e-5, atol=1e-5)
-        after = FI._decode_bufs["cpu"].uploads
+        after = FI._plan_bufs["cpu"].uploads
         assert {k: after[k] - before[k] for k in after} == {
             "full": int(upload == "full"),
             "lengths": int(upload == "lengths"),

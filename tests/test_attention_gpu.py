@@ -98,7 +98,7 @@ class Rig:
     def new_batch(self, qlens, seqlens):
         """Fresh pages and KV history for S sequences, written in place; returns the unpadded host metadata."""
         free = (torch.randperm(self.num_pages - 1, generator=self.gen) + 1).tolist()
-        tables = [[free.pop() for _ in range(-(-n // self.page))] for n in seqlens]
+        tables = self.tables = [[free.pop() for _ in range(-(-n // self.page))] for n in seqlens]
         self.unused = torch.tensor(free, dtype=torch.int64, device=DEV)
         meta = A.build_metadata(qlens, seqlens, tables, self.page, self.max_pages)
         hist = [
@@ -176,8 +176,6 @@ def run_captured(backend, routine, shape, bucket, real):
 @pytest.mark.parametrize("backend", A.BACKENDS)
 def test_captured_matches_reference(backend, routine, shape):
     backend_or_skip(backend)
-    if backend == "flashinfer" and routine == "mixed":
-        pytest.skip("flashinfer mixed is not capturable (UNIFORM_DECODE): runs piecewise, see the eager test")
     run_captured(backend, routine, shape, 8 if routine == "decode" else 128, 7 if routine == "decode" else 6)
 
 
@@ -188,10 +186,73 @@ def test_decode_full_graph_per_bucket(backend, bucket, real):
     run_captured(backend, "decode", (14, 2, 64), bucket, real)
 
 
-@pytest.mark.parametrize("bucket, real", [(1, 1), (128, 6)])
-def test_flash_attn_mixed_full_graph(bucket, real):
-    backend_or_skip("flash_attn")
-    run_captured("flash_attn", "mixed", (32, 8, 128), bucket, real)
+@pytest.mark.parametrize("bucket, real", [(1, 1), (128, 6), (512, 6)])
+@pytest.mark.parametrize("backend", ["flash_attn", "flashinfer"])
+def test_mixed_full_graph(backend, bucket, real):
+    """512 at 8B's shapes: flashinfer's graph-mode prefill needs more float workspace than the default."""
+    backend_or_skip(backend)
+    run_captured(backend, "mixed", (32, 8, 128), bucket, real)
+
+
+def steps_behind(rig, graph, outs, metas, sync):
+    """Each padded metadata loaded (from pinned memory, no host sync), planned and replayed, in turn; the outputs
+    of every replay copied out. sync=False: all behind a ~0.1 s kernel, so the host plans a step while the device
+    has not yet run the last one's plan copy."""
+    got = []
+    if not sync:
+        torch.cuda._sleep(200_000_000)
+    for padded, pinned in metas:
+        for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+            getattr(rig.meta, name).copy_(getattr(pinned, name), non_blocking=True)
+        rig.plan(padded)
+        graph.replay()
+        got.append([o.clone() for o in outs])
+        if sync:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return got
+
+
+@pytest.mark.parametrize("routine", ["decode", "mixed"])
+def test_flashinfer_plans_made_while_the_gpu_is_behind_replay_as_when_it_is_not(routine):
+    """flashinfer's C++ plan writes the schedule into a pinned buffer and queues its copy; fgraph does not wait for
+    the device between steps. Steps whose schedules differ (alternating page counts and query offsets), planned
+    and replayed with no sync behind a long kernel, must give the very bits of the same steps synced one by one
+    (from the same caches): the plan waits for the last one's copy out of that buffer (_Fence), and did wait."""
+    from fgraph.ops import _attn_flashinfer as FI
+
+    backend_or_skip("flashinfer")
+    FI.reset()
+    bucket = 8 if routine == "decode" else 128
+    rig = Rig("flashinfer", routine, (32, 8, 128), bucket)
+    rig.plan(rig.all_padding(), capturing=True)
+    rig.attend()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = rig.attend()
+    real = 7 if routine == "decode" else 6
+    rig.new_batch([1] * real, [MAX_SEQ - 200] * real)  # history on every page the steps below read
+    metas = []
+    for i in range(4):  # steps on those pages, each with other page counts (and query offsets) than the last
+        seqlens = [MAX_SEQ // (2 + (i + j) % 3) - 60 * (i % 2) for j in range(real)]
+        qlens = [1] * real if routine == "decode" else [1 + (i * 37 + 11 * j) % 40 for j in range(real)]
+        padded = A.pad_metadata(A.build_metadata(qlens, seqlens, rig.tables, rig.page, rig.max_pages), bucket)
+        pinned = A.AttentionMetadata(
+            *(getattr(padded, n).pin_memory() for n in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"))
+        )
+        metas.append((padded, pinned))
+    start = [c.clone() for c in rig.k_cache + rig.v_cache]
+    synced = steps_behind(rig, graph, outs, metas, sync=True)
+    for c, s in zip(rig.k_cache + rig.v_cache, start):
+        c.copy_(s)
+    fences = [w.fence for w in FI._wrappers.values() if w.fence is not None]
+    waits = sum(f.waits for f in fences)
+    behind = steps_behind(rig, graph, outs, metas, sync=False)
+    for i, (a, b) in enumerate(zip(synced, behind)):
+        for layer, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"step {i}, layer {layer}: replayed behind the device != synced"
+    assert sum(f.waits for f in fences) > waits, "no plan found the last one's copy queued: the test tested nothing"
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -332,8 +393,8 @@ def toy_step(cache, batch, routine="mixed", backend="torch"):
 
 @pytest.mark.parametrize("backend", A.BACKENDS)
 def test_fgraph_jit_full_graphs(backend):
-    """Under fgraph.jit(mode="FULL"), host batches, decode and mixed calls interleaved: flashinfer's mixed
-    signatures fall back to PIECEWISE, everything else is one graph; all against the reference."""
+    """Under fgraph.jit(mode="FULL"), host batches, decode and mixed calls interleaved: every signature is one
+    graph, flashinfer's mixed ones too; all against the reference."""
     backend_or_skip(backend)
     spec = {"q": fgraph.Batched(), "k": fgraph.Batched(), "v": fgraph.Batched(), "meta": A.metadata_batching()}
     step = fgraph.jit(
@@ -352,4 +413,4 @@ def test_fgraph_jit_full_graphs(backend):
         out, cache = step(cache, batch, routine=routine, backend=backend)
         rig.check([out[:, i] for i in range(out.shape[1])], meta, N)
     modes = {dict(e.sig.statics)["routine"]: e.mode.name for e in step.entries.values()}
-    assert modes == {"decode": "FULL", "mixed": "PIECEWISE" if backend == "flashinfer" else "FULL"}, modes
+    assert modes == {"decode": "FULL", "mixed": "FULL"}, modes

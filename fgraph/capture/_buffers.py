@@ -125,6 +125,9 @@ class DoneEvent:
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True
+
 
 class _Mirror:
     """A pinned host copy of the input buffers, its numpy views, and the event of its last copy to the device."""

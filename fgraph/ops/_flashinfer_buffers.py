@@ -1,7 +1,8 @@
-"""flashinfer's paged-KV metadata on the host and the persistent device buffers its decode wrappers read.
+"""flashinfer's paged-KV metadata on the host and the persistent device buffers its CUDA-graph wrappers read.
 
-flashinfer's paged-KV metadata on the host (HostPlan, host_plan) and the persistent device buffers decode wrappers and
-their graphs read (_DecodeBuffers): the data half of the flashinfer backend (_attn_flashinfer)."""
+flashinfer's paged-KV metadata on the host (HostPlan, host_plan) and the persistent device buffers that decode and
+CUDA-graph prefill wrappers and their graphs read (_PlanBuffers): the data half of the flashinfer backend
+(_attn_flashinfer)."""
 
 from __future__ import annotations
 
@@ -85,22 +86,24 @@ def _arange(n: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------- device buffers
-class _DecodeBuffers:
-    """The persistent device metadata that decode wrappers (and their graphs) read.
+class _PlanBuffers:
+    """The persistent device metadata that CUDA-graph wrappers (and their graphs) read.
 
-    One int32 array [indptr (batch+1) | last (batch) | indices], wrappers of smaller buckets use the heads of its
-    parts. `owner`: the plan generation whose metadata it holds (uploaded once per generation, whatever the number
-    of wrappers). A plan fills it with one non-blocking copy from a pinned mirror (two, alternating, written through
-    numpy views, far cheaper than a torch copy_ a part); flashinfer's own plan() copies page ids from pageable
-    memory with a blocking copy, which synchronizes the stream every step."""
+    One int32 array [indptr (batch+1) | last (batch) | qo_indptr (batch+1) | indices]; wrappers of smaller buckets
+    use the heads of its parts, decode wrappers all but qo_indptr. `owner`: the plan generation whose metadata it
+    holds (uploaded once per generation, whatever the number of wrappers). A plan fills it with one non-blocking
+    copy from a pinned mirror (two, alternating, written through numpy views, far cheaper than a torch copy_ a
+    part); flashinfer's own plan() copies page ids from pageable memory with a blocking copy, which synchronizes
+    the stream every step."""
 
     def __init__(self, batch: int, num_indices: int, device):
-        n = 2 * batch + 1 + num_indices
+        n = 3 * batch + 2 + num_indices
         self.flat = torch.zeros(n, dtype=torch.int32, device=device)
-        self.indptr, self.last, self.indices = (
+        self.indptr, self.last, self.qo, self.indices = (
             self.flat[: batch + 1],
             self.flat[batch + 1 : 2 * batch + 1],
-            self.flat[2 * batch + 1 :],
+            self.flat[2 * batch + 1 : 3 * batch + 2],
+            self.flat[3 * batch + 2 :],
         )
         self.batch, self.owner = batch, None
         self.layout = None  # the (indptr, indices) arrays whose contents the device buffers hold now
@@ -112,7 +115,7 @@ class _DecodeBuffers:
             self.stage_np = [st.numpy() for st in self.stage]
             # two events made once (creating one per step costs a cudaEventCreate on its first record)
             self.copied, self.events, self.turn = [False, False], [torch.cuda.Event(), torch.cuda.Event()], 0
-        # The graph stage (fgraph.config.inputs_in_graph): FULL decode graphs copy it in themselves, at their first
+        # The graph stage (fgraph.config.inputs_in_graph): FULL graphs copy it in themselves, at their first
         # layer, then record g_event (an event node in the graph); the hook only writes it (stage_for_graph).
         self.gstage = self.gstage_np = self.g_event = None
         self.g_layout, self.g_owner, self.copied_for = None, None, None
@@ -142,9 +145,9 @@ class _DecodeBuffers:
             if self.copied[i]:
                 self.events[i].synchronize()  # the copy made from this mirror two plans ago must be done reading it
             end = self._fill(self.stage_np[i], host, same)
-            B, o = host.last.shape[0], self.batch
-            if same:
-                self.flat[o + 1 : o + 1 + B].copy_(self.stage[i][o + 1 : o + 1 + B], non_blocking=True)
+            if same:  # the last-page lengths, and the query offsets after them
+                lo, hi = self._lengths(host)
+                self.flat[lo:hi].copy_(self.stage[i][lo:hi], non_blocking=True)
             else:
                 self.flat[:end].copy_(self.stage[i][:end], non_blocking=True)
             self.events[i].record()
@@ -180,27 +183,36 @@ class _DecodeBuffers:
         nnz = host.indices.shape[0]
         if nnz > self.indices.numel():
             raise FgraphError(
-                f"attention(backend='flashinfer'): {nnz} pages in use, the decode buffers hold {self.indices.numel()}",
+                f"attention(backend='flashinfer'): {nnz} pages in use, the plan buffers hold {self.indices.numel()}",
                 "keep block tables within max_pages",
             )
+
+    def _lengths(self, host: HostPlan) -> tuple[int, int]:
+        """The span of `flat` that changes when only the lengths do: the last-page lengths, then the query offsets
+        (mixed steps; decode has none)."""
+        B, o = host.last.shape[0], self.batch
+        return o + 1, (2 * o + 2 + B if host.qo_indptr is not None else o + 1 + B)
 
     def _fill(self, st: np.ndarray, host: HostPlan, same: bool) -> int:
         """Write host's metadata into `st`, laid out like `flat`.
 
-        The last-page lengths, and unless `same` (st holds its indptr and page ids already) those too. Returns
-        the end of the page ids."""
+        The last-page lengths and query offsets, and unless `same` (st holds its indptr and page ids already) those
+        too. Returns the end of the page ids."""
         B, nnz, o = host.last.shape[0], host.indices.shape[0], self.batch
         st[o + 1 : o + 1 + B] = host.last
+        if host.qo_indptr is not None:
+            st[2 * o + 1 : 2 * o + 2 + B] = host.qo_indptr
         if not same:
             st[: B + 1] = host.indptr
-            st[2 * o + 1 : 2 * o + 1 + nnz] = host.indices
-        return 2 * o + 1 + nnz
+            st[3 * o + 2 : 3 * o + 2 + nnz] = host.indices
+        return 3 * o + 2 + nnz
 
     def copy_in(self, n_indices: int) -> None:
         """The graph's own copy of the stage.
 
-        Captured at a decode graph's first layer (on the CPU the stand-in graph reruns it): indptr, last-page
-        lengths and n_indices page ids (the bucket's block table), then the event the next staging waits for."""
-        end = 2 * self.batch + 1 + min(n_indices, self.indices.numel())
+        Captured at a graph's first attention layer (on the CPU the stand-in graph reruns it): indptr, last-page
+        lengths, query offsets and n_indices page ids (the bucket's block table), then the event the next staging
+        waits for."""
+        end = 3 * self.batch + 2 + min(n_indices, self.indices.numel())
         self.flat[:end].copy_(self.gstage[:end], non_blocking=True)
         self.g_event.record()

@@ -15,9 +15,9 @@ per layer and step (a much slower decode step: docs/performance.md). The pieces 
   flash_attn  FlashAttention-2: decode via flash_attn_with_kvcache, which appends k/v itself (one kernel);
               mixed: index_copy_, then flash_attn_varlen_func with the block table; both capturable (ALWAYS),
               each routine its own kernels. Page size a multiple of 256.
-  flashinfer  index_copy_, then decode via per-bucket CUDA-graph decode wrappers planned on the host before
-              every replay (UNIFORM_DECODE); mixed via the fa2 prefill wrapper, not capturable, so mixed runs
-              piecewise.
+  flashinfer  index_copy_, then per-bucket CUDA-graph wrappers planned on the host before every replay: decode,
+              and mixed (the fa2 prefill wrapper over fixed buffers) where the metadata is padded to the bucket,
+              as fgraph pads it; both capturable (ALWAYS).
   "auto"      per routine (AUTO): on CUDA, triton's decode and FA2's mixed ("triton/flash_attn"), each falling
               back to the next importable backend; torch on the CPU. Any "DECODE/MIXED" pair of the above may be
               named; its cache has the page size both accept.
@@ -209,8 +209,6 @@ def pad_metadata(meta: AttentionMetadata, bucket: int) -> AttentionMetadata:
 
 # ------------------------------------------------------------------------------------------ the primitive
 def _support(args) -> tuple[Support, str]:
-    if args.get("backend") == "flashinfer":
-        return Support.UNIFORM_DECODE, "flashinfer prefill is not capturable"
     return Support.ALWAYS, f"{args.get('backend')} attention is capturable in both routines"
 
 
