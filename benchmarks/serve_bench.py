@@ -12,7 +12,7 @@ both modes back to back), and how many requests' greedy tokens differ from the f
 run (printed, never raised). A time budget skips a backend that would not fit. Rows go to <out>/serve.jsonl as
 measured; the end writes serve.json and the table.
 
-A mode with the suffix "+C" (FULL_AND_PIECEWISE+C, the default engine on CUDA) is its base mode serving
+A mode with the suffix "+C" (FULL+C, the default engine on CUDA) is its base mode serving
 Inductor-compiled pieces (Engine(compile=True)): one compilation per distinct piece, shared by every bucket, so those
 engines capture every bucket too (--compiled-buckets: only those; their row lists them) and the budget counts
 --compile-est-s per engine; the row adds gain_over_uncompiled, paired over the base mode when it ran too. Inductor's kernels are not bit-identical to

@@ -55,6 +55,8 @@ class Engine:
 
     mode: a fgraph.Mode name for fgraph.jit, or "eager" to call `step_fn` directly (the oracle). Eager batches
       are padded to the same buckets as jitted ones, so both run kernels of the same shapes (bit-comparable).
+      Default FULL: decode and mixed steps each one graph where the breaks allow (served faster than
+      FULL_AND_PIECEWISE with every attention backend: docs/performance.md).
     buckets: padded token counts (default fgraph's, up to and including max_batch_tokens).
     vocab_size: the number of token ids the model takes: add() refuses a prompt outside it (an id the embedding
       cannot look up fails the whole step, and every later step that batches it).
@@ -76,7 +78,7 @@ class Engine:
         cache: A.KVCache,
         *,
         max_seq_len: int,
-        mode: str = "FULL_AND_PIECEWISE",
+        mode: str = "FULL",
         max_batch_tokens: int = 256,
         max_seqs: int = 64,
         buckets=None,

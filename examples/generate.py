@@ -121,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--mode",
-        default="FULL_AND_PIECEWISE",
+        default="FULL",
         type=str.upper,
         choices=[m.value for m in fgraph.Mode] + ["EAGER"],
         help="capture mode, or EAGER (no fgraph.jit)",

@@ -244,7 +244,7 @@ def test_generate_command_moe_preset(capsys):
     )
     assert [len(t) for t in out["tokens"]] == [3, 3] and out["model"] == "tiny-moe"
     text = capsys.readouterr().err  # with --json, explain goes to stderr
-    assert "break moe" in text and "FULL_AND_PIECEWISE requested -> PIECEWISE" in text
+    assert "break moe" in text and "FULL requested -> PIECEWISE" in text
 
 
 def test_loader_rejects_dense_and_unknown_architectures(tmp_path):
