@@ -30,7 +30,7 @@ def tiny():
 def run(tiny, mode, prompts=PROMPTS, new=10, temperature=0.0, **kw):
     cfg, params = tiny
     kw = dict(dict(backend="torch", max_seqs=4, max_seq_len=64, page_size=4, max_batch_tokens=8), **kw)
-    eng = engine.build(cfg, params, mode=mode, **kw)
+    eng = engine.build(cfg, params, **kw) if mode is None else engine.build(cfg, params, mode=mode, **kw)
     for p in prompts:
         eng.add(p, max_new_tokens=new, temperature=temperature)
     return eng, eng.run(progress=False)
@@ -44,7 +44,7 @@ def eager(tiny):
 
 def test_greedy_tokens_identical_across_modes(tiny, eager):
     assert [len(t) for t in eager] == [10] * 4
-    for mode in ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE"):
+    for mode in ("NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):
         eng, got = run(tiny, mode, buckets=(2, 8))  # two buckets: padding exercised, few signatures to trace
         assert got.tokens == eager, mode
         total = eng.step_fn.stats()["total"]
@@ -52,6 +52,15 @@ def test_greedy_tokens_identical_across_modes(tiny, eager):
         assert total["calls"] == got.steps and total["traces"] == len(routines)  # buckets 2 and 8 share a trace
         if mode != "NONE":
             assert total["replays"] > 0, mode  # later steps of a bucket replay the (host stand-in) graphs
+
+
+def test_the_engine_runs_every_step_as_one_graph_by_default(tiny, eager):
+    """Without a mode, decode and mixed steps are each one graph (FULL: served faster than FULL_AND_PIECEWISE with
+    every attention backend, docs/performance.md), with eager's tokens."""
+    eng, got = run(tiny, None, buckets=(2, 8))
+    assert got.tokens == eager
+    modes = {(dict(e.sig.statics)["routine"], e.mode.name) for e in eng.step_fn.entries.values()}
+    assert modes == {("decode", "FULL"), ("mixed", "FULL")}, modes
 
 
 @pytest.mark.parametrize("in_graph", [True, False], ids=["copied-by-the-graphs", "copied-by-each-call"])
