@@ -5,6 +5,7 @@ write, backend resolution, the break's trace and capture support, and the flashi
 Shapes are tiny (head dim 8, pages of 4 tokens) so every sequence spans several pages.
 """
 
+import contextlib
 import math
 import re
 import subprocess
@@ -1036,15 +1037,24 @@ class FakeFlashInfer:
         self.decode = type("decode", (), {"fast_decode_plan": staticmethod(fast_decode_plan)})
 
 
+@contextlib.contextmanager
+def flashinfer_stand_in():
+    """The stand-in flashinfer, with fresh wrappers, plans and buffers, until the block ends (property tests, whose
+    examples each need their own, use it directly)."""
+    with pytest.MonkeyPatch.context() as mp:
+        fake = FakeFlashInfer()
+        mp.setattr(FI, "_fi", lambda: fake)
+        mp.setitem(A.TAKES, "flashinfer", (None, None))  # the stand-in computes in any dtype (float64 here)
+        mp.setattr(FI, "WORKSPACE_BYTES", 64)
+        for name in ("_workspaces", "_plan_bufs", "_wrappers", "_groups", "_states"):
+            mp.setattr(FI, name, {})
+        yield fake
+
+
 @pytest.fixture
-def fake_flashinfer(monkeypatch):
-    fake = FakeFlashInfer()
-    monkeypatch.setattr(FI, "_fi", lambda: fake)
-    monkeypatch.setitem(A.TAKES, "flashinfer", (None, None))  # the stand-in computes in any dtype (float64 here)
-    monkeypatch.setattr(FI, "WORKSPACE_BYTES", 64)
-    for name in ("_workspaces", "_plan_bufs", "_wrappers", "_groups", "_states"):
-        monkeypatch.setattr(FI, name, {})
-    return fake
+def fake_flashinfer():
+    with flashinfer_stand_in() as fake:
+        yield fake
 
 
 def _layers(case, meta, routine, bucket, n_layers=3):

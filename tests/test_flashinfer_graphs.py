@@ -3,8 +3,6 @@
 The stand-in's CUDA-graph prefill wrapper reads its metadata from fgraph's buffers and its schedule from its int
 workspace, as flashinfer's does, and refuses a schedule that is not the buffers' (a stale plan)."""
 
-import contextlib
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,21 +12,7 @@ import fgraph
 from fgraph import Mode
 from fgraph.ops import _attn_flashinfer as FI
 from fgraph.ops import attention as A
-from tests.test_attention import TOY_BATCH, Case, FakeFlashInfer, toy_inputs, toy_step
-
-
-@contextlib.contextmanager
-def fake_flashinfer():
-    """The stand-in flashinfer, with fresh wrappers, plans and buffers (the `fake_flashinfer` fixture's setup, for
-    property tests, whose examples each need their own)."""
-    with pytest.MonkeyPatch.context() as mp:
-        fake = FakeFlashInfer()
-        mp.setattr(FI, "_fi", lambda: fake)
-        mp.setitem(A.TAKES, "flashinfer", (None, None))  # the stand-in computes in any dtype
-        mp.setattr(FI, "WORKSPACE_BYTES", 64)
-        for name in ("_workspaces", "_plan_bufs", "_wrappers", "_groups", "_states"):
-            mp.setattr(FI, name, {})
-        yield fake
+from tests.test_attention import TOY_BATCH, Case, flashinfer_stand_in, toy_inputs, toy_step
 
 
 def jit_mixed(buckets=(8, 16, 32), mode="FULL"):
@@ -82,7 +66,7 @@ def test_mixed_steps_replay_full_graphs_that_equal_eager(in_graph, steps):
     while the page ids the kernels read change. Every plan of a graph wrapper is counted: plan() sets it up, then
     the module's plan is called directly (offsets changed) or skipped (unchanged). With
     fgraph.config.inputs_in_graph the graph copies the staged metadata in itself, at its first layer."""
-    with fake_flashinfer() as fake, pytest.MonkeyPatch.context() as mp:
+    with flashinfer_stand_in() as fake, pytest.MonkeyPatch.context() as mp:
         mp.setattr(fgraph.config, "inputs_in_graph", in_graph)
         f, runs, last = jit_mixed(), [], None
         for i, (lens, again) in enumerate(steps):
@@ -107,7 +91,7 @@ def test_mixed_steps_replay_full_graphs_that_equal_eager(in_graph, steps):
 def test_mixed_plans_are_skipped_only_while_the_query_offsets_and_page_counts_stay():
     """The schedule follows the query offsets and the page counts: the same lengths on other pages skip the plan;
     other query offsets (the same page counts) or other page counts each re-plan through the module."""
-    with fake_flashinfer():
+    with flashinfer_stand_in():
         f = jit_mixed(buckets=(16,))
         jcache, before = None, {"plan": 0, "fast": 0, "module": 0, "skip": 0}
         for qlens, seqlens, how in [
@@ -127,7 +111,7 @@ def test_mixed_plans_are_skipped_only_while_the_query_offsets_and_page_counts_st
 def test_a_mixed_plan_that_would_change_the_captured_launch_is_an_error(monkeypatch):
     """flashinfer fixes a CUDA-graph prefill plan's launch (its info) by the bucket; if one did not, the graph
     would replay a stale launch. fgraph compares each plan's info with the first and raises instead."""
-    with fake_flashinfer():
+    with flashinfer_stand_in():
         f = jit_mixed(buckets=(16,))
         jcache = run_steps(f, [([3, 1, 2], [9, 5, 2], 0)])
         (w,) = [w for key, w in FI._wrappers.items() if key[:2] == ("mixed", 16)]
@@ -142,7 +126,7 @@ def test_unpadded_mixed_calls_get_a_plain_prefill_wrapper_and_padded_ones_a_grap
     """Outside fgraph.jit a mixed call's metadata holds its real sequences, fewer than its tokens: flashinfer's
     graph mode needs one sequence slot per token, so that call gets the plain wrapper (planned every call);
     metadata padded to the bucket (pad_metadata, as fgraph pads it) gets the bucket's graph wrapper."""
-    with fake_flashinfer():
+    with flashinfer_stand_in():
         case = Case([3, 1, 2], [9, 5, 2], 4, 2, dtype=torch.float32)
         pad = lambda x: torch.cat([x, x.new_zeros(8 - x.shape[0], *x.shape[1:])])
         for meta, tokens in ((case.meta, lambda x: x), (A.pad_metadata(case.meta, 8), pad)):

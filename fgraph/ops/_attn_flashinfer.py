@@ -124,19 +124,16 @@ class _Wrapper:
             self.bufs.stage_for_graph(host, gen)
         else:
             self.bufs.upload(host, gen)
-        if self.routine == "decode" and _tensor_cores(*self.cfg[:2]) and not TENSOR_CORE_PLAN_PATHS:
-            # The switch off: tensor-core wrappers (their decode plans with the prefill scheduler) re-plan every step
-            # through flashinfer's own entry points (a fallback kept for diagnosis; the skip / direct-module paths
-            # are the default and tested against eager on the GPU).
+        # The switch off: tensor-core wrappers (their decode plans with the prefill scheduler) re-plan every step
+        # through flashinfer's own entry points (a fallback kept for diagnosis; the skip / direct-module paths are
+        # the default and tested against eager on the GPU).
+        every_step = self.routine == "decode" and _tensor_cores(*self.cfg[:2]) and not TENSOR_CORE_PLAN_PATHS
+        if every_step:
             self.replay = False
-            self.fence.before()
-            self._plan_decode_api(host)
-            self.fence.after()
-            return
         key = host.indptr.tobytes()  # far cheaper than np.array_equal (docs/performance.md)
         if self.routine == "mixed":
             key += host.qo_indptr.tobytes()
-        if key == self.planned:
+        if key == self.planned and not every_step:
             self.counts["skip"] += 1
             return
         self.fence.before()
@@ -271,11 +268,6 @@ def _config(q, k_cache, scale: float) -> tuple[str, tuple]:
     str of one: both name the index, "cuda:0")."""
     _, hq, d = q.shape
     return str(q.device), (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, float(scale))
-
-
-def _wrapper(routine: str, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, scale: float) -> _Wrapper:
-    graphed = _graphed(routine, q.shape[0], block_table.shape[0])
-    return _wrapper_for(routine, q.shape[0], *_config(q, k_cache, scale), block_table.shape[1], graphed)
 
 
 def _wrapper_for(routine: str, B: int, device: str, cfg: tuple, width: int, graphed: bool = True) -> _Wrapper:
@@ -441,8 +433,8 @@ def forward(
     # metadata); _kv_write is one kernel for both caches from the slot_mapping we already have.
     write_kv(k, v, k_cache, v_cache, slot_mapping)
     B, page = q.shape[0], k_cache.shape[1]
-    w = _wrapper(routine, q, k_cache, block_table, scale)
     graphed = _graphed(routine, B, block_table.shape[0])
+    w = _wrapper_for(routine, B, *_config(q, k_cache, scale), block_table.shape[1], graphed)
     key = _state_key(routine, B, page, block_table.shape[1], graphed)
     ts = (query_start_loc, seq_lens, block_table)
     st = _states.get(key)
