@@ -247,6 +247,59 @@ def test_what_fgraph_linear_glu_cannot_serve_stays_as_traced():
             assert torch.equal(want, got), why
 
 
+def hf_mlp(x, wg, wu, wd):
+    """transformers' LlamaMLP / Qwen2MLP: separate gate and up projections, over a 3-D x [B, S, H]."""
+    return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+
+def test_off_the_kernel_fgraph_linear_glu_of_two_weights_is_the_unfused_ops_bit_for_bit():
+    x, wg, wu = rand(3, 40), rand(24, 40, seed=1), rand(24, 40, seed=2)
+    assert torch.equal(_gemv.glu_op(x, wg, wu), F.silu(F.linear(x, wg)) * F.linear(x, wu))
+    assert torch.equal(_gemv.glu_op(x, torch.cat([wg, wu])), _gemv.glu_op(x, wg, wu))  # one weight's two halves
+    torch.library.opcheck(torch.ops.fgraph.linear_glu, (x, wg, wu))
+
+
+PAIRED = {
+    "3-D, as transformers' MLP": (hf_mlp, (2, 1, 40)),
+    "2-D": (hf_mlp, (3, 40)),
+    "up times silu": (lambda x, wg, wu, wd: F.linear(F.linear(x, wu) * F.silu(F.linear(x, wg)), wd), (3, 40)),
+}
+
+
+@pytest.mark.parametrize("spelling", PAIRED)
+def test_silu_of_one_matmul_times_another_of_the_same_rows_becomes_one_fgraph_linear_glu(spelling):
+    fn, xshape = PAIRED[spelling]
+    a = (rand(*xshape), rand(24, 40, seed=1), rand(24, 40, seed=2), rand(40, 24, seed=3))
+    gm, other, n = rewritten(fn, a)
+    assert n == 2 and glus(other) == 1 and linears(other) == 1  # the down projection: fgraph::linear
+    gone = (torch.ops.aten.mm.default, torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor)
+    assert not any(node.target in gone for node in other.graph.nodes)
+    assert torch.equal(gm(*a), other(*a))
+
+
+def test_what_fgraph_linear_glu_of_two_weights_cannot_serve_stays_as_traced():
+    x, wg, wu, wd = rand(2, 8), rand(12, 8, seed=1), rand(12, 8, seed=2), rand(8, 12, seed=3)
+
+    def gate_read_twice(x, wg, wu):
+        g = F.linear(x, wg)
+        return F.silu(g) * F.linear(x, wu), g
+
+    cases = {
+        "the gate read elsewhere too": (gate_read_twice, (x, wg, wu)),
+        "other rows": (lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x + 1, wu), (x, wg, wu)),
+        "weights of two shapes": (lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu), (x, wg, wu[:1])),
+        "another activation": (lambda x, wg, wu: F.gelu(F.linear(x, wg)) * F.linear(x, wu), (x, wg, wu)),
+        "a bias": (lambda x, wg, wu: F.silu(F.linear(x, wg, wg[:, 0])) * F.linear(x, wu), (x, wg, wu)),
+        "float32": (lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu), (x.float(), wg.float(), wu.float())),
+        "more rows than the kernel takes": (hf_mlp, (rand(32, 8), wg, wu, wd)),
+    }
+    for why, (fn, a) in cases.items():
+        gm, other, _ = rewritten(fn, a)
+        assert glus(other) == 0, why
+        for want, got in zip(pytree.tree_leaves(gm(*a)), pytree.tree_leaves(other(*a))):
+            assert torch.equal(want, got), why
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_compiled_pieces_call_fgraph_linear_glu_when_its_switch_is_on_and_equal_eager(on, tmp_path, monkeypatch):
     from examples.layers import gated_mlp
@@ -279,12 +332,16 @@ def test_every_glu_config_and_the_activation_kernel_compute_the_unfused_result_i
         y = x.float() @ w.float().t()
         want = F.silu(y[:, :n]) * y[:, n:]
         assert _gemv.candidates(m, n, k, glu=True)
+        wg, wu = w[:n].clone(), w[n:].clone()  # two weights
         for cfg in _gemv.candidates(m, n, k, glu=True):
             out = torch.full((m, n), float("nan"), dtype=torch.float16)
             _gemv._launch(cfg, x, w, None, out, glu=True)
             torch.testing.assert_close(out.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
+            pair = torch.full((m, n), float("nan"), dtype=torch.float16)
+            _gemv._launch(cfg, x, wg, None, pair, glu=True, u=wu)
+            assert torch.equal(pair, out), cfg
         yh, out = x @ w.t(), torch.full((m, n), float("nan"), dtype=torch.float16)
-        _gemv._launch_glu(yh, out, block=16)  # (a last block past the row)
+        _gemv._launch_glu(yh[:, :n], yh[:, n:], out, block=16)  # (a last block past the row)
         assert torch.equal(out, gated(x, w))
     assert all(c[-1] == 1 for c in _gemv.candidates(2, 40, 2100, glu=True))  # K is not split
 
@@ -395,13 +452,14 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     model = hf_bench.make_model(True, device, bf16, layers=2)
     model.load_state_dict(base.state_dict())
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)
-    before = compiler.counts["linear"]
+    before, glus_before = compiler.counts["linear"], compiler.counts["glu"]
     kw = dict(output_logits=True, return_dict_in_generate=True)
     with rewriting_on_cpu(monkeypatch) if device == "cpu" else contextlib.nullcontext():
         hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
         want, got = hf_generate.generate(base, ids, 3, **kw), hf_generate.generate(model, ids, 3, **kw)
-    # each piece compiled: q, k, v, o, gate, up, down per layer and the head
-    assert (compiler.counts["linear"] - before) % (7 * 2 + 1) == 0 and compiler.counts["linear"] > before
+    # each piece compiled: q, k, v, o, gate and up in one fgraph::linear_glu, down per layer, and the head
+    assert (compiler.counts["linear"] - before) % (6 * 2 + 1) == 0 and compiler.counts["linear"] > before
+    assert (compiler.counts["glu"] - glus_before) * 13 == (compiler.counts["linear"] - before) * 2
     assert torch.equal(got.sequences[:, : ids.shape[1] + 1], want.sequences[:, : ids.shape[1] + 1])  # the prefill
     scale = want.logits[1].abs().max().item()
     torch.testing.assert_close(got.logits[1], want.logits[1], atol=3e-2 * scale, rtol=0)  # the first decode step
@@ -425,26 +483,34 @@ def test_every_glu_kernel_is_as_close_to_the_float32_result_as_cublas_and_the_ac
     unfused = _gemv.silu_mul(_gemv._cublas(x, w, None))
     # the activation's launch is eager's two ops on the same matmul output, to one rounding of its exp
     torch.testing.assert_close(unfused, gated(x, w))
+    pair = _gemv.silu_mul(_gemv._cublas(x, w[:n], None), _gemv._cublas(x, w[n:], None))
+    torch.testing.assert_close(pair, gated(x, w))  # two matmuls and the launch of the activation of both
+    wg, wu = w[:n].clone(), w[n:].clone()
     for cfg in _gemv.candidates(m, n, k, glu=True):
         out = torch.full((m, n), float("nan"), dtype=bf16, device="cuda")
         _gemv._launch(cfg, x, w, None, out, glu=True)
         assert err(out, want) <= 2 * err(unfused, want) + 1e-2, cfg
+        two = torch.full((m, n), float("nan"), dtype=bf16, device="cuda")
+        _gemv._launch(cfg, x, wg, None, two, glu=True, u=wu)
+        assert torch.equal(two, out), cfg  # two weights: the same arithmetic
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("two", [False, True], ids=["one weight", "two weights"])
 @pytest.mark.parametrize("shape", GLU_SHAPES)
-def test_the_tuned_glu_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
+def test_the_tuned_glu_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape, two):
     m, n, k = shape
     x, w = gated_inputs(m, n, k)
-    _gemv.glu_op(x, w)  # tunes the key outside the capture, as fgraph's warm-up does
-    assert (m, 2 * n, k, bf16, False, True, 0, x.device.index) in _gemv._choice
+    ws = (w[:n].clone(), w[n:].clone()) if two else (w,)
+    _gemv.glu_op(x, *ws)  # tunes the key outside the capture, as fgraph's warm-up does
+    assert (m, ws[0].shape[0], k, bf16, False, "pair" if two else True, 0, x.device.index) in _gemv._choice
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = _gemv.glu_op(x, w)
+        y = _gemv.glu_op(x, *ws)
     for seed in (5, 6):
         x.copy_(rand(m, k, device="cuda", seed=seed))
         g.replay()
-        assert torch.equal(y, _gemv.glu_op(x, w))
+        assert torch.equal(y, _gemv.glu_op(x, *ws))
 
 
 @pytest.mark.gpu

@@ -24,11 +24,12 @@ CUDA-graph capture times each candidate config and cuBLAS itself, replayed in a 
 launch gaps, as in a decode graph), and keeps the fastest where it beats cuBLAS by a margin (MARGIN); elsewhere
 cuBLAS stays. A key met first inside a capture (no timing possible there) runs cuBLAS, counted as `untuned`.
 
-`fgraph::linear_glu`: silu(y[:, :N]) * y[:, N:] for y = x @ w^T, w [2N, K] a gated MLP's fused gate and up rows.
-The same kernel, each program streaming its gate slab and its up slab ([BLOCK_N, K] each) and applying the
-activation before its store, so the step runs one kernel where it ran the matmul and the activation's. Without the
-kernel (CPU, more rows, a config that lost) it is cuBLAS's matmul and then the activation in one launch (`silu_mul`),
-as Inductor fuses it; on the CPU torch's ops, bit for bit. Its tuner times the kernel against those two launches.
+`fgraph::linear_glu`: silu(y[:, :N]) * y[:, N:] for y = x @ w^T, w [2N, K] a gated MLP's fused gate and up rows;
+or silu(x @ w^T) * (x @ u^T) for two weights [N, K] (an HF MLP's gate_proj and up_proj). The same kernel, each
+program streaming its gate slab and its up slab ([BLOCK_N, K] each) and applying the activation before its store,
+so the step runs one kernel where it ran the matmul (or two) and the activation's. Without the kernel (CPU, more
+rows, a config that lost) it is cuBLAS's matmul (or two) and then the activation in one launch (`silu_mul`), as
+Inductor fuses it; on the CPU torch's ops, bit for bit. Its tuner times the kernel against those launches.
 
 `fgraph::norm_linear`: the matmul (or linear_glu) of h = nw * rms_norm(s), s = x + r (or x), also returning s. The
 same kernel, each program first summing the squares of its rows of s (it reads all of x in its K loop anyway), then
@@ -99,20 +100,33 @@ def _pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None) -> None:
-    """One launch of `cfg` into y; norm: (r or None, nw, eps, s) for fgraph::norm_linear (x, r and s contiguous)."""
+def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None, u=None) -> None:
+    """One launch of `cfg` into y; glu: the gate rows in w and the up rows in u, or (u None) both halves in w; norm:
+    (r or None, nw, eps, s) for fgraph::norm_linear (x, r and s contiguous)."""
     block_n, block_k, warps, stages, dot, splits = cfg
-    (M, K), N = x.shape, w.shape[0] // 2 if glu else w.shape[0]
+    if glu:
+        w, u = halves(w, u)
+    (M, K), N = x.shape, w.shape[0]
     block_m = 16 if dot else _pow2(M)
     k_split = -(-K // (splits * block_k)) * block_k  # each split's K range, whole blocks
     grid = (-(-N // block_n), splits)
     ws, locks = (_workspace(x, N, splits), _locks(x, cfg, N)) if splits > 1 else (y, y)
     r, nw, eps, s = norm if norm is not None else (None, x, 0.0, x)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel().gemv[grid](x, w, b if b is not None else w, y, ws, locks, r if r is not None else x, nw, s, eps, M, N,
-                            K, k_split, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m,
+        u = w if u is None else u
+        kernel().gemv[grid](x, w, u, b if b is not None else w, y, ws, locks, r if r is not None else x, nw, s, eps, M,
+                            N, K, k_split, x.stride(0), w.stride(0), u.stride(0), y.stride(0), HAS_BIAS=b is not None,
+                            BLOCK_M=block_m,
                             BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits, GLU=glu, NORM=norm is not None,
                             HAS_RES=r is not None, num_warps=warps, num_stages=stages, **pdl_args(x))  # fmt: skip
+
+
+def halves(w: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) [N, K] each: w and u as they are (two weights), or w's two halves (u None: w [2N, K])."""
+    if u is not None:
+        return w, u
+    n = w.shape[0] // 2
+    return w[:n], w[n:]
 
 
 def _workspace(x, n: int, splits: int) -> torch.Tensor:
@@ -156,35 +170,37 @@ def candidates(m: int, n: int, k: int, glu: bool = False, norm: bool = False) ->
     return [(*c, 1) for c in got] + ([] if glu or norm else split)
 
 
-def _unfused(x, w, b, glu: bool, norm: tuple | None):
+def _unfused(x, w, b, glu: bool, norm: tuple | None, u=None):
     """(y, s): what runs where the kernel does not. With norm ((r or None, nw, eps); s = x + r, or x): the norm's
     launch, then whatever serves the matmul of the normalised rows alone (fgraph::linear or linear_glu, its own
     tuned choice: a kernel that lost with the norm inside it may still win without). Else cuBLAS, then the
     activation's launch (glu)."""
     if norm is not None:
         s, h = add_rms_norm(x, *norm)
-        return (linear_glu(h, w) if glu else linear(h, w, b)), s
+        return (linear_glu(h, w, u) if glu else linear(h, w, b)), s
+    if glu and u is not None:  # two weights: two matmuls, then the activation's launch
+        return silu_mul(_cublas(x, w, None), _cublas(x, u, None)), None
     y = _cublas(x, w, b)
     return (silu_mul(y) if glu else y), None
 
 
-def _tune(x, w, b, glu: bool = False, norm: tuple | None = None) -> tuple | None:
+def _tune(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tuple | None:
     """Time every candidate and what runs without the kernel (`_unfused`: cuBLAS and the launches beside it), each
     replayed in a CUDA graph; the fastest config if it beats that by its margin, else None."""
     from triton.testing import do_bench_cudagraph
 
-    n = w.shape[0] // 2 if glu else w.shape[0]
+    n = w.shape[0] // 2 if glu and u is None else w.shape[0]
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     if norm is not None:  # the matmul alone tuned first: timed inside a capture, its first call could not tune
         _pick(add_rms_norm(x, *norm)[1], w, b, glu)
     if glu or norm is not None:
-        unfused_ms = do_bench_cudagraph(lambda: _unfused(x, w, b, glu, norm), rep=10)
+        unfused_ms = do_bench_cudagraph(lambda: _unfused(x, w, b, glu, norm, u), rep=10)
     else:
         unfused_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
     best, best_ms = None, (GLU_MARGIN if glu or norm is not None else MARGIN) * unfused_ms
     fused = None if norm is None else (*norm, torch.empty_like(x))
     for cfg in candidates(x.shape[0], n, w.shape[1], glu, norm is not None):
-        ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y, glu, fused), rep=10)
+        ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y, glu, fused, u), rep=10)
         if ms < best_ms:
             best, best_ms = cfg, ms
     counts["tuned"] += 1
@@ -209,19 +225,29 @@ def _normable(x, norm: tuple | None) -> bool:
     )
 
 
-def _pick(x, w, b, glu: bool = False, norm: tuple | None = None) -> tuple | None:
-    """The tuned config serving these tensors, tuning their key on its first call; None: cuBLAS serves."""
-    if not eligible(x, w, b) or (glu and (w.shape[0] % 2 or b is not None)) or not _normable(x, norm):
+def _pick(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tuple | None:
+    """The tuned config serving these tensors, tuning their key on its first call; None: cuBLAS serves. glu with u:
+    w the gate and u the up weight."""
+    if not eligible(x, w, b) or not _normable(x, norm):
+        return None
+    if glu and (b is not None or (w.shape[0] % 2 if u is None else not _pair(w, u))):
         return None
     normed = 0 if norm is None else 1 + (norm[0] is not None)
-    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, glu, normed, x.device.index)
+    # (two weights: another key, whose tuner times two matmuls and the activation where one weight times one)
+    kind = glu if u is None else "pair"
+    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, kind, normed, x.device.index)
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: cuBLAS, as without the kernel
             counts["untuned"] += 1
             return None
         with torch.cuda.device(x.device):  # (the timing's graphs and streams on the tensors' device)
-            _choice[key] = _tune(x, w, b, glu, norm)
+            _choice[key] = _tune(x, w, b, glu, norm, u)
     return _choice[key]
+
+
+def _pair(w: torch.Tensor, u: torch.Tensor) -> bool:
+    """Whether u can be read as w's up rows: the same shape and dtype, rows contiguous."""
+    return u.shape == w.shape and u.dtype == w.dtype and u.device == w.device and u.stride(1) == 1
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -234,33 +260,35 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
     return y
 
 
-def silu_mul(y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(y[:, :N]) * y[:, N:] for y [M, 2N]: one Triton launch on CUDA in half precision, else torch's ops (bit
-    for bit the unfused ones)."""
-    m, n = y.shape[0], y.shape[1] // 2
-    if not (y.is_cuda and y.dtype in (torch.bfloat16, torch.float16) and y.stride(1) == 1 and kernel() is not None):
-        gate, up = y.split(n, dim=-1)
+def silu_mul(y: torch.Tensor, up: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(y[:, :N]) * y[:, N:] for y [M, 2N] (or, given up [M, N], silu(y) * up): one Triton launch on CUDA in half
+    precision, else torch's ops (bit for bit the unfused ones)."""
+    gate, up = y.split(y.shape[1] // 2, dim=-1) if up is None else (y, up)
+    half = y.dtype in (torch.bfloat16, torch.float16) and up.dtype == y.dtype
+    if not (y.is_cuda and half and y.stride(1) == 1 and up.stride(1) == 1 and kernel() is not None):
         return torch.mul(torch.nn.functional.silu(gate), up, out=out)
-    out = torch.empty(m, n, dtype=y.dtype, device=y.device) if out is None else out
-    if m * n:
-        _launch_glu(y, out)
+    out = torch.empty(gate.shape, dtype=y.dtype, device=y.device) if out is None else out
+    if out.numel():
+        _launch_glu(gate, up, out)
     return out
 
 
-def _launch_glu(y, out, block: int = 1024) -> None:
+def _launch_glu(gate, up, out, block: int = 1024) -> None:
     m, n = out.shape
-    with torch.cuda.device(y.device) if y.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel().glu[(m, -(-n // block))](y, out, n, y.stride(0), out.stride(0), BLOCK=block, **pdl_args(y))
+    with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
+        kernel().glu[(m, -(-n // block))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block,
+                                          **pdl_args(gate))  # fmt: skip
 
 
-def linear_glu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """silu(y[:, :N]) * y[:, N:] for y = x [M, K] @ w [2N, K]^T (gate rows, then up rows): at few rows one kernel,
-    where it times faster; else cuBLAS's matmul, then `silu_mul`."""
-    cfg = _pick(x, w, None, glu=True)
+def linear_glu(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(y[:, :N]) * y[:, N:] for y = x [M, K] @ w [2N, K]^T (gate rows, then up rows), or, given u, silu(x @ w^T)
+    * (x @ u^T) for a gate w and an up u [N, K] each (an HF MLP's gate_proj and up_proj): at few rows one kernel,
+    where it times faster; else cuBLAS's matmul (or two), then `silu_mul`."""
+    cfg = _pick(x, w, None, glu=True, u=u)
     if cfg is None:
-        return _unfused(x, w, None, True, None)[0]
-    y = torch.empty(x.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
-    _launch(cfg, x, w, None, y, glu=True)
+        return _unfused(x, w, None, True, None, u)[0]
+    y = torch.empty(x.shape[0], w.shape[0] // 2 if u is None else w.shape[0], dtype=x.dtype, device=x.device)
+    _launch(cfg, x, w, None, y, glu=True, u=u)
     return y
 
 
@@ -329,13 +357,13 @@ def _(x, r, nw, eps, w, b, glu):
 
 
 @torch.library.custom_op("fgraph::linear_glu", mutates_args=())
-def _linear_glu_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return linear_glu(x, w)
+def _linear_glu_op(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
+    return linear_glu(x, w, u)
 
 
 @_linear_glu_op.register_fake
-def _(x, w):
-    return x.new_empty(x.shape[0], w.shape[0] // 2)
+def _(x, w, u=None):
+    return x.new_empty(x.shape[0], w.shape[0] // 2 if u is None else w.shape[0])
 
 
 op = torch.ops.fgraph.linear.default

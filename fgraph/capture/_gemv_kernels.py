@@ -36,12 +36,13 @@ def normed(s, nw_ptr, kk, k_ok, rstd):
 
 
 @triton.jit
-def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_ptr, eps, M, N, K, K_SPLIT, sx, sw, sy,
-         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def gemv(x_ptr, w_ptr, u_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_ptr, eps, M, N, K, K_SPLIT, sx, sw, su,
+         sy, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
          DOT: tl.constexpr, SPLITS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
          HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """y [M, N] = x [M, K] @ w [N, K]^T (+ b). GLU: w is [2N, K], gate rows then up rows, and y = silu(x @ gate^T) *
-    (x @ up^T), each product rounded to y's dtype first as the unfused matmul's output is (no bias, no split).
+    """y [M, N] = x [M, K] @ w [N, K]^T (+ b). GLU: w holds the gate rows and u the up rows ([N, K] each, rows of
+    stride sw and su: two weights, or the halves of one), and y = silu(x @ w^T) * (x @ u^T), each product rounded to
+    y's dtype first as the unfused matmul's output is (no bias, no split).
     NORM: the matmul reads rms_norm(s) * nw for s = x (+ r with HAS_RES; program 0 stores s [M, K], rows of stride
     sx too), each program first summing the squares of s's whole rows (no split)."""
     after_prior(PDL)
@@ -52,7 +53,7 @@ def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_ptr, eps
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GLU: the up rows' product
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * sw
-    u_rows = w_ptr + (rn + N).to(tl.int64)[:, None] * sw
+    u_rows = u_ptr + rn.to(tl.int64)[:, None] * su
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
     r_rows = r_ptr + rm.to(tl.int64)[:, None] * sx
     rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM: 1 / rms of each row of s
@@ -112,15 +113,16 @@ def gemv(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_ptr, eps
 
 
 @triton.jit
-def glu(y_ptr, out_ptr, N, sy, so, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """out [M, N] = silu(y[:, :N]) * y[:, N:], y [M, 2N]: the activation after a gate_up matmul cuBLAS ran (one
-    launch, as Inductor's fused kernel for it). Grid (M, cdiv(N, BLOCK)): a row's block, contiguous loads."""
+def glu(g_ptr, u_ptr, out_ptr, N, sg, su, so, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out [M, N] = silu(g) * u, g and u [M, N] (rows of stride sg and su: the two halves of a gate_up matmul's
+    output, or two matmuls' outputs): the activation after cuBLAS ran the matmul (one launch, as Inductor's fused
+    kernel for it). Grid (M, cdiv(N, BLOCK)): a row's block, contiguous loads."""
     after_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < N
-    g = tl.load(y_ptr + row * sy + col, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(y_ptr + row * sy + N + col, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * sg + col, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * su + col, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * so + col, silu_mul(g, u, out_ptr.dtype.element_ty), mask=ok)
 
 

@@ -147,7 +147,7 @@ def _item(node, index: int):
     return None
 
 
-def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> None:
+def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> bool:
     """mul(silu(split(mm(x, t(w)))[0]), split(...)[1]) -> fgraph::linear_glu(x, w), each node used only there."""
     for act, up in (node.args[:2], node.args[1::-1]):
         gate = _peel(act, {aten.silu.default})
@@ -168,7 +168,59 @@ def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> None:
         for dead in (node, act, up, gate, split, mm):
             gm.graph.erase_node(dead)
         _erase_unused(wt)
-        return
+        return True
+    return False
+
+
+def _rows_of(node) -> tuple:
+    """(the 2-D matmul node, the view node over it or None) where node is mm's output or a view of it."""
+    if _call(node, aten.mm.default, 1):
+        return node, None
+    mm = _peel(node, _VIEWS | {aten.reshape.default})
+    return (mm, node) if _call(mm, aten.mm.default, 1) else (None, None)
+
+
+def _same_rows(a, b) -> bool:
+    """Whether a and b are the same rows: one node, or views of one node to one shape."""
+    if a is b:
+        return True
+    same = _call(a, b.target, None) and a.target in _VIEWS | {aten.reshape.default} and a.args == b.args
+    return same and _val(a) is not None and _val(b) is not None and _val(a).shape == _val(b).shape
+
+
+def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str) -> bool:
+    """mul(silu(mm(x, t(wg))), mm(x, t(wu))) -> fgraph::linear_glu(x, wg, wu): an HF MLP's gate_proj and up_proj, two
+    weights of one shape over the same rows (each matmul's output viewed back to x's leading axes alike, or not at
+    all), each node read only there."""
+    for act, up in (node.args[:2], node.args[1::-1]):
+        gate = _peel(act, {aten.silu.default})
+        if gate is None or len(act.users) != 1 or not isinstance(up, fx.Node) or len(up.users) != 1:
+            continue
+        (mg, vg), (mu, vu) = _rows_of(gate), _rows_of(up)
+        if mg is None or mu is None or (vg is None) != (vu is None) or len(gate.users) != 1:
+            continue
+        if vg is not None and (vg.target is not vu.target or vg.args[1:] != vu.args[1:]):
+            continue
+        got = _matmul(mg), _matmul(mu)
+        if None in got or not _same_rows(got[0][0], got[1][0]):
+            continue
+        (xg, wg, _, tg), (xu, wu, _, tu) = got
+        if not all(_fits(_val(xg), _val(w), None, device_type, any_size=True) for w in (wg, wu)):
+            continue
+        if _val(wg).shape != _val(wu).shape:
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(_gemv.glu_op, (xg, wg, wu))
+            new.meta["val"] = _val(mg)
+            out = new if vg is None else gm.graph.call_function(vg.target, (new, *vg.args[1:]))
+        out.meta = dict(node.meta)
+        node.replace_all_uses_with(out)
+        for dead in dict.fromkeys((node, act, gate, up, mg, mu)):  # (gate is mg without a view)
+            gm.graph.erase_node(dead)
+        for dead in (tg, tu, xu):
+            _erase_unused(dead)
+        return True
+    return False
 
 
 def _erase_unused(node) -> None:
@@ -245,7 +297,9 @@ def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> No
     """A matmul or fgraph::linear_glu of rms_norm(x (+ r)) -> fgraph::norm_linear(x, r, nw, eps, w, b, glu): its
     output 0 the product, its output 1 the sum x + r for the sum's other readers."""
     if node.target is _gemv.glu_op:
-        (h, w), b, wt, glu = node.args, None, None, True
+        if len(node.args) > 2 and node.args[2] is not None:  # (two weights: not fused with the norm)
+            return
+        (h, w), b, wt, glu = node.args[:2], None, None, True
     else:
         got = _matmul(node)
         if got is None:
@@ -286,7 +340,7 @@ def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, nor
     number of ops made (gm holds none before)."""
     for node in list(gm.graph.nodes):  # (first: the activation's matmul would be rewritten into fgraph::linear)
         if glu and node.op == "call_function" and node.target is aten.mul.Tensor:
-            _rewrite_glu(gm, node, device_type)
+            _rewrite_glu(gm, node, device_type) or _rewrite_glu_pair(gm, node, device_type)
     if norm:
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in list(gm.graph.nodes):
