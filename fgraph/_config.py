@@ -45,6 +45,9 @@ class config(metaclass=_Checked):
     # with small_m_gemv: a gated MLP's silu(gate) * up after its fused gate_up matmul runs as fgraph::linear_glu, one
     # kernel where it times faster than the matmul and the activation's launch (docs/performance.md)
     small_m_glu = True
+    # with small_m_gemv: 2-3 such matmuls over the same rows (an HF attention's q, k and v projections) run as one
+    # fgraph::linears, one launch where it times faster than each alone (docs/performance.md)
+    small_m_group = True
     # with small_m_gemv: the RMSNorm (and the residual add before it) that a matmul or fgraph::linear_glu reads runs
     # inside it, as fgraph::norm_linear: one kernel where it times faster than the norm's launch and the matmul's.
     # Off until measured in the decode step (docs/performance.md)

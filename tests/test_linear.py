@@ -52,14 +52,14 @@ def args(m=2, dtype=bf16):
     )
 
 
-def rewritten(fn, a, device_type="cpu"):
+def rewritten(fn, a, device_type="cpu", **kw):
     """(the traced module, a rewritten copy, the number rewritten)."""
     gm, other = make_fx(fn)(*a), make_fx(fn)(*a)
-    return gm, other, _small_m.rewrite(other, device_type)
+    return gm, other, _small_m.rewrite(other, device_type, **kw)
 
 
 def test_each_spelling_of_a_weight_transpose_matmul_is_rewritten_and_computes_the_same_bits():
-    gm, other, n = rewritten(model, args())
+    gm, other, n = rewritten(model, args(), group=False)  # (x's matmuls apart: fgraph::linears groups them)
     assert n == 5 and linears(other) == 5
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
     assert not any(node.target in matmuls for node in other.graph.nodes)
@@ -95,7 +95,7 @@ def test_a_3d_input_matmul_does_not_fold_is_rewritten_as_its_rows_through_the_op
 def test_a_symbolic_row_count_is_rewritten_whatever_the_example_size():
     # a compiled piece serves every bucket of its trace: the op decides per call (M <= 16: the kernel)
     other = symbolic_rows(model, args(m=32))
-    assert _small_m.rewrite(other, "cpu") == 5
+    assert _small_m.rewrite(other, "cpu", group=False) == 5
     for want, got in zip(model(*args(m=5)), other(*args(m=5))):
         assert torch.equal(want, got)
 
@@ -176,6 +176,95 @@ def test_every_candidate_config_computes_the_product_in_the_interpreter():
                 _gemv._launch(cfg, x, w, b, y)
                 torch.testing.assert_close(y.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
     assert {c[-1] for c in _gemv.candidates(2, 40, 2100)} == {1, 2, 4, 8}
+
+
+# -- fgraph::linears: matmuls over the same rows in one launch --------------------------------------------------
+def groups(gm) -> int:
+    return sum(n.target is _gemv.group_op for n in gm.graph.nodes)
+
+
+def hf_qkv(x, wq, bq, wk, bk, wv, bv):
+    """transformers' Qwen2Attention's projections: three linears (with biases) of one 3-D x [B, S, H]."""
+    return F.linear(x, wq, bq).transpose(0, 1), F.linear(x, wk, bk), F.linear(x, wv, bv)
+
+
+def qkv_args(lead=(2, 1), bias=True):
+    ws = [rand(n, 40, seed=i) for i, n in enumerate((24, 8, 8))]
+    bs = [rand(n, seed=10 + i) if bias else None for i, n in enumerate((24, 8, 8))]
+    return (rand(*lead, 40, seed=9), *(t for pair in zip(ws, bs) for t in pair))
+
+
+def test_off_the_kernel_fgraph_linears_is_each_mm_or_addmm_bit_for_bit():
+    x, wq, bq, wk, bk, wv, bv = qkv_args((3,))
+    got = _gemv.group_op(x, [wq, wk, wv], [bq, bk, bv])
+    assert all(torch.equal(g, torch.addmm(b, x, w.t())) for g, w, b in zip(got, (wq, wk, wv), (bq, bk, bv)))
+    assert all(torch.equal(g, x @ w.t()) for g, w in zip(_gemv.group_op(x, [wq, wk], [None, None]), (wq, wk)))
+    torch.library.opcheck(torch.ops.fgraph.linears, (x, [wq, wk, wv], [bq, bk, bv]))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(2, 1), (3,)], ids=["3-D, as transformers' attention", "2-D"])
+def test_matmuls_over_the_same_rows_become_one_fgraph_linears(lead, bias):
+    a = qkv_args(lead, bias)
+    fn = hf_qkv if bias else (lambda x, wq, _bq, wk, _bk, wv, _bv: hf_qkv(x, wq, None, wk, None, wv, None))
+    gm, other, n = rewritten(fn, a)
+    assert n == 1 and groups(other) == 1 and linears(other) == 0
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    assert not any(node.target in matmuls for node in other.graph.nodes)
+    assert all(torch.equal(w, g) for w, g in zip(gm(*a), other(*a)))
+    off = make_fx(fn)(*a)
+    assert _small_m.rewrite(off, "cpu", group=False) == 3 and groups(off) == 0
+
+
+def test_a_symbolic_row_count_is_grouped_whatever_the_example_size():
+    def fn(x, x3, w, b, e):
+        return F.linear(x, w, b), F.linear(x, e, b)
+
+    other = symbolic_rows(fn, args(m=32))
+    assert _small_m.rewrite(other, "cpu") == 1 and groups(other) == 1
+    assert all(torch.equal(w, g) for w, g in zip(fn(*args(m=5)), other(*args(m=5))))
+
+
+def test_what_fgraph_linears_cannot_group_stays_one_fgraph_linear_each():
+    x, w1, w2, w3, w4 = rand(2, 8), *(rand(4, 8, seed=s) for s in range(1, 5))
+    b = rand(4, seed=5)
+    cases = {  # (fn, args, linears, groups)
+        "a bias on one only": (lambda x, v, u: (F.linear(x, v, b), F.linear(x, u)), (x, w1, w2), 2, 0),
+        "other rows": (lambda x, v, u: (F.linear(x, v), F.linear(x + 1, u)), (x, w1, w2), 2, 0),
+        "a weight made from the first's output": (
+            lambda x, v, u: (y := F.linear(x, v), F.linear(x, u + y.sum()))[::-1],
+            (x, w1, w2),
+            2,
+            0,
+        ),
+        "four: three in one op, one alone": (
+            lambda x, *ws: [F.linear(x, w) for w in ws],
+            (x, w1, w2, w3, w4),
+            1,
+            1,
+        ),
+    }
+    for why, (fn, a, n_linear, n_group) in cases.items():
+        gm, other, _ = rewritten(fn, a)
+        assert (linears(other), groups(other)) == (n_linear, n_group), why
+        for want, got in zip(pytree.tree_leaves(gm(*a)), pytree.tree_leaves(other(*a))):
+            assert torch.equal(want, got), why
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
+)
+def test_every_group_config_computes_each_product_in_the_interpreter():
+    for m, ns, k, bias in [(1, (24, 8, 8), 40, True), (3, (64, 16), 96, False), (5, (33, 17, 9), 513, True)]:
+        x = rand(m, k, dtype=torch.float16)
+        ws = [rand(n, k, dtype=torch.float16, seed=i) for i, n in enumerate(ns)]
+        bs = [rand(n, dtype=torch.float16, seed=10 + i) if bias else None for i, n in enumerate(ns)]
+        for cfg in [c for c in _gemv.candidates(m, max(ns), k) if c[-1] == 1]:
+            ys = [torch.full((m, n), float("nan"), dtype=torch.float16) for n in ns]
+            _gemv._launch_group(cfg, x, ws, bs, ys)
+            for y, w, b in zip(ys, ws, bs):
+                want = x.float() @ w.float().t() + (0 if b is None else b.float())
+                torch.testing.assert_close(y.float(), want, atol=2e-2 * want.abs().max().item(), rtol=0)
 
 
 # -- fgraph::linear_glu: a gated MLP's gate_up matmul and its activation -------------------------------------------
@@ -452,14 +541,16 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     model = hf_bench.make_model(True, device, bf16, layers=2)
     model.load_state_dict(base.state_dict())
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)
-    before, glus_before = compiler.counts["linear"], compiler.counts["glu"]
+    before = dict(compiler.counts)
     kw = dict(output_logits=True, return_dict_in_generate=True)
     with rewriting_on_cpu(monkeypatch) if device == "cpu" else contextlib.nullcontext():
         hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
         want, got = hf_generate.generate(base, ids, 3, **kw), hf_generate.generate(model, ids, 3, **kw)
-    # each piece compiled: q, k, v, o, gate and up in one fgraph::linear_glu, down per layer, and the head
-    assert (compiler.counts["linear"] - before) % (6 * 2 + 1) == 0 and compiler.counts["linear"] > before
-    assert (compiler.counts["glu"] - glus_before) * 13 == (compiler.counts["linear"] - before) * 2
+    # each piece compiled, per layer: q, k and v in one fgraph::linears, o, gate and up in one fgraph::linear_glu,
+    # down; and the head
+    made = {k: compiler.counts[k] - before[k] for k in ("linear", "group", "glu")}
+    assert made["linear"] > 0 and made["linear"] % (4 * 2 + 1) == 0
+    assert made["group"] * 9 == made["glu"] * 9 == made["linear"] * 2
     assert torch.equal(got.sequences[:, : ids.shape[1] + 1], want.sequences[:, : ids.shape[1] + 1])  # the prefill
     scale = want.logits[1].abs().max().item()
     torch.testing.assert_close(got.logits[1], want.logits[1], atol=3e-2 * scale, rtol=0)  # the first decode step
@@ -527,3 +618,44 @@ def test_a_compiled_cuda_gated_mlp_calls_fgraph_linear_glu_and_equals_eager(tmp_
         want = mlp_(params, x)
         torch.testing.assert_close(f(params, x), want, atol=2e-2 * want.abs().max().item(), rtol=0)
     assert compiler.counts["glu"] - before == 2
+
+
+# (rows, N of each weight, K, bias) of fgraph::linears: 0.5B's and 8B's q, k and v at decode sizes, and sizes off
+# every block
+GROUP_SHAPES = [(1, (896, 128, 128), 896, True), (8, (896, 128, 128), 896, True), (1, (4096, 1024, 1024), 4096, False),
+                (3, (100, 36, 36), 777, True)]  # fmt: skip
+
+
+def grouped_inputs(m, ns, k, bias):
+    ws = [rand(n, k, device="cuda", seed=i) / k**0.5 for i, n in enumerate(ns)]
+    bs = [rand(n, device="cuda", seed=9 + i) if bias else None for i, n in enumerate(ns)]
+    return rand(m, k, device="cuda"), ws, bs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GROUP_SHAPES)
+def test_every_group_kernel_is_as_close_to_each_float32_product_as_cublas(shape):
+    m, ns, k, bias = shape
+    x, ws, bs = grouped_inputs(m, ns, k, bias)
+    for cfg in [c for c in _gemv.candidates(m, max(ns), k) if c[-1] == 1]:
+        ys = [torch.full((m, n), float("nan"), dtype=bf16, device="cuda") for n in ns]
+        _gemv._launch_group(cfg, x, ws, bs, ys)
+        for y, w, b in zip(ys, ws, bs):
+            want = x.float() @ w.float().t() + (0 if b is None else b.float())
+            assert err(y, want) <= 2 * err(_gemv._cublas(x, w, b), want) + 1e-2, cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GROUP_SHAPES)
+def test_the_tuned_group_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
+    m, ns, k, bias = shape
+    x, ws, bs = grouped_inputs(m, ns, k, bias)
+    _gemv.group_op(x, ws, bs)  # tunes the key outside the capture, as fgraph's warm-up does
+    assert (m, ns, k, bf16, bias, "group", x.device.index) in _gemv._choice
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ys = _gemv.group_op(x, ws, bs)
+    for seed in (5, 6):
+        x.copy_(rand(m, k, device="cuda", seed=seed))
+        g.replay()
+        assert all(map(torch.equal, ys, _gemv.group_op(x, ws, bs)))

@@ -17,7 +17,7 @@ from fgraph.extend import pdl_args
 ROOT = pathlib.Path(fgraph.__file__).parent
 # the kernels that take a PDL constexpr, by source file
 PDL_KERNELS = {
-    "capture/_gemv_kernels.py": {"gemv", "glu", "add_rms_norm"},
+    "capture/_gemv_kernels.py": {"gemv", "glu", "add_rms_norm", "gemv_group"},
     "ops/_attn_triton_kernels.py": {"decode", "merge"},
 }
 
@@ -68,7 +68,11 @@ DECODE = dict(G=7, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=64, SPLITS=16, SPLITS_P2=1
               PART_CACHE=".wt", ROPE=True, PRECISION="tf32", UPCAST=False, PTX=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "decode"])
+GROUP = dict(HAS_BIAS=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, DOT=False)
+GROUP_TYPES = {n: "*bf16" for n in ("x_ptr", "w0", "w1", "w2", "b0", "b1", "b2", "y0", "y1", "y2")}
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "decode", "gemv_group"])
 def test_pdl_kernels_compile_for_sm90_with_the_wait_before_any_global_access_and_without_it_when_off(kernel):
     """What the device runs, read from the PTX: on, griddepcontrol.wait precedes every global load, store, async
     copy and atomic (the split's counters), and the launch asks for PDL; off, no griddepcontrol at all."""
@@ -80,6 +84,7 @@ def test_pdl_kernels_compile_for_sm90_with_the_wait_before_any_global_access_and
         "gemv": (_gemv_kernels.gemv, GEMV, {"eps": "fp32", "ws_ptr": "*fp32", "lock_ptr": "*i32"}),
         "decode": (_attn_triton_kernels.decode, DECODE, {"qk_scale": "fp32", "part_ptr": "*fp32", "lse_ptr": "*fp32",
                    "lock_ptr": "*i32", "seq_lens_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i64"}),
+        "gemv_group": (_gemv_kernels.gemv_group, GROUP, GROUP_TYPES),
     }[kernel]  # fmt: skip
     ptx, launch = _ptx(fn, types, consts, pdl=True)
     assert launch and ptx.find("griddepcontrol.wait") < _first_global_access(ptx)

@@ -31,6 +31,10 @@ so the step runs one kernel where it ran the matmul (or two) and the activation'
 rows, a config that lost) it is cuBLAS's matmul (or two) and then the activation in one launch (`silu_mul`), as
 Inductor fuses it; on the CPU torch's ops, bit for bit. Its tuner times the kernel against those launches.
 
+`fgraph::linears`: 2-3 matmuls over the same rows (an HF attention's separate q, k and v projections) in one launch
+of the same kernel's loop (`gemv_group`): its grid runs over each weight's column blocks in turn. Its tuner times it
+against each matmul as fgraph::linear serves it alone; where it loses, or cannot serve, each is served so.
+
 `fgraph::norm_linear`: the matmul (or linear_glu) of h = nw * rms_norm(s), s = x + r (or x), also returning s. The
 same kernel, each program first summing the squares of its rows of s (it reads all of x in its K loop anyway), then
 normalising each x tile as it loads it; program 0 stores s. Without the kernel: one launch adds and normalises
@@ -62,9 +66,10 @@ MARGIN = 0.85
 # decode graph too (docs/performance.md: what it measures)
 GLU_MARGIN = 0.95
 
-# tuned: keys timed (glu / norm: of them, those with the activation / the norm); triton / cublas: tuned keys each
-# serves (split: the triton ones with K split); untuned: keys met first inside a capture (cuBLAS)
-counts = {"tuned": 0, "glu": 0, "norm": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0}
+# tuned: keys timed (glu / norm / group: of them, those with the activation / the norm / of weights grouped);
+# triton / cublas: tuned keys each serves (split: the triton ones with K split); untuned: keys met first inside a
+# capture (cuBLAS)
+counts = {"tuned": 0, "glu": 0, "norm": 0, "group": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0}
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 
@@ -245,6 +250,79 @@ def _pick(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tupl
     return _choice[key]
 
 
+GROUP = 3  # weights over the same rows fgraph::linears takes in one launch
+
+
+def _grouped(x, ws: list, bs: list) -> bool:
+    """Whether one launch of gemv_group can serve these matmuls: 2-3 eligible weights, all with a bias or none."""
+    return (
+        2 <= len(ws) <= GROUP
+        and all(eligible(x, w, b) and w.is_contiguous() for w, b in zip(ws, bs))
+        and len({b is None for b in bs}) == 1
+    )
+
+
+def _launch_group(cfg: tuple, x, ws: list, bs: list, ys: list) -> None:
+    block_n, block_k, warps, stages, dot, _ = cfg
+    n = [w.shape[0] for w in ws] + [0] * (GROUP - len(ws))
+    w3, y3 = [*ws, *ws[-1:] * (GROUP - len(ws))], [*ys, *ys[-1:] * (GROUP - len(ys))]
+    b3 = [b if b is not None else w for b, w in zip([*bs, *bs[-1:] * (GROUP - len(bs))], w3)]
+    grid = (sum(-(-k // block_n) for k in n),)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
+        kernel().gemv_group[grid](x, *w3, *b3, *y3, x.shape[0], *n, x.shape[1], x.stride(0), *(w.stride(0) for w in w3),
+                                  HAS_BIAS=bs[0] is not None, BLOCK_M=16 if dot else _pow2(x.shape[0]),
+                                  BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=warps, num_stages=stages,
+                                  **pdl_args(x))  # fmt: skip
+
+
+def _pick_group(x, ws: list, bs: list) -> tuple | None:
+    """The tuned config of gemv_group serving these matmuls, tuning their key on its first call; None: each matmul
+    runs as fgraph::linear serves it alone."""
+    if not _grouped(x, ws, bs):
+        return None
+    key = (x.shape[0], tuple(w.shape[0] for w in ws), x.shape[1], x.dtype, bs[0] is not None, "group", x.device.index)
+    if key not in _choice:
+        if torch.cuda.is_current_stream_capturing():
+            counts["untuned"] += 1
+            return None
+        with torch.cuda.device(x.device):
+            _choice[key] = _tune_group(x, ws, bs)
+    return _choice[key]
+
+
+def _tune_group(x, ws: list, bs: list) -> tuple | None:
+    """Time gemv_group's configs against each matmul as fgraph::linear serves it alone (their keys tuned first),
+    replayed in CUDA graphs; the fastest config if it beats them by GLU_MARGIN (the launches it saves are saved in
+    the step too)."""
+    from triton.testing import do_bench_cudagraph
+
+    for w, b in zip(ws, bs):
+        _pick(x, w, b)
+    alone_ms = do_bench_cudagraph(lambda: [linear(x, w, b) for w, b in zip(ws, bs)], rep=10)
+    ys = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
+    best, best_ms = None, GLU_MARGIN * alone_ms
+    unsplit = [c for c in candidates(x.shape[0], max(w.shape[0] for w in ws), x.shape[1]) if c[-1] == 1]
+    for cfg in unsplit:
+        ms = do_bench_cudagraph(lambda cfg=cfg: _launch_group(cfg, x, ws, bs, ys), rep=10)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    counts["tuned"] += 1
+    counts["group"] += 1
+    counts["triton" if best is not None else "cublas"] += 1
+    return best
+
+
+def linears(x: torch.Tensor, ws: list[torch.Tensor], bs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """[x @ w^T (+ b) for each weight]: 2-3 matmuls over the same rows (an HF attention's q, k and v projections) in
+    one launch, where that times faster than each as fgraph::linear serves it; else each so served."""
+    cfg = _pick_group(x, ws, bs)
+    if cfg is None:
+        return [linear(x, w, b) for w, b in zip(ws, bs)]
+    ys = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
+    _launch_group(cfg, x, ws, bs, ys)
+    return ys
+
+
 def _pair(w: torch.Tensor, u: torch.Tensor) -> bool:
     """Whether u can be read as w's up rows: the same shape and dtype, rows contiguous."""
     return u.shape == w.shape and u.dtype == w.dtype and u.device == w.device and u.stride(1) == 1
@@ -356,6 +434,16 @@ def _(x, r, nw, eps, w, b, glu):
     return y, (x.new_empty(x.shape) if r is not None else x.new_empty(0))
 
 
+@torch.library.custom_op("fgraph::linears", mutates_args=())
+def _linears_op(x: torch.Tensor, ws: list[torch.Tensor], bs: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    return linears(x, ws, bs)
+
+
+@_linears_op.register_fake
+def _(x, ws, bs):
+    return [x.new_empty(x.shape[0], w.shape[0]) for w in ws]
+
+
 @torch.library.custom_op("fgraph::linear_glu", mutates_args=())
 def _linear_glu_op(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     return linear_glu(x, w, u)
@@ -369,3 +457,4 @@ def _(x, w, u=None):
 op = torch.ops.fgraph.linear.default
 glu_op = torch.ops.fgraph.linear_glu.default
 norm_op = torch.ops.fgraph.norm_linear.default
+group_op = torch.ops.fgraph.linears.default

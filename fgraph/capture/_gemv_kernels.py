@@ -140,3 +140,42 @@ def add_rms_norm(x_ptr, r_ptr, nw_ptr, s_ptr, h_ptr, K, sx, sh, eps, HAS_RES: tl
         tl.store(s_ptr + row * sx + kk[None, :], s, mask=ok[None, :])
     rstd = tl.rsqrt(tl.sum(s.to(tl.float32) * s.to(tl.float32), axis=1) / K + eps)
     tl.store(h_ptr + row * sh + kk[None, :], normed(s, nw_ptr, kk, ok, rstd), mask=ok[None, :])
+
+
+@triton.jit(do_not_specialize=["N0", "N1", "N2", "sw0", "sw1", "sw2"])  # (the branches yield one type)
+def gemv_group(x_ptr, w0, w1, w2, b0, b1, b2, y0, y1, y2, M, N0, N1, N2, K, sx, sw0, sw1, sw2,
+               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """y_i [M, N_i] = x [M, K] @ w_i [N_i, K]^T (+ b_i) for up to three weights over the same rows (q, k and v
+    projections), one launch: the grid runs over each weight's column blocks in turn, and a program picks its weight
+    by its block. Each y_i contiguous; an absent third weight has N2 = 0. No split of K."""
+    after_prior(PDL)
+    pid = tl.program_id(0)
+    nb0 = tl.cdiv(N0, BLOCK_N)
+    nb1 = tl.cdiv(N1, BLOCK_N)
+    if pid < nb0:
+        w_ptr, b_ptr, y_ptr, N, sw, blk = w0, b0, y0, N0, sw0, pid
+    elif pid < nb0 + nb1:
+        w_ptr, b_ptr, y_ptr, N, sw, blk = w1, b1, y1, N1, sw1, pid - nb0
+    else:
+        w_ptr, b_ptr, y_ptr, N, sw, blk = w2, b2, y2, N2, sw2, pid - nb0 - nb1
+    rn = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok, m_ok = rn < N, rm < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * sw
+    x_rows = x_ptr + rm.to(tl.int64)[:, None] * sx
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if DOT:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

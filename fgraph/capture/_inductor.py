@@ -94,20 +94,23 @@ class Compiled(torch.nn.Module):
 
 
 def with_linear(module: fx.GraphModule) -> fx.GraphModule:
-    """The piece with its few-row matmuls as `fgraph::linear`, its gated activations as `fgraph::linear_glu` and
-    the RMSNorms they read as `fgraph::norm_linear` (fgraph.config.small_m_gemv, small_m_glu, small_m_norm), made
-    once per piece and setting."""
+    """The piece with its few-row matmuls as `fgraph::linear` (those over the same rows as `fgraph::linears`), its
+    gated activations as `fgraph::linear_glu` and the RMSNorms they read as `fgraph::norm_linear`
+    (fgraph.config.small_m_gemv, small_m_group, small_m_glu, small_m_norm), made once per piece and setting."""
     if not fgraph_config.small_m_gemv:
         return module
-    key = ("fgraph_linear", fgraph_config.small_m_glu, fgraph_config.small_m_norm)
+    key = ("fgraph_linear", fgraph_config.small_m_glu, fgraph_config.small_m_norm, fgraph_config.small_m_group)
     got = module.meta.get(key)
     if got is None:
         other = fx.GraphModule(module, copy.deepcopy(module.graph))
-        n = _small_m.rewrite(other, glu=fgraph_config.small_m_glu, norm=fgraph_config.small_m_norm)
+        n = _small_m.rewrite(
+            other, glu=fgraph_config.small_m_glu, norm=fgraph_config.small_m_norm, group=fgraph_config.small_m_group
+        )
         made = _small_m.ops_made(other)
         compiler.counts["linear"] += n
         compiler.counts["glu"] += made["fgraph::linear_glu"]
         compiler.counts["norm"] += made["fgraph::norm_linear"]
+        compiler.counts["group"] += made["fgraph::linears"]
         got = module.meta[key] = other if n else module
     return got
 
@@ -157,9 +160,10 @@ class Compiler:
         self.shared: dict[str, Shared] = {}
         # compiled / loaded: compile_fx calls Inductor ran / served from its FX-graph cache (static: those made for
         # one bucket's own shapes); shared: pieces served by a compilation this process already had
-        # linear: matmuls of the signatures' pieces rewritten into fgraph::linear, linear_glu or norm_linear (glu,
-        # norm: those of the last two; fgraph/capture/_small_m.py)
-        self.counts = {"compiled": 0, "loaded": 0, "shared": 0, "static": 0, "linear": 0, "glu": 0, "norm": 0}
+        # linear: the fgraph ops the signatures' pieces' matmuls were rewritten into (fgraph::linear, linears,
+        # linear_glu, norm_linear); group, glu, norm: those of fgraph::linears, linear_glu, norm_linear
+        # (fgraph/capture/_small_m.py)
+        self.counts = dict.fromkeys(("compiled", "loaded", "shared", "static", "linear", "glu", "norm", "group"), 0)
         self.counts["seconds"] = 0.0
 
     def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:

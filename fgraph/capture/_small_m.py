@@ -335,9 +335,60 @@ def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> No
     _erase_unused(wt)
 
 
-def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, norm: bool = False) -> int:
-    """Rewrite `gm`'s eligible matmuls in place (glu: gated activations too; norm: the RMSNorm they read); the
-    number of ops made (gm holds none before)."""
+def _rows_key(x):
+    """What identifies x's rows among matmul inputs: x, or for a view of a node, that node, the view and its shape."""
+    if _peel(x, _VIEWS | {aten.reshape.default}) is None:
+        return x
+    try:
+        key = (x.args[0], x.target, tuple(tuple(a) if isinstance(a, list) else a for a in x.args[1:]))
+        hash(key)
+    except TypeError:
+        return x
+    return key
+
+
+def _rewrite_groups(gm: fx.GraphModule, device_type: str) -> None:
+    """Matmuls of small weights over the same rows (an HF attention's q, k and v projections), 2-3 at a time of one
+    dtype, all with a bias or none -> one fgraph::linears, before the first of them, its outputs read in their
+    place; a matmul whose inputs are made after the first is left out."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict = {}
+    for node in gm.graph.nodes:
+        got = _matmul(node) if node.op == "call_function" else None
+        if got is None:
+            continue
+        x, w, b, _ = got
+        if _fits(_val(x), _val(w), None if b is None else _val(b), device_type):
+            groups.setdefault((_rows_key(x), _val(x).dtype, b is None), []).append((node, got))
+    for members in groups.values():
+        first = members[0][0]
+        members = [(n, g) for n, g in members if all(order[a] < order[first] for a in g[1:3] if a is not None)]
+        while len(members) >= 2:
+            _group(gm, members[: _gemv.GROUP])
+            members = members[_gemv.GROUP :]
+
+
+def _group(gm: fx.GraphModule, members: list) -> None:
+    x = members[0][1][0]
+    with gm.graph.inserting_before(members[0][0]):
+        new = gm.graph.call_function(_gemv.group_op, (x, [g[1] for _, g in members], [g[2] for _, g in members]))
+        new.meta["val"] = [_val(node) for node, _ in members]
+        for i, (node, _) in enumerate(members):
+            y = gm.graph.call_function(operator.getitem, (new, i))
+            y.meta = dict(node.meta)
+            node.replace_all_uses_with(y)
+    for node, (xi, _, _, wt) in members:
+        gm.graph.erase_node(node)
+        _erase_unused(wt)
+        if xi is not x:
+            _erase_unused(xi)
+
+
+def rewrite(
+    gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, norm: bool = False, group: bool = True
+) -> int:
+    """Rewrite `gm`'s eligible matmuls in place (glu: gated activations too; norm: the RMSNorm they read; group:
+    those over the same rows, 2-3 in one op); the number of ops made (gm holds none before)."""
     for node in list(gm.graph.nodes):  # (first: the activation's matmul would be rewritten into fgraph::linear)
         if glu and node.op == "call_function" and node.target is aten.mul.Tensor:
             _rewrite_glu(gm, node, device_type) or _rewrite_glu_pair(gm, node, device_type)
@@ -346,6 +397,8 @@ def rewrite(gm: fx.GraphModule, device_type: str = "cuda", glu: bool = True, nor
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target in (aten.mm.default, aten.addmm.default, _gemv.glu_op):
                 _rewrite_norm(gm, node, device_type, order)
+    if group:
+        _rewrite_groups(gm, device_type)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.bmm.default:
             _rewrite_bmm(gm, node, device_type)
@@ -378,4 +431,9 @@ def kernels_made(gm: fx.GraphModule) -> str:
     return ", ".join(f"{name} x{c}" for name, c in ops_made(gm).items() if c)
 
 
-_OPS = {"fgraph::linear": _gemv.op, "fgraph::linear_glu": _gemv.glu_op, "fgraph::norm_linear": _gemv.norm_op}
+_OPS = {
+    "fgraph::linear": _gemv.op,
+    "fgraph::linears": _gemv.group_op,
+    "fgraph::linear_glu": _gemv.glu_op,
+    "fgraph::norm_linear": _gemv.norm_op,
+}
