@@ -251,6 +251,28 @@ def test_what_fgraph_linears_cannot_group_stays_one_fgraph_linear_each():
             assert torch.equal(want, got), why
 
 
+def test_a_write_in_place_between_matmuls_keeps_them_apart():
+    # one op reads v once, where the first matmul did: the second read it after the write into its base
+    def grouped(x, w1, w2):
+        v = x.view(2, 8)
+        y1 = F.linear(v, w1)
+        x.add_(1)
+        return y1, F.linear(v, w2)
+
+    def paired(x, wg, wu):
+        v = x.view(2, 8)
+        g = F.linear(v, wg)
+        x.mul_(2)
+        return F.silu(g) * F.linear(v, wu)
+
+    for fn in (grouped, paired):
+        a = (rand(2, 8), rand(4, 8, seed=1), rand(4, 8, seed=2))
+        gm, other, _ = rewritten(fn, [t.clone() for t in a])
+        assert groups(other) == glus(other) == 0 and linears(other) == 2, fn.__name__
+        for want, got in zip(pytree.tree_leaves(gm(*[t.clone() for t in a])), pytree.tree_leaves(other(*a))):
+            assert torch.equal(want, got), fn.__name__
+
+
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
 )

@@ -28,11 +28,13 @@ add's other readers: the Inductor kernel that added and normalised goes into the
 
 from __future__ import annotations
 
+import bisect
 import operator
 
 import torch
 import torch.fx as fx
 
+from .._fx import write_targets
 from . import _gemv
 
 aten = torch.ops.aten
@@ -40,6 +42,21 @@ _TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
 _VIEWS = {aten.view.default, aten._unsafe_view.default}
 SMALL_WEIGHT = 4 << 20  # bytes
 SPLIT_WEIGHT, SPLIT_COLUMNS = 16 << 20, 2048  # bytes, rows of w (output columns)
+
+
+class _Order:
+    """Each node's position in the graph before the rewrite, and the positions of the nodes that write in place: a
+    rewrite that reads a matmul's input later than the matmul did (at the activation, or the group's first matmul
+    for a later one's) must not move the read past a write."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.at = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.writes = [i for n, i in self.at.items() if write_targets(n)]
+
+    def quiet(self, nodes) -> bool:
+        """Whether no node writes in place strictly between the first and the last of `nodes`."""
+        lo, hi = min(self.at[n] for n in nodes), max(self.at[n] for n in nodes)
+        return bisect.bisect_right(self.writes, lo) == bisect.bisect_left(self.writes, hi)
 
 
 def _transposed(node) -> fx.Node | None:
@@ -147,7 +164,7 @@ def _item(node, index: int):
     return None
 
 
-def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> bool:
+def _rewrite_glu(gm: fx.GraphModule, node, device_type: str, order: _Order) -> bool:
     """mul(silu(split(mm(x, t(w)))[0]), split(...)[1]) -> fgraph::linear_glu(x, w), each node used only there."""
     for act, up in (node.args[:2], node.args[1::-1]):
         gate = _peel(act, {aten.silu.default})
@@ -159,7 +176,7 @@ def _rewrite_glu(gm: fx.GraphModule, node, device_type: str) -> bool:
         if got is None or got[2] is not None:  # (mm(x, t(w)): no bias)
             continue
         x, w, _, wt = got
-        if not _fits(_val(x), _val(w), None, device_type, any_size=True):
+        if not _fits(_val(x), _val(w), None, device_type, any_size=True) or not order.quiet((mm, node)):
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(_gemv.glu_op, (x, w))
@@ -188,7 +205,7 @@ def _same_rows(a, b) -> bool:
     return same and _val(a) is not None and _val(b) is not None and _val(a).shape == _val(b).shape
 
 
-def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str) -> bool:
+def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str, order: _Order) -> bool:
     """mul(silu(mm(x, t(wg))), mm(x, t(wu))) -> fgraph::linear_glu(x, wg, wu): an HF MLP's gate_proj and up_proj, two
     weights of one shape over the same rows (each matmul's output viewed back to x's leading axes alike, or not at
     all), each node read only there."""
@@ -207,7 +224,7 @@ def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str) -> bool:
         (xg, wg, _, tg), (xu, wu, _, tu) = got
         if not all(_fits(_val(xg), _val(w), None, device_type, any_size=True) for w in (wg, wu)):
             continue
-        if _val(wg).shape != _val(wu).shape:
+        if _val(wg).shape != _val(wu).shape or not order.quiet((mg, mu, node)):
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(_gemv.glu_op, (xg, wg, wu))
@@ -347,11 +364,11 @@ def _rows_key(x):
     return key
 
 
-def _rewrite_groups(gm: fx.GraphModule, device_type: str) -> None:
+def _rewrite_groups(gm: fx.GraphModule, device_type: str, order: _Order) -> None:
     """Matmuls of small weights over the same rows (an HF attention's q, k and v projections), 2-3 at a time of one
     dtype, all with a bias or none -> one fgraph::linears, before the first of them, its outputs read in their
     place; a matmul whose inputs are made after the first is left out."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    at = order.at
     groups: dict = {}
     for node in gm.graph.nodes:
         got = _matmul(node) if node.op == "call_function" else None
@@ -362,7 +379,8 @@ def _rewrite_groups(gm: fx.GraphModule, device_type: str) -> None:
             groups.setdefault((_rows_key(x), _val(x).dtype, b is None), []).append((node, got))
     for members in groups.values():
         first = members[0][0]
-        members = [(n, g) for n, g in members if all(order[a] < order[first] for a in g[1:3] if a is not None)]
+        members = [(n, g) for n, g in members if all(at[a] < at[first] for a in g[1:3] if a is not None)]
+        members = [(n, g) for n, g in members if order.quiet((first, n))]
         while len(members) >= 2:
             _group(gm, members[: _gemv.GROUP])
             members = members[_gemv.GROUP :]
@@ -389,16 +407,17 @@ def rewrite(
 ) -> int:
     """Rewrite `gm`'s eligible matmuls in place (glu: gated activations too; norm: the RMSNorm they read; group:
     those over the same rows, 2-3 in one op); the number of ops made (gm holds none before)."""
+    order = _Order(gm)
     for node in list(gm.graph.nodes):  # (first: the activation's matmul would be rewritten into fgraph::linear)
         if glu and node.op == "call_function" and node.target is aten.mul.Tensor:
-            _rewrite_glu(gm, node, device_type) or _rewrite_glu_pair(gm, node, device_type)
+            _rewrite_glu(gm, node, device_type, order) or _rewrite_glu_pair(gm, node, device_type, order)
     if norm:
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        positions = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target in (aten.mm.default, aten.addmm.default, _gemv.glu_op):
-                _rewrite_norm(gm, node, device_type, order)
+                _rewrite_norm(gm, node, device_type, positions)
     if group:
-        _rewrite_groups(gm, device_type)
+        _rewrite_groups(gm, device_type, order)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.bmm.default:
             _rewrite_bmm(gm, node, device_type)
