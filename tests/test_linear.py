@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
@@ -271,6 +273,58 @@ def test_a_write_in_place_between_matmuls_keeps_them_apart():
         assert groups(other) == glus(other) == 0 and linears(other) == 2, fn.__name__
         for want, got in zip(pytree.tree_leaves(gm(*[t.clone() for t in a])), pytree.tree_leaves(other(*a))):
             assert torch.equal(want, got), fn.__name__
+
+
+# a random program of projections over rows of two inputs: x, x2, or views of x made up front (v, or 3-D: v3) or
+# where read (x3), 2-D or 3-D, with or without a bias; gated pairs (their two matmuls over the rows each picks);
+# writes in place into x between them (a view made up front sees them, as the same node). Its outputs: every
+# projection it made
+ROWS = st.sampled_from(["x", "x", "v", "v3", "x3", "x2"])
+STATEMENT = st.one_of(
+    st.tuples(st.just("linear"), ROWS, st.integers(0, 4), st.booleans()),  # rows, weight, bias
+    st.tuples(st.just("glu"), ROWS, st.integers(0, 4), ROWS, st.integers(0, 4)),  # gate's rows and weight, up's
+    st.tuples(st.just("write"), st.sampled_from(["add_", "mul_"])),
+)
+
+
+def program(statements):
+    def fn(x, x2, ws, bs):
+        m, k = x.shape
+        made = {"v": x.view(m, k), "v3": x.view(m, 1, k)}
+        rows = {"x": lambda: x, "x2": lambda: x2, "x3": lambda: x.view(m, 1, k), "v": made.get, "v3": made.get}
+        at = lambda r: rows[r](r) if r in made else rows[r]()  # noqa: E731
+        out = []
+        for s in statements:
+            if s[0] == "write":
+                getattr(x, s[1])(1.5)
+            elif s[0] == "linear":
+                out.append(F.linear(at(s[1]), ws[s[2]], bs[s[2]] if s[3] else None))
+            else:
+                gate, up = F.linear(at(s[1]), ws[s[2]]), F.linear(at(s[3]), ws[s[4]])
+                out.append(F.silu(gate) * (up if up.dim() == gate.dim() else up.view(gate.shape)))
+        return out
+
+    return fn
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(STATEMENT, min_size=1, max_size=7), st.integers(1, 4), st.sampled_from([4, 8]))
+def test_the_rewrites_of_any_program_of_projections_compute_its_bits(statements, m, n):
+    # off the kernel every fgraph op is torch's ops bit for bit: the rewritten program equals the traced one wherever
+    # its matmuls are grouped, paired or left alone, and each matmul is in exactly one fgraph op
+    ws, bs = [rand(n, 16, seed=s) for s in range(5)], [rand(n, seed=10 + s) for s in range(5)]
+    a = (rand(m, 16), rand(m, 16, seed=20), ws, bs)
+    fn = program(statements)
+    gm = make_fx(fn)(*pytree.tree_map(torch.clone, a))
+    other = make_fx(fn)(*pytree.tree_map(torch.clone, a))
+    _small_m.rewrite(other, "cpu")
+    ops = _small_m.ops_made(other)
+    matmuls = sum(1 if s[0] == "linear" else 2 for s in statements if s[0] != "write")
+    made = ops["fgraph::linear"] + 2 * ops["fgraph::linear_glu"]
+    grouped = sum(len(n.args[1]) for n in other.graph.nodes if n.target is _gemv.group_op)
+    assert made + grouped == matmuls
+    want, got = gm(*pytree.tree_map(torch.clone, a)), other(*pytree.tree_map(torch.clone, a))
+    assert len(want) == len(got) and all(map(torch.equal, want, got))
 
 
 @pytest.mark.skipif(
