@@ -21,6 +21,13 @@ A gated MLP's `silu(gate) * up` over the two halves of one matmul (`linear(x, w1
 becomes one `fgraph::linear_glu(x, w13)` whatever the weight's size: without its kernel the op runs the matmul and
 the activation's one launch, what Inductor ran, so only a kernel that timed faster changes the step.
 
+An HF MLP keeps gate_proj and up_proj apart: `silu(mm(x, t(wg))) * mm(x, t(wu))` over the same rows (each product
+viewed back to x's leading axes alike, or neither) becomes `fgraph::linear_glu(x, wg, wu)`, the same kernel reading
+the two weights. With `group` (fgraph.config.small_m_group), 2-3 matmuls of small weights over the same rows (an HF
+attention's q, k and v; all with a bias or none) become one `fgraph::linears`, placed where the first of them was.
+A rewrite that reads x later than a matmul did (at the activation, or at the group's first matmul) is made only where
+no node writes in place in between.
+
 With `norm` (fgraph.config.small_m_norm), a matmul or fgraph::linear_glu that reads an RMSNorm (the examples' and HF's
 rms_norm: `w * (xf * rsqrt(mean(xf ** 2, -1) + eps)).to(dtype)`, xf = s in float32), itself read only there, becomes
 `fgraph::norm_linear`, and so does the residual add before it (s = x + r), whose sum the op also returns for the
