@@ -181,6 +181,11 @@ class Jitted(T.Inlined):
         return Call(sig, statics, paths, leaves, specs, n, dict(bound.arguments))
 
     def _slow_call(self, args, kwargs):
+        shared = self.shared
+        # a call like one that made donated state: eagerly, without binding (a backward refusal needs the binding)
+        if shared.initialising_calls and not torch.is_grad_enabled() and shared.initialises(self, args, kwargs):
+            self.fallbacks["init"] += 1
+            return self.fn(*args, **kwargs)
         try:
             call = self.cache.for_grad_mode(self.bind(args, kwargs))
         except T.LazyParameters as e:  # this call makes them: eagerly, as the module would
@@ -193,6 +198,7 @@ class Jitted(T.Inlined):
             return self._fallback(why[0], call, why[1], "raise buckets=[..., N] or split the batch")
         entry = self.cache.entries.get(call.sig)
         if entry is None and call.sig in self.shared.initialising:
+            shared.note_initialising(self, args, kwargs)
             return self._fallback("init", call, None, None)
         if entry is None:
             if self.sealed:
@@ -222,6 +228,7 @@ class Jitted(T.Inlined):
                     )
             except T.InitialisesState as e:  # a lazily made cache: this call makes its tensors, eagerly
                 self.shared.initialising.add(call.sig)
+                shared.note_initialising(self, args, kwargs)
                 return self._fallback("init", call, e.what, e.fix)
             if entry is None:  # the capture ran out of device memory: freed, this call runs eagerly
                 return self._fallback("oom", call, "capturing ran out of device memory", "capture fewer buckets")

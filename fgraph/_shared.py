@@ -23,9 +23,13 @@ import types
 import weakref
 
 import attrs
+import torch.utils._pytree as pytree
 
+from . import trace as T
 from ._cache import Cache
 from ._fastpath import FastPath
+from ._pytree import see_into
+from ._signature import leaf_of, static_key
 
 log = logging.getLogger("fgraph")
 
@@ -41,6 +45,9 @@ class Shared:
         self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0, "init": 0}
         self.logged: set = set()  # warnings already logged once
         self.initialising: set = set()  # signatures whose calls make donated state's tensors: run eagerly
+        # the same calls by `_call_key`: found again without binding (which reads every lifted tensor: ~5 ms for an
+        # HF model's prefill, where generate makes a new cache each call)
+        self.initialising_calls: set = set()
         self.lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
 
     def log_once(self, key, fmt: str, *args) -> None:
@@ -52,6 +59,42 @@ class Shared:
     def reset(self) -> None:
         self.cache.reset()
         self.sealed = False
+
+    def note_initialising(self, jitted, args: tuple, kwargs: dict) -> None:
+        """Remember a call whose signature makes donated state (before it runs: its state not yet made)."""
+        key = self._call_key(jitted, args, kwargs)
+        if key is not None:
+            self.initialising_calls.add(key)
+
+    def initialises(self, jitted, args: tuple, kwargs: dict) -> bool:
+        """Whether a call is keyed as one noted by `note_initialising`."""
+        key = self._call_key(jitted, args, kwargs)
+        return key is not None and key in self.initialising_calls
+
+    def _call_key(self, jitted, args: tuple, kwargs: dict):
+        """A key of a call cheaper than its signature: the statics by type and value, each other argument's
+        structure and leaves' abstract values, torch's settings and the lifted modules' training flags; not the
+        lifted tensors themselves. Two calls of one key make donated state alike. None where a part is unhashable."""
+        try:
+            bound = jitted.signature.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        parts = []
+        for k, v in bound.arguments.items():
+            if k in self.options.static:
+                parts.append((k, static_key(v)))
+                continue
+            if k in self.options.donate:  # (a plain object seen into, as binding sees it)
+                see_into(v)
+            leaves, spec = pytree.tree_flatten(v)
+            parts.append((k, spec, tuple(map(leaf_of, leaves))))
+        key = (T.context(jitted.lifted), tuple(parts))
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
 
 # ------------------------------------------------------------------------------------------------ the map

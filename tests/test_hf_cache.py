@@ -35,6 +35,33 @@ def test_static_cache_recipe_equals_eager_generate(arch, mode):
     assert "cache.layers[0].keys" in e.paths and "cache.layers[1].cumulative_length" in e.paths
 
 
+def test_a_prefill_that_makes_the_cache_again_runs_eagerly_without_binding(monkeypatch):
+    # generate makes a new cache per call, so every prefill makes its tensors: binding it (every parameter read,
+    # flattened and keyed) only to run it eagerly cost an HF prefill ~5 ms; a call keyed as one that made state
+    # runs the plain forward at once
+    model = G.tiny("qwen2")
+    want = [G.generate(model, ids, 3) for ids in (IDS, IDS[:, :4])]
+    f = G.jit_forward(model, "FULL")
+    prefills = []  # per bind: whether it bound a call whose cache is yet to be made
+    bind = type(f).bind
+
+    def counted(self, args, kwargs):
+        cache = kwargs.get("cache")
+        prefills.append(cache is not None and cache.layers[0].keys is None)
+        return bind(self, args, kwargs)
+
+    monkeypatch.setattr(type(f), "bind", counted)
+    for _ in range(3):
+        assert torch.equal(G.generate(model, IDS, 3), want[0])
+    assert f.stats()["fallbacks"]["init"] == 3 and sum(prefills) == 1  # the first prefill's alone was bound
+    assert torch.equal(G.generate(model, IDS[:, :4], 3), want[1])  # another prompt length: another key, bound
+    assert sum(prefills) == 2
+    for grad in (False, False, True):  # under grad mode it is bound: its outputs' backward is refused there
+        with torch.set_grad_enabled(grad):
+            f(IDS, cache=StaticCache(config=model.config, max_cache_len=16))
+    assert sum(prefills) == 4
+
+
 @torch.no_grad()
 def test_token_by_token_decode_with_a_static_cache_the_caller_made():
     model = G.tiny("llama")
