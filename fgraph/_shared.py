@@ -61,7 +61,10 @@ class Shared:
         self.sealed = False
 
     def note_initialising(self, jitted, args: tuple, kwargs: dict) -> None:
-        """Remember a call whose signature makes donated state (before it runs: its state not yet made)."""
+        """Remember a call whose signature makes donated state (before it runs: its state not yet made). Not with
+        batched arguments: their fallback pads and moves them, which the plain function would not."""
+        if self.options.batch:
+            return
         key = self._call_key(jitted, args, kwargs)
         if key is not None:
             self.initialising_calls.add(key)

@@ -131,6 +131,30 @@ def lazy_step(x, past_key_values=None):
     return step(x, past_key_values)
 
 
+class Box:
+    def __init__(self):
+        self.t = None
+
+
+def lazy_scale(x, box):
+    if box.t is None:  # made by the first call that sees it
+        box.t = torch.full((3,), 2.0)
+    return x * box.t.sum()
+
+
+def test_only_calls_without_batched_arguments_make_state_again_without_binding(monkeypatch):
+    for batch, binds in ((None, 1), ({"x": fgraph.Batched()}, 3)):  # batched: padded and moved as the slow path does
+        f = fgraph.jit(lazy_scale, donate=["box"], batch=batch)
+        bound, call = set(), [0]  # the calls that bound
+        bind = type(f).bind
+        monkeypatch.setattr(type(f), "bind", lambda self, a, k, bind=bind: bound.add(call[0]) or bind(self, a, k))
+        with torch.no_grad():
+            for call[0] in range(3):  # a new box each call: each call makes its tensor
+                x, box = torch.ones(2, 3), Box()
+                assert torch.equal(f(x, box), lazy_scale(x, Box())) and torch.equal(box.t, torch.full((3,), 2.0))
+        assert f.stats()["fallbacks"]["init"] == 3 and len(bound) == binds, batch
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_lazily_made_cache_that_moves_what_it_held_runs_its_first_call_eagerly(mode):
     def cache():
