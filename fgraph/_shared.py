@@ -27,9 +27,9 @@ import torch.utils._pytree as pytree
 
 from . import trace as T
 from ._cache import Cache
-from ._fastpath import FastPath
+from ._fastpath import FastPath, layout_key
 from ._pytree import see_into
-from ._signature import leaf_of, static_key
+from ._signature import static_key
 
 log = logging.getLogger("fgraph")
 
@@ -84,16 +84,16 @@ class Shared:
             return None
         bound.apply_defaults()
         parts = []
-        for k, v in bound.arguments.items():
-            if k in self.options.static:
-                parts.append((k, static_key(v)))
-                continue
-            if k in self.options.donate:  # (a plain object seen into, as binding sees it)
-                see_into(v)
-            leaves, spec = pytree.tree_flatten(v)
-            parts.append((k, spec, tuple(map(leaf_of, leaves))))
-        key = (T.context(jitted.lifted), tuple(parts))
         try:
+            for k, v in bound.arguments.items():
+                if k in self.options.static:
+                    parts.append((k, static_key(v)))
+                    continue
+                if k in self.options.donate:  # (a plain object seen into, as binding sees it)
+                    see_into(v)
+                leaves, spec = pytree.tree_flatten(v)
+                parts.append((k, layout_key(spec, leaves)))  # (the replay path's key of an argument's layout)
+            key = (T.context(jitted.lifted), tuple(parts))
             hash(key)
         except TypeError:
             return None

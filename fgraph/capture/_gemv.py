@@ -121,8 +121,8 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
         u = w if u is None else u
         kernel().gemv[grid](x, w, u, b if b is not None else w, y, ws, locks, r if r is not None else x, nw, s, eps, M,
                             N, K, k_split, x.stride(0), w.stride(0), u.stride(0), y.stride(0), HAS_BIAS=b is not None,
-                            BLOCK_M=block_m,
-                            BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits, GLU=glu, NORM=norm is not None,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits, GLU=glu,
+                            NORM=norm is not None,
                             HAS_RES=r is not None, num_warps=warps, num_stages=stages, **pdl_args(x))  # fmt: skip
 
 
@@ -202,18 +202,42 @@ def _tune(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tupl
         unfused_ms = do_bench_cudagraph(lambda: _unfused(x, w, b, glu, norm, u), rep=10)
     else:
         unfused_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
-    best, best_ms = None, (GLU_MARGIN if glu or norm is not None else MARGIN) * unfused_ms
     fused = None if norm is None else (*norm, torch.empty_like(x))
-    for cfg in candidates(x.shape[0], n, w.shape[1], glu, norm is not None):
-        ms = do_bench_cudagraph(lambda cfg=cfg: _launch(cfg, x, w, b, y, glu, fused, u), rep=10)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
+    best = _fastest(
+        candidates(x.shape[0], n, w.shape[1], glu, norm is not None),
+        lambda cfg: _launch(cfg, x, w, b, y, glu, fused, u),
+        (GLU_MARGIN if glu or norm is not None else MARGIN) * unfused_ms,
+    )
     counts["tuned"] += 1
     counts["glu"] += glu
     counts["norm"] += norm is not None
     counts["triton" if best is not None else "cublas"] += 1
     counts["split"] += best is not None and best[-1] > 1
     return best
+
+
+def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
+    """The config whose launch, replayed in a CUDA graph, times fastest under limit_ms; None if none does."""
+    from triton.testing import do_bench_cudagraph
+
+    best, best_ms = None, limit_ms
+    for cfg in cfgs:
+        ms = do_bench_cudagraph(lambda cfg=cfg: launch(cfg), rep=10)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best
+
+
+def _chosen(key: tuple, device, tune) -> tuple | None:
+    """The config tuned for key, tuned now (`tune()`) on its first call; None (cuBLAS) for a key first met inside a
+    capture, where nothing can be timed."""
+    if key not in _choice:
+        if torch.cuda.is_current_stream_capturing():
+            counts["untuned"] += 1
+            return None
+        with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
+            _choice[key] = tune()
+    return _choice[key]
 
 
 def _normable(x, norm: tuple | None) -> bool:
@@ -241,13 +265,7 @@ def _pick(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tupl
     # (two weights: another key, whose tuner times two matmuls and the activation where one weight times one)
     kind = glu if u is None else "pair"
     key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, kind, normed, x.device.index)
-    if key not in _choice:
-        if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: cuBLAS, as without the kernel
-            counts["untuned"] += 1
-            return None
-        with torch.cuda.device(x.device):  # (the timing's graphs and streams on the tensors' device)
-            _choice[key] = _tune(x, w, b, glu, norm, u)
-    return _choice[key]
+    return _chosen(key, x.device, lambda: _tune(x, w, b, glu, norm, u))
 
 
 GROUP = 3  # weights over the same rows fgraph::linears takes in one launch
@@ -264,9 +282,10 @@ def _grouped(x, ws: list, bs: list) -> bool:
 
 def _launch_group(cfg: tuple, x, ws: list, bs: list, ys: list) -> None:
     block_n, block_k, warps, stages, dot, _ = cfg
+    # GROUP of each: the last weight repeated with no columns (N 0) where there are fewer
     n = [w.shape[0] for w in ws] + [0] * (GROUP - len(ws))
-    w3, y3 = [*ws, *ws[-1:] * (GROUP - len(ws))], [*ys, *ys[-1:] * (GROUP - len(ys))]
-    b3 = [b if b is not None else w for b, w in zip([*bs, *bs[-1:] * (GROUP - len(bs))], w3)]
+    w3, b3, y3 = ([*t, *t[-1:] * (GROUP - len(t))] for t in (ws, bs, ys))
+    b3 = [b if b is not None else w for b, w in zip(b3, w3)]
     grid = (sum(-(-k // block_n) for k in n),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
         kernel().gemv_group[grid](x, *w3, *b3, *y3, x.shape[0], *n, x.shape[1], x.stride(0), *(w.stride(0) for w in w3),
@@ -281,13 +300,7 @@ def _pick_group(x, ws: list, bs: list) -> tuple | None:
     if not _grouped(x, ws, bs):
         return None
     key = (x.shape[0], tuple(w.shape[0] for w in ws), x.shape[1], x.dtype, bs[0] is not None, "group", x.device.index)
-    if key not in _choice:
-        if torch.cuda.is_current_stream_capturing():
-            counts["untuned"] += 1
-            return None
-        with torch.cuda.device(x.device):
-            _choice[key] = _tune_group(x, ws, bs)
-    return _choice[key]
+    return _chosen(key, x.device, lambda: _tune_group(x, ws, bs))
 
 
 def _tune_group(x, ws: list, bs: list) -> tuple | None:
@@ -300,12 +313,8 @@ def _tune_group(x, ws: list, bs: list) -> tuple | None:
         _pick(x, w, b)
     alone_ms = do_bench_cudagraph(lambda: [linear(x, w, b) for w, b in zip(ws, bs)], rep=10)
     ys = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
-    best, best_ms = None, GLU_MARGIN * alone_ms
     unsplit = [c for c in candidates(x.shape[0], max(w.shape[0] for w in ws), x.shape[1]) if c[-1] == 1]
-    for cfg in unsplit:
-        ms = do_bench_cudagraph(lambda cfg=cfg: _launch_group(cfg, x, ws, bs, ys), rep=10)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
+    best = _fastest(unsplit, lambda cfg: _launch_group(cfg, x, ws, bs, ys), GLU_MARGIN * alone_ms)
     counts["tuned"] += 1
     counts["group"] += 1
     counts["triton" if best is not None else "cublas"] += 1

@@ -204,14 +204,6 @@ def _rows_of(node) -> tuple:
     return (mm, node) if _call(mm, aten.mm.default, 1) else (None, None)
 
 
-def _same_rows(a, b) -> bool:
-    """Whether a and b are the same rows: one node, or views of one node to one shape."""
-    if a is b:
-        return True
-    same = _call(a, b.target, None) and a.target in _VIEWS | {aten.reshape.default} and a.args == b.args
-    return same and _val(a) is not None and _val(b) is not None and _val(a).shape == _val(b).shape
-
-
 def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str, order: _Order) -> bool:
     """mul(silu(mm(x, t(wg))), mm(x, t(wu))) -> fgraph::linear_glu(x, wg, wu): an HF MLP's gate_proj and up_proj, two
     weights of one shape over the same rows (each matmul's output viewed back to x's leading axes alike, or not at
@@ -226,7 +218,7 @@ def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str, order: _Order)
         if vg is not None and (vg.target is not vu.target or vg.args[1:] != vu.args[1:]):
             continue
         got = _matmul(mg), _matmul(mu)
-        if None in got or not _same_rows(got[0][0], got[1][0]):
+        if None in got or _rows_key(got[0][0]) != _rows_key(got[1][0]):
             continue
         (xg, wg, _, tg), (xu, wu, _, tu) = got
         if not all(_fits(_val(xg), _val(w), None, device_type, any_size=True) for w in (wg, wu)):
