@@ -128,3 +128,80 @@ def test_a_second_process_loads_the_compiled_pieces_from_inductors_cache(tmp_pat
     assert first["compiled"] == 3 and first["loaded"] == 0  # first, middle and last piece
     assert second["compiled"] == 0 and second["loaded"] == 3
     assert first["shared"] == second["shared"] > 0  # every other use found the process's own compilation
+
+
+def test_a_weight_as_wide_as_the_largest_bucket_ties_no_compilation_to_that_bucket(tmp_path, monkeypatch):
+    """The qkv projection has 128 columns and the largest bucket is 128 rows, where the trace is made: comparing the
+    two sizes while compiling would guard `N == 128` and leave every other bucket running code made for 128 rows (a
+    crash at its warm-up, or worse). Every bucket but 1 is served by the one symbolic compilation per piece, and
+    every call equals the plain function."""
+    eng, params, cfg = captured([2, 8, 120, 128], tmp_path, monkeypatch, seed=3, layers=2)
+    assert (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim == 128
+    assert all(hows == {"symbolic"} for hows in compiled_fns(eng).values())
+    assert len(compiled_fns(eng)) == 3
+    eager = llama.make_step(cfg)
+    for routine, sizes in (("decode", (2, 5, 63)), ("mixed", (2, 5, 30))):  # (63: bucket 120; the cache's pages)
+        for n in sizes:
+            torch.testing.assert_close(
+                call(eng, eng.step_fn, params, n, routine), call(eng, eager, params, n, routine), rtol=1e-4, atol=1e-4
+            )
+
+
+def test_a_compilations_assumptions_leave_the_traces_shape_env_as_it_was():
+    """What a compilation assumes in the trace's shape env is taken back out, caches included: after it, the env
+    and the trace's own sizes know nothing of it (a cached `s0 -> 256` would specialise the next piece compiled in
+    the same env, which would then record no assumption of its own)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fgraph.capture import _inductor
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    x = mode.from_tensor(torch.empty(256, 4), symbolic_context=StatelessSymbolicContext([DimDynamic.DYNAMIC] * 2))
+    s = x.shape[0].node.expr
+    with _inductor._restored(env) as before:
+        assert x.shape[0] == 256  # a compilation's guard: replaces s by 256
+        assert x.shape[0].node.expr == 256 and len(env.guards) > len(before.guards)
+    assert x.shape[0].node.expr == s and env.replace(s) == s
+    assert not env.replacements and not env.guards
+
+
+def test_a_compilation_serves_only_inputs_of_the_layout_it_asserts():
+    """Shared.holds_for checks every size and stride of the layout (a number the trace fixed as well as a symbol),
+    each int input, the guards and the ranges, before a bucket runs the code."""
+    import sympy
+
+    from fgraph.capture._inductor import Shared
+
+    s = sympy.Symbol("s0", integer=True, positive=True)
+    n = sympy.Integer
+    layout = [((s, n(4)), (n(4), n(1))), s, ((n(256),), (n(1),))]  # [s0, 4] rows, s0 as an int, [256]
+    shared = Shared(None, layout, [sympy.Ne(s, 7)], {s: (2, 512)})
+    ok = [torch.empty(8, 4), 8, torch.empty(256)]
+    assert shared.holds_for(ok)
+    assert not shared.holds_for([torch.empty(8, 4), 9, torch.empty(256)])  # an int input that disagrees
+    assert not shared.holds_for([torch.empty(8, 4), 8, torch.empty(248)])  # a fixed size
+    assert not shared.holds_for([torch.empty(4, 8).t(), 8, torch.empty(256)])  # a stride
+    assert not shared.holds_for([torch.empty(7, 4), 7, torch.empty(256)])  # a guard
+    assert not shared.holds_for([torch.empty(1, 4), 1, torch.empty(256)])  # a range
+    assert shared.uses == 1
+
+
+def test_a_trace_that_fixed_a_size_shares_no_compilation_with_one_that_did_not(tmp_path, monkeypatch):
+    """The bucket-8 trace fixes N = 8 (`x.shape[0] == 8`: Inductor's code for its piece asserts 8 rows); the bucket-16
+    trace has the same graph but serves any N != 8. Its piece gets a compilation of its own, and every call equals
+    the plain function: the piece at bucket 16 never runs code made for 8 rows."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def f(x):
+        y = torch.tanh(x * 2.0 + 1.0)
+        return y * 3.0 if x.shape[0] == 8 else y * 3.0
+
+    jf = fgraph.jit(f, batch={"x": fgraph.Batched()}, buckets=[8, 16], compile=True)
+    for n in (8, 16, 12, 8):
+        x = torch.randn(n, 5)
+        torch.testing.assert_close(jf(x), f(x))
+    assert jf.stats()["total"]["traces"] == 2
+    fns = {id(c.fn) for e in jf.entries.values() for c in e.compiled.values()}
+    assert len(fns) == 2

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import time
+import types
 from collections.abc import Callable
 
 import sympy
@@ -116,36 +117,100 @@ def with_linear(module: fx.GraphModule) -> fx.GraphModule:
 
 
 class Shared:
-    """One compiled function and what Inductor assumed of its symbolic sizes (guards and value ranges)."""
+    """One compiled function and everything its code may rely on about its inputs' sizes.
 
-    def __init__(self, fn, inputs: list, guards: list, ranges: dict):
-        self.fn, self.inputs, self.guards, self.ranges = fn, inputs, guards, ranges
+    `layout`: each input as the compilation saw it, with the trace's replacements applied (a symbol the trace fixed,
+    as `s0 == 256`, is the number; one it equated with another, that other): per tensor (sizes, strides), per int its
+    value, as sympy expressions over the layout's symbols. `guards`: what the trace and Inductor assumed of those
+    symbols. `ranges`: their value ranges. Inductor's code asserts every input's sizes and strides and may have
+    specialised on any guard, so a call's inputs must satisfy all three (`holds_for`) before the code serves it."""
+
+    def __init__(self, fn, layout: list, guards: list, ranges: dict):
+        self.fn, self.layout, self.guards, self.ranges = fn, layout, guards, ranges
         self.uses = 0
 
     def holds_for(self, args) -> bool:
-        """Whether the sizes of `args` satisfy every assumption of the compilation (so its code is valid for them)."""
+        """Whether `args` have the sizes and strides the code asserts and satisfy every guard and range it assumed."""
         bound: dict = {}
-        for v, a in zip(self.inputs, args):
-            if not isinstance(v, torch.Tensor):
-                continue
-            if not isinstance(a, torch.Tensor) or a.dim() != v.dim():
-                return False
-            for d, n in zip(v.shape, a.shape):
-                e = d.node.expr if isinstance(d, torch.SymInt) else d
-                if isinstance(e, sympy.Symbol):
-                    if bound.setdefault(e, n) != n:
+        for spec, a in zip(self.layout, args):  # the symbols: from the dims that are one
+            if isinstance(spec, tuple):
+                if not isinstance(a, torch.Tensor) or a.dim() != len(spec[0]):
+                    return False
+                pairs = zip(spec[0], a.shape)
+            else:
+                pairs = [(spec, a)] if spec is not None else []
+            for e, n in pairs:
+                if isinstance(e, sympy.Symbol) and bound.setdefault(e, n) != n:
+                    return False
+        try:
+            for spec, a in zip(self.layout, args):
+                if isinstance(spec, tuple):
+                    sizes, strides = spec
+                    if any(_value(e, bound) != n for e, n in zip(sizes, a.shape)):
                         return False
+                    # (as Inductor's assert_size_stride: a dim of size 0 or 1 has any stride)
+                    if any(n > 1 and _value(e, bound) != st for e, st, n in zip(strides, a.stride(), a.shape)):
+                        return False
+                elif spec is not None and (not isinstance(a, int) or _value(spec, bound) != a):
+                    return False
+            ok = all(bool(g.xreplace(bound)) is True for g in self.guards)
+        except TypeError:  # an expression over a symbol no input binds
+            return False
         for sym, n in bound.items():
             lo, hi = self.ranges.get(sym, (None, None))
             if (lo is not None and n < lo) or (hi is not None and n > hi):
                 return False
-        try:
-            ok = all(bool(g.xreplace(bound)) is True for g in self.guards)
-        except TypeError:  # a guard over a symbol no input size binds
-            return False
         if ok:
             self.uses += 1
         return ok
+
+
+def _value(e, bound: dict) -> int:
+    """An expression of the layout at the bound symbols' values (TypeError where one is unbound)."""
+    got = e.xreplace(bound) if isinstance(e, sympy.Basic) else e
+    if isinstance(got, sympy.Basic) and not got.is_Integer:
+        raise TypeError(f"unbound symbols in {got}")
+    return int(got)
+
+
+def _layout(inputs: list, env) -> list:
+    """Each input as its compilation sees it (Shared.layout): (sizes, strides) of a tensor, an int's expression,
+    None for anything else; every expression with the env's replacements applied."""
+
+    def expr(d):
+        e = d.node.expr if isinstance(d, torch.SymInt) else d
+        return env.replace(e) if env is not None and isinstance(e, sympy.Basic) else sympy.Integer(int(e))
+
+    out: list = []
+    for v in inputs:
+        if isinstance(v, torch.Tensor):
+            out.append((tuple(map(expr, v.shape)), tuple(map(expr, v.stride()))))
+        elif isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
+            out.append(expr(v))
+        else:
+            out.append(None)
+    return out
+
+
+def _facts(layout: list, env) -> tuple[list, dict]:
+    """(guards, ranges): what the env knows of the layout's symbols, as its replacements leave it (guards over
+    other symbols only, such as the trace's other batch axes, cannot shape this piece's code)."""
+    syms = _symbols(layout)
+    guards = []
+    for g in env.guards:
+        e = env.replace(g.expr)
+        if e.free_symbols and e.free_symbols <= syms and e is not sympy.true:
+            guards.append(e)
+    ranges = {s: (_bound(r.lower), _bound(r.upper)) for s, r in env.var_to_range.items() if s in syms}
+    return guards, ranges
+
+
+def _symbols(layout: list) -> set:
+    out: set = set()
+    for spec in layout:
+        for e in (spec[0] + spec[1]) if isinstance(spec, tuple) else (spec,) if spec is not None else ():
+            out |= getattr(e, "free_symbols", set())
+    return out
 
 
 class Compiler:
@@ -175,14 +240,18 @@ class Compiler:
         got = mine.get(by_options)
         if got is None:
             inputs = [n.meta.get("val") for n in module.graph.nodes if n.op == "placeholder"]
-            key, names = piece_key(module, inputs, options)
+            mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
+            if mode is None or mode.shape_env is None:  # a static trace: a fake mode with a shape env (the cache)
+                mode, inputs = _static_fakes(inputs)
+            layout = _layout(inputs, mode.shape_env)
+            guards, ranges = _facts(layout, mode.shape_env)
+            # (what the trace knows of the piece's sizes is part of its key: a trace that fixed a size shares no
+            # compilation with one that did not)
+            key, names = piece_key(module, inputs, options, mode.shape_env, (guards, ranges))
             got = self.shared.get(key)
             if got is None:
-                mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
-                if mode is None or mode.shape_env is None:  # a static trace: a fake mode with a shape env (the cache)
-                    mode, inputs = _static_fakes(inputs)
-                fn, assumed, ranges = self._assumed(module, inputs, options, mode, key, names)
-                got = self.shared[key] = Shared(fn, inputs, assumed, ranges)
+                fn, assumed, now = self._assumed(module, inputs, options, mode, key, names)
+                got = self.shared[key] = Shared(fn, layout, guards + assumed, {**ranges, **now})
                 mine[by_options] = got
                 return got
             mine[by_options] = got
@@ -198,19 +267,14 @@ class Compiler:
         beside it (by the piece's key) when it is made and read back when it is loaded; a load without them is
         compiled again, with the cache off, to learn them."""
         env = mode.shape_env
-        guards, ranges, replacements = list(env.guards), dict(env.var_to_range), dict(env.replacements)
+        replacements = dict(env.replacements)
         loaded0 = self.counts["loaded"]
-        try:
+        with _restored(env) as before:
             fn = self._compile(module, inputs, options, mode)
-            assumed = [g.expr for g in env.guards[len(guards) :]]
+            assumed = [g.expr for g in env.guards[len(before.guards) :]]
             assumed += [sympy.Eq(k, v) for k, v in env.replacements.items() if k not in replacements]
             now = {s: (_bound(r.lower), _bound(r.upper)) for s, r in env.var_to_range.items() if s in names}
-        finally:
-            env.guards[:] = guards
-            env.var_to_range.clear()
-            env.var_to_range.update(ranges)
-            env.replacements.clear()
-            env.replacements.update(replacements)
+        assumed = [env.replace(g) for g in assumed]  # over the layout's symbols, as the trace's replacements leave them
         path = _assumptions_path(key)
         if self.counts["loaded"] == loaded0:  # compiled here: what it assumed goes beside the cached compilation
             record = {
@@ -242,7 +306,7 @@ class Compiler:
         got = self.shared.get(key)
         if got is None:
             self.counts["static"] += 1
-            got = self.shared[key] = Shared(self._compile(module, inputs, options, mode), inputs, [], {})
+            got = self.shared[key] = Shared(self._compile(module, inputs, options, mode), _layout(inputs, None), [], {})
         return got.fn
 
     def _compile(self, module, inputs, options, mode):
@@ -266,6 +330,31 @@ class Compiler:
 
 
 compiler = Compiler()
+
+
+@contextlib.contextmanager
+def _restored(env):
+    """The trace's shape env as it was before, after what runs inside (a compilation) assumed more in it.
+
+    Inductor records its assumptions in the env (guards, replacements, narrower ranges, runtime asserts) and the
+    env caches what it derives from them (`replace`, each SymNode's `expr`) by version counters it bumps only when
+    their sizes grow. Putting the old containers back is not enough: a cached `replace(s0) -> 256` from one piece's
+    compilation would specialise the next piece compiled in the same env, which then records no assumption of its
+    own. So both counters move on, and every derived value is recomputed from the restored state."""
+    names = ("guards", "replacements", "var_to_range", "divisible", "deferred_runtime_asserts", "axioms")
+    saved = {k: copy.copy(getattr(env, k)) for k in names if hasattr(env, k)}
+    saved["deferred_runtime_asserts"] = {k: list(v) for k, v in getattr(env, "deferred_runtime_asserts", {}).items()}
+    before = types.SimpleNamespace(**saved)
+    try:
+        yield before
+    finally:
+        for k, v in saved.items():
+            setattr(env, k, v)
+        for counter in ("_replacements_version_counter", "_version_counter"):
+            if hasattr(env, counter):
+                setattr(env, counter, getattr(env, counter) + 1)
+        if hasattr(env, "_prev_cache_key"):
+            env._prev_cache_key = env._get_key()
 
 
 def _static_fakes(values: list) -> tuple[FakeTensorMode, list]:
@@ -293,13 +382,16 @@ def config_patch(options: dict):
     return config.patch(options)
 
 
-def piece_key(module: fx.GraphModule, inputs: list, options: dict) -> tuple[str, dict]:
+def piece_key(module: fx.GraphModule, inputs: list, options: dict, env=None, facts=([], {})) -> tuple[str, dict]:
     """A piece's graph as text that two structurally equal pieces share: nodes numbered in order, each input's avals
-    (dtype, device, shape, strides) with symbols renamed by first appearance, the options; constants by value."""
+    (dtype, device, shape, strides) with the env's replacements applied and symbols renamed by first appearance,
+    what the trace knows of them (`facts`: guards and ranges, `_facts`), the options; constants by value."""
     names: dict = {}
 
     def expr(x) -> str:
         e = x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
+        if isinstance(e, sympy.Basic) and env is not None:
+            e = env.replace(e)
         if isinstance(e, sympy.Basic):
             for s in sorted(e.free_symbols, key=str):
                 names.setdefault(s, sympy.Symbol(f"s{len(names)}"))
@@ -327,6 +419,9 @@ def piece_key(module: fx.GraphModule, inputs: list, options: dict) -> tuple[str,
         return expr(a) if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) else repr(a)
 
     lines = [aval(v) for v in inputs]
+    guards, ranges = facts
+    lines += sorted(f"guard {expr(g)}" for g in guards)
+    lines += sorted(f"range {expr(sym)} {lo} {hi}" for sym, (lo, hi) in ranges.items())
     for n in module.graph.nodes:
         if n.op == "placeholder":
             continue
@@ -339,6 +434,17 @@ def piece_key(module: fx.GraphModule, inputs: list, options: dict) -> tuple[str,
         lines.append(f"{n.op} {target} {arg(n.args)} {arg(n.kwargs)} -> {aval(n.meta.get('val'))}")
     lines.append(repr(sorted(options.items())))
     return "\n".join(lines), names
+
+
+def _same_shape(a, b) -> bool:
+    """Whether two traced values have the very same shape, symbol for symbol, asking nothing of the shape env: a
+    SymInt compared with `==` guards on its hint (`s0 == 256` at bucket 256, where a weight has 256 columns), and
+    the guard would tie the compilation to that bucket."""
+
+    def dims(t):
+        return [d.node.expr if isinstance(d, torch.SymInt) else d for d in t.shape]
+
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and dims(a) == dims(b)
 
 
 def _residual_adds_out_of_gemms():
@@ -366,7 +472,7 @@ def _residual_adds_out_of_gemms():
                     or node.kwargs.get("alpha", 1) != 1
                     or val is None
                     or not isinstance(inp, fx.Node)
-                    or getattr(inp.meta.get("val"), "shape", None) != val.shape
+                    or not _same_shape(inp.meta.get("val"), val)
                 ):
                     continue
                 with graph.inserting_before(node):
