@@ -10,7 +10,8 @@
 #                                           models        tests/test_models_gpu.py but FlashInfer's and the
 #                                                         compiled ones
 #                                           compiled      test_models_gpu's Inductor-compiled tests (-k compile:
-#                                                         two tests, ~4 minutes of compiling)
+#                                                         two tests, ~4 minutes of compiling) and
+#                                                         test_compile_gpu's random model shapes
 #                                           flashinfer    FlashInfer's
 #                                           flashinfer-tc-plan-paths-off  FlashInfer's model tests with
 #                                                         FI.TENSOR_CORE_PLAN_PATHS off (the fallback)
@@ -49,6 +50,7 @@ fi
 # every gpu-marked test of tests/ but the multi-GPU files (a new test file joins a lane without an edit here)
 single="tests --ignore=tests/test_tp_gpu.py --ignore=tests/test_ep_gpu.py"
 models=tests/test_models_gpu.py
+shapes=tests/test_compile_gpu.py  # (compiled pieces over random model shapes: in the compiled lane)
 # (a lane of their own: the single lane ran ~290 s of the suite's ~300 with them)
 kernels="tests/test_linear.py tests/test_norm_linear.py tests/test_attention_triton.py tests/test_pdl.py
 tests/test_rope.py tests/test_kv_write.py"
@@ -62,10 +64,10 @@ lane() {
   "$@" > "$log/gpu_tests-$name.log" 2>&1
   echo "$?" > "$rcs/$name"
 }
-lane_rest() { lane single t $single --ignore=$models ${kernels//tests\//--ignore=tests/} -k "not flashinfer"; }
+lane_rest() { lane single t $single --ignore=$models --ignore=$shapes ${kernels//tests\//--ignore=tests/} -k "not flashinfer"; }
 lane_kernels() { lane kernels t $kernels -k "not flashinfer"; }
 lane_models() { lane models t $models -k "not flashinfer and not compile"; }
-lane_compiled() { lane compiled t $models -k "compile and not flashinfer"; }
+lane_compiled() { lane compiled t $models $shapes -k "compile and not flashinfer"; }
 lane_fi() {
   lane flashinfer t $single -k flashinfer
   lane flashinfer-tc-plan-paths-off timeout -k 10 "$limit" python3 -c "$fi_tc"
