@@ -341,8 +341,9 @@ def _restored(env):
     their sizes grow. Putting the old containers back is not enough: a cached `replace(s0) -> 256` from one piece's
     compilation would specialise the next piece compiled in the same env, which then records no assumption of its
     own. So both counters move on, and every derived value is recomputed from the restored state."""
-    names = ("guards", "replacements", "var_to_range", "divisible", "deferred_runtime_asserts", "axioms")
+    names = ("guards", "replacements", "var_to_range", "divisible", "axioms")
     saved = {k: copy.copy(getattr(env, k)) for k in names if hasattr(env, k)}
+    # (lists per symbol that a compilation appends to: copied one level down)
     saved["deferred_runtime_asserts"] = {k: list(v) for k, v in getattr(env, "deferred_runtime_asserts", {}).items()}
     before = types.SimpleNamespace(**saved)
     try:
