@@ -247,7 +247,7 @@ class Compiler:
             guards, ranges = _facts(layout, mode.shape_env)
             # (what the trace knows of the piece's sizes is part of its key: a trace that fixed a size shares no
             # compilation with one that did not)
-            key, names = piece_key(module, inputs, options, mode.shape_env, (guards, ranges))
+            key, names = piece_key(module, inputs, options, (guards, ranges))
             got = self.shared.get(key)
             if got is None:
                 fn, assumed, now = self._assumed(module, inputs, options, mode, key, names)
@@ -267,12 +267,11 @@ class Compiler:
         beside it (by the piece's key) when it is made and read back when it is loaded; a load without them is
         compiled again, with the cache off, to learn them."""
         env = mode.shape_env
-        replacements = dict(env.replacements)
         loaded0 = self.counts["loaded"]
         with _restored(env) as before:
             fn = self._compile(module, inputs, options, mode)
             assumed = [g.expr for g in env.guards[len(before.guards) :]]
-            assumed += [sympy.Eq(k, v) for k, v in env.replacements.items() if k not in replacements]
+            assumed += [sympy.Eq(k, v) for k, v in env.replacements.items() if k not in before.replacements]
             now = {s: (_bound(r.lower), _bound(r.upper)) for s, r in env.var_to_range.items() if s in names}
         assumed = [env.replace(g) for g in assumed]  # over the layout's symbols, as the trace's replacements leave them
         path = _assumptions_path(key)
@@ -383,16 +382,15 @@ def config_patch(options: dict):
     return config.patch(options)
 
 
-def piece_key(module: fx.GraphModule, inputs: list, options: dict, env=None, facts=([], {})) -> tuple[str, dict]:
+def piece_key(module: fx.GraphModule, inputs: list, options: dict, facts=([], {})) -> tuple[str, dict]:
     """A piece's graph as text that two structurally equal pieces share: nodes numbered in order, each input's avals
-    (dtype, device, shape, strides) with the env's replacements applied and symbols renamed by first appearance,
-    what the trace knows of them (`facts`: guards and ranges, `_facts`), the options; constants by value."""
+    (dtype, device, shape, strides) as the trace's replacements leave them (a SymInt's `node.expr` applies them) with
+    symbols renamed by first appearance, what the trace knows of them (`facts`: guards and ranges, `_facts`), the
+    options; constants by value."""
     names: dict = {}
 
     def expr(x) -> str:
         e = x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
-        if isinstance(e, sympy.Basic) and env is not None:
-            e = env.replace(e)
         if isinstance(e, sympy.Basic):
             for s in sorted(e.free_symbols, key=str):
                 names.setdefault(s, sympy.Symbol(f"s{len(names)}"))
