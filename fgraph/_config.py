@@ -52,6 +52,9 @@ class config(metaclass=_Checked):
     # inside it, as fgraph::norm_linear: one kernel where it times faster than the norm's launch and the matmul's.
     # Off until measured in the decode step (docs/performance.md)
     small_m_norm = False
+    # the tuners' choices are kept on disk beside Inductor's cache, by GPU, CUDA, torch, Triton and kernel source, and
+    # read by later processes instead of timing the keys again (fgraph/capture/_tuned.py). False: each process times
+    tune_cache = True
     # fgraph's own Triton kernels of a decode step (fgraph::linear's family, the triton attention's decode and merge)
     # launch with programmatic dependent launch: each may start while the kernel before it runs and waits for it
     # (griddepcontrol.wait) before touching memory, so launches overlap the kernels before them (CUDA graphs keep it

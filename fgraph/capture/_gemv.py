@@ -49,6 +49,7 @@ import functools
 import torch
 
 from .._config import pdl_args
+from . import _tuned
 
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce
@@ -68,8 +69,8 @@ GLU_MARGIN = 0.95
 
 # tuned: keys timed (glu / norm / group: of them, those with the activation / the norm / of weights grouped);
 # triton / cublas: tuned keys each serves (split: the triton ones with K split); untuned: keys met first inside a
-# capture (cuBLAS)
-counts = {"tuned": 0, "glu": 0, "norm": 0, "group": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0}
+# capture (cuBLAS); loaded: keys whose choice an earlier process made (_tuned), timed by none here
+counts = {"tuned": 0, "glu": 0, "norm": 0, "group": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0, "loaded": 0}
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 
@@ -228,15 +229,24 @@ def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
     return best
 
 
-def _chosen(key: tuple, device, tune) -> tuple | None:
-    """The config tuned for key, tuned now (`tune()`) on its first call; None (cuBLAS) for a key first met inside a
-    capture, where nothing can be timed."""
+def _chosen(key: tuple, device, tune, ready=None) -> tuple | None:
+    """The config tuned for key: read from an earlier process's choices (`_tuned`) or tuned now (`tune()`) on its
+    first call; None (cuBLAS) for a key first met inside a capture, where nothing can be timed. ready(cfg): what a
+    config needs made outside any capture before it serves (a loaded one was never launched here)."""
     if key not in _choice:
         if torch.cuda.is_current_stream_capturing():
             counts["untuned"] += 1
             return None
-        with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
-            _choice[key] = tune()
+        found, cfg = _tuned.load(key, device.index)
+        if found:
+            counts["loaded"] += 1
+            if ready is not None and cfg is not None:
+                ready(cfg)
+        else:
+            with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
+                cfg = tune()
+            _tuned.store(key, device.index, cfg)
+        _choice[key] = cfg
     return _choice[key]
 
 
@@ -265,7 +275,8 @@ def _pick(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tupl
     # (two weights: another key, whose tuner times two matmuls and the activation where one weight times one)
     kind = glu if u is None else "pair"
     key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, kind, normed, x.device.index)
-    return _chosen(key, x.device, lambda: _tune(x, w, b, glu, norm, u))
+    ready = (lambda cfg: _locks(x, cfg, w.shape[0]) if cfg[-1] > 1 else None) if not glu and norm is None else None
+    return _chosen(key, x.device, lambda: _tune(x, w, b, glu, norm, u), ready)
 
 
 GROUP = 3  # weights over the same rows fgraph::linears takes in one launch
