@@ -312,8 +312,16 @@ class Jitted(T.Inlined):
         """A jitted module is a drop-in for it: attributes Jitted lacks are the module's (`.config`, `.device`).
 
         Its methods (`.generate`) run with the module's forward jitted (these options), so the `self(...)` calls
-        inside them go through fgraph as well."""
+        inside them go through fgraph as well. A jitted function has the function's own attributes
+        (`f.some_value = 1`), as functools.wraps would copy them: read through, not copied, so a jitted function
+        jitted again never takes the inner one's fields (its fn, options and cache) for its own."""
         fn = self.__dict__.get("fn")
+        if not name.startswith("_") and fn is not None and not isinstance(fn, torch.nn.Module):
+            if isinstance(fn, Jitted):
+                return getattr(fn, name)
+            own = getattr(fn, "__dict__", {})
+            if name in own:
+                return own[name]
         if name.startswith("_") or not isinstance(fn, torch.nn.Module):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         attr = getattr(fn, name)

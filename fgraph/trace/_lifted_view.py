@@ -46,7 +46,8 @@ class LiftedView:
 
     def __init__(self, lifted: Lifted, leaves: list):
         _hook_registrations()
-        self.lifted, self.leaves, self.generation = lifted, leaves, _generation[0]
+        # (not the Lifted itself: it holds the function, and a function's cache must not keep it alive)
+        self.leaves, self.generation = leaves, _generation[0]
         self.key = None  # the replay path's key part for these leaves' layout (FastPath.remember sets it)
         self.dicts, self.keys = [], []  # per module leaf: the dict holding it, its key there
         for i, key in lifted.names.values():
