@@ -29,7 +29,6 @@ with (
     mock.patch.object(torch.cuda, "get_device_properties", lambda i: props),
     mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False),
     mock.patch.object(torch.cuda, "device", lambda d: contextlib.nullcontext()),
-    mock.patch.object(torch.cuda, "empty_cache", lambda: None),
 ):
     got = [
         _gemv._chosen(key, torch.device("cuda", 0), lambda cfg=cfg: timed.append(1) or cfg, readied.append)

@@ -245,9 +245,6 @@ def _chosen(key: tuple, device, tune, ready=None) -> tuple | None:
         else:
             with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
                 cfg = tune()
-                # the timing's graphs each had a private pool: their memory stays reserved by the caching allocator
-                # after they die, and a start-up that tunes would keep ~1 GiB more than one that loads (0.5B)
-                torch.cuda.empty_cache()
             _tuned.store(key, device.index, cfg)
         _choice[key] = cfg
     return _choice[key]
