@@ -95,11 +95,12 @@ class Traced:
         check(fname, gm, ph_paths, lambda ph: root_of(ph_paths[ph]) in donated_roots, device)
         self.random = padding.random_draws(gm)
         for f in self.random:
-            jitted.log_once(
+            _visible(
+                jitted,
                 ("random", f.line),
-                "%s: a jitted call draws another stream than eager under the same seed (padded rows and warm-up runs "
-                "draw too; logged once). Fix: draw the noise outside and pass it in",
-                f,
+                f"{f}: a jitted call draws another stream than eager under the same seed (padded rows and warm-up "
+                "runs draw too)",
+                "draw the noise outside and pass it in",
             )
         is_break = breaks_filter(jitted.options.breaks)
         routine = call.statics.get(jitted.options.routine)
@@ -153,11 +154,11 @@ class Traced:
         self.tied = padding.tied_lengths(self.axes)
         padding.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
         for f in self.mixing:
-            jitted.log_once(
+            _visible(
+                jitted,
                 ("padding", f.op, f.line),
-                "padding is visible: %s; calls padded to a bucket differ from the unpadded call (logged once). Fix: "
+                f"padding is visible: {f}; calls padded to a bucket differ from the unpadded call",
                 "mask the padded rows, or declare Batched(mixes=True) if intended",
-                f,
             )
 
     def fits(self, bucket: int | None) -> bool:
@@ -188,6 +189,14 @@ class Traced:
             and isinstance(v.shape[0], int)
             and v.shape[0] == bucket
         ]
+
+
+def _visible(jitted, key, what: str, fix: str) -> None:
+    """A way the jitted call's answer differs from the plain function's: a TraceError under strict=True, else a
+    warning logged once per place."""
+    if jitted.options.strict:
+        raise TraceError(f"fgraph.jit({jitted.name}, strict=True): {what}", fix)
+    jitted.log_once(key, "%s (logged once). Fix: %s", what, fix)
 
 
 def _self_of(o):
