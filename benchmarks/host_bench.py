@@ -8,6 +8,9 @@ same Python has run ~3x slower on a slower host (benchmarks/NOTES.md); this is t
 Each cell twice: inputs copied by the call, and by the graph (fgraph.config.inputs_in_graph, the default: on
 the CPU the write then pads into the graph's own mirror; the copy is the stubbed replay's).
 
+Then the cost of guarded Python values (fgraph/trace/_callable.py: guard_values): the replay path of a small FULL
+function reading 0, 1 and 10 globals, the launch stubbed; the difference per value is what a guard costs a call.
+
 usage: python3 -m benchmarks.host_bench [--presets qwen2.5-0.5b llama3-8b] [--batches 1 64] [--calls 5000]
 """
 
@@ -74,6 +77,21 @@ def cell(preset: str, B: int, calls: int, in_graph: bool = False) -> dict:
     }
 
 
+def guard_cell(k: int, calls: int) -> dict:
+    """us per replay of `x * (G0 + ... + G{k-1})` (k globals guarded; k = 0: a constant), the launch stubbed."""
+    names = [f"G{i}" for i in range(k)]
+    scope = {name: float(i) for i, name in enumerate(names)}
+    exec(f"def read(x):\n    return x * ({' + '.join(names) or '1.0'})", scope)  # noqa: S102 (a benchmark's own)
+    f = fgraph.jit(scope["read"], mode="FULL")
+    x = torch.ones(4)
+    f(x)
+    (entry,) = f.entries.values()
+    out = entry.full.out
+    entry.full.replay = lambda: out
+    assert len(f.lifted.guards) == k
+    return {"guards": k, "call_us": median_us(lambda: f(x), calls)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["qwen2.5-0.5b", "llama3-8b"])
@@ -95,7 +113,11 @@ def main(argv=None):
             f"| {r['preset']} | {r['batch']} | {'the graph' if r['in_graph'] else 'the call'} | {r['leaves']} | "
             f"{r['call_us']:.1f} | {r['write_us']:.1f} | {r['rest_us']:.1f} |"
         )
-    return rows
+    guards = [guard_cell(k, a.calls) for k in (0, 1, 10)]
+    print("\n| globals guarded | call | over none |\n|---|---|---|")
+    for r in guards:
+        print(f"| {r['guards']} | {r['call_us']:.1f} | {r['call_us'] - guards[0]['call_us']:+.1f} |")
+    return rows + guards
 
 
 if __name__ == "__main__":

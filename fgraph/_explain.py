@@ -30,6 +30,14 @@ def _entry_text(name: str, e, n: int | None) -> str:
         lines.append(f"  padding visible: {f}")
     for f in e.traced.random:  # ops whose draws differ from eager's (fgraph/padding/_random.py)
         lines.append(f"  random: {f}")
+    guards = e.sig.guards()
+    if guards:  # the Python values this signature's trace baked in, checked on every call
+        shown = ", ".join(f"{k}={v!r}" for k, v in guards[:8]) + (
+            f", +{len(guards) - 8} more" if len(guards) > 8 else ""
+        )
+        lines.append(f"  guarded: {shown}")
+    for name in e.traced.unguarded:  # Python values read but not guarded (the signature lists the guarded ones)
+        lines.append(f"  not guarded: {name}")
     pieces = e.program.pieces
     lines.append(
         f"  pieces: {len(pieces)} ({sum(not p.is_break for p in pieces)} graph, "

@@ -245,7 +245,9 @@ class FastPath:
         if lifted:
             if view is None or not view.proven():
                 view = LiftedView(lifted, call.leaves[offset:])
-                view.key = _Key(("lifted", tuple(map(leaf_of, view.leaves)), tuple(view.training)))
+                view.key = _Key(
+                    ("lifted", tuple(map(leaf_of, view.leaves)), tuple(view.training), tuple(view.guard_keys))
+                )
             if not view.whole:
                 return None  # the jit object's calls take the slow path
             parts.append(view.key)

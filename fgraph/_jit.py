@@ -138,7 +138,7 @@ class Jitted(T.Inlined):
                     self.bind(args, kwargs)  # path's EscapeError names it (the replay path does not look per call)
                 raise
             hit.entry.verified = hit.held
-            if self.lifted and torch.is_grad_enabled():  # outputs over parameters that require grad: no backward
+            if torch.is_grad_enabled() and self.lifted.reads_tensors():  # outputs over parameters that require grad
                 self.lifted.grads = self._view.requires_grad()
                 return T.refuse_backward(self.name, self.lifted, out, self._donated_of(hit.bound))
             return out

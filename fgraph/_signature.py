@@ -293,14 +293,25 @@ class Static(tuple):
         return hash((self[0], static_key(self[1])))
 
 
+class Guard(Static):
+    """A guarded Python value the trace read (`SCALE`, `self.temp`), as a signature entry: compared as a Static is,
+    listed by explain on a line of its own rather than in the signature's one-line description."""
+
+    __slots__ = ()
+
+
 class Signature(NamedTuple):
     statics: tuple[tuple[str, Any], ...]  # Static pairs by name, then what the trace depends on (trace.context)
     bucket: int | None
     treespec: pytree.TreeSpec
     leaves: tuple[Aval, ...]
 
+    def guards(self, guarded: bool = True) -> list:
+        """The entries that are guarded Python values (`Guard`), or (False) every other one."""
+        return [kv for kv in self.statics if isinstance(kv, Guard) is guarded]
+
     def describe(self) -> str:
-        st = ", ".join(f"{k}={v!r}" for k, v in self.statics)
+        st = ", ".join(f"{k}={v!r}" for k, v in self.guards(False))
         return f"({st}{', ' if st else ''}bucket={self.bucket})"
 
 

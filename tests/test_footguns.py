@@ -2,10 +2,6 @@
 
 SILENT MISMATCHES (wrong results, no error):
   outputs_overwritten_with_copy_outputs_off  MED  copy_outputs=False (the engine's opt-in): valid until the next call
-  python_constants_frozen_at_trace       HARD  inherent to tracing: closures and globals are read once
-  python_constants_frozen_across_jit_objects HARD  the same: a new fgraph.jit(f) of the same function and options
-                                               shares f's cache (as jax.jit's), so it replays the first trace too.
-                                               Call .reset() (or jit a new closure) after changing them
   python_side_effects_run_once           HARD  prints/appends in the function happen at trace time only (appending
                                                a traced value is an EscapeError: tests/test_semantics.py)
   values_stored_into_an_argument         HARD  `state["h"] = h + 1` stores into the trace's own dict: the caller's
@@ -84,24 +80,23 @@ def test_outputs_are_copies_by_default():
     assert a.tolist() == [2.0] * 4
 
 
-def test_python_constants_frozen_at_trace():
+def test_python_constants_are_guarded():
+    """(No longer a footgun: a Python value the trace baked in, here a closed-over dict's entry, is guarded.)"""
     fn, factor = scale_fn()
     f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])
     assert f(torch.ones(4)).tolist() == [2.0] * 4
     factor["value"] = 10.0
-    assert f(torch.ones(4)).tolist() == [2.0] * 4  # should be [10.0] * 4! the trace read it once
+    assert f(torch.ones(4)).tolist() == [10.0] * 4  # a new signature: traced again
     with fgraph.disable_jit():
         assert f(torch.ones(4)).tolist() == [10.0] * 4
 
 
-def test_python_constants_frozen_across_jit_objects():
+def test_python_constants_are_guarded_across_jit_objects():
     fn, factor = scale_fn()
     assert fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])(torch.ones(4)).tolist() == [2.0] * 4
     factor["value"] = 10.0
     f = fgraph.jit(fn, batch={"x": Batched()}, mode="PIECEWISE", buckets=[4])  # the same function and options
-    assert f(torch.ones(4)).tolist() == [2.0] * 4  # should be [10.0] * 4! its cache is the first jit object's
-    f.reset()
-    assert f(torch.ones(4)).tolist() == [10.0] * 4
+    assert f(torch.ones(4)).tolist() == [10.0] * 4  # its cache is the first jit object's, keyed by the value
 
 
 def test_repeated_reads_python_values_once():

@@ -270,6 +270,8 @@ def test_train_and_eval_after_a_call_are_seen(mode):
         f(x)
     described = sorted(e.sig.describe() for e in f.entries.values())
     assert described == ["(<training>=('self',), bucket=4)", "(<training>=('self.1',), bucket=4)", "(bucket=4)"]
+    # Python values Dropout.forward reads, guarded in every signature (listed apart from its description)
+    assert all(e.sig.guards() == [("self.1.p", 0.5), ("self.1.inplace", False)] for e in f.entries.values())
 
 
 # -- closures ----------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ reparametrization, closure cells, globals) and swapped back after.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
 import types
@@ -26,7 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from .._errors import FgraphError, SignatureError
 from .._fx import user_code
 from .._pytree import flatten_with_paths
-from .._signature import path_str, torch_state
+from .._signature import Guard, path_str, torch_state
 from ._compiling import dynamo_compiling
 
 
@@ -82,6 +83,10 @@ class Lifted:
         fn = self.fn
         self.modules: list[tuple[str, torch.nn.Module]] = []  # (name, module): parameters and buffers
         self.slots: list[tuple[str, str, object, object]] = []  # (name, kind, holder, key): cell / global / attr
+        # Python values the trace bakes in (`SCALE = 2.0`, `self.temp`, `CFG["act"]`), where they live, as slots
+        # are: each call's signature holds them (`context`), so a changed one is another signature
+        self.guards: list[tuple[str, str, object, object]] = []
+        self.unguarded: list[str] = []  # containers too large to guard value by value (explain lists them)
         self._taken, self._seen = set(self.params), set()
         self._callable(fn)
 
@@ -110,6 +115,10 @@ class Lifted:
             self._function(fn, 0)
 
     def __bool__(self):
+        return bool(self.modules or self.slots or self.guards)
+
+    def reads_tensors(self) -> bool:
+        """Whether it reads tensors (not only guarded Python values): what a backward through its outputs needs."""
         return bool(self.modules or self.slots)
 
     def roots(self) -> set[str]:
@@ -144,9 +153,14 @@ class Lifted:
         name = self._name(name)
         self.modules.append((name, m))
         for sub_name, sub in m.named_modules():  # plain tensor attributes (neither parameter nor buffer)
+            # and the Python values its forward names (`self.temp`): a name its code does not hold is not read
+            read = set(_global_names(type(sub).forward.__code__)) if hasattr(type(sub).forward, "__code__") else ()
             for k, v in vars(sub).items():
+                at = f"{name}.{sub_name}.{k}" if sub_name else f"{name}.{k}"
                 if isinstance(v, torch.Tensor):
-                    self.slots.append((f"{name}.{sub_name}.{k}" if sub_name else f"{name}.{k}", "attr", sub, k))
+                    self.slots.append((at, "attr", sub, k))
+                elif k in read and k != "training" and not k.startswith("_") and guardable(v):
+                    self.guards.append((at, "attr", sub, k))
 
     def _holder(self, name: str, obj):
         """`self` of a bound method: a module, or an object whose tensor / module attributes the method reads."""
@@ -169,9 +183,17 @@ class Lifted:
             self._function(v.__func__, depth + 1)
         elif isinstance(v, types.FunctionType) and user_code(v):
             self._function(v, depth + 1)
+        elif guardable(v):
+            self.guards.append((name, kind, holder, key))
         elif isinstance(v, (dict, list)) and depth <= 3 and len(v) <= 4096:  # CONFIG["w"]: swapped in the container
-            for k, x in v.items() if isinstance(v, dict) else enumerate(v):
-                if isinstance(x, (torch.Tensor, torch.nn.Module, dict, list)):
+            items = list(v.items() if isinstance(v, dict) else enumerate(v))
+            plain = [(k, x) for k, x in items if guardable(x)]
+            if len(plain) > MAX_GUARDS:
+                self.unguarded.append(name)
+            for k, x in items:
+                if isinstance(x, (torch.Tensor, torch.nn.Module, dict, list)) or (
+                    len(plain) <= MAX_GUARDS and guardable(x)
+                ):
                     self._value(f"{name}[{k!r}]", x, "item", v, k, depth + 1)
 
     def _function(self, fn, depth: int):
@@ -273,6 +295,22 @@ def _positional_names(fn) -> list[str]:
     return [p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+MAX_GUARDS = 64  # Python values of one container guarded one by one; past it, listed as unguarded
+
+
+def guardable(v, depth: int = 0) -> bool:
+    """Whether v is a Python value a trace bakes in and a guard compares cheaply: None, a bool, int, float, str or
+    enum member, or a short tuple of them."""
+    if v is None or type(v) in (bool, int, float, str) or isinstance(v, enum.Enum):
+        return True
+    return type(v) is tuple and depth < 2 and len(v) <= 16 and all(guardable(x, depth + 1) for x in v)
+
+
+def guard_values(lifted: Lifted) -> tuple:
+    """The guarded Python values as they are now, as signature entries (`Guard`: by type and value)."""
+    return tuple(Guard(name, _read(kind, holder, key)) for name, kind, holder, key in lifted.guards)
+
+
 def _global_names(code) -> list[str]:
     """Names a code object (and the functions defined inside it) may read as globals."""
     names = list(code.co_names)
@@ -346,7 +384,8 @@ def context(lifted: Lifted) -> tuple:
     torch's global settings when not at torch's defaults (autocast, default dtype, matmul precision), and the lifted
     modules in training mode."""
     state, training = torch_state(), lifted.training() if lifted else ()
-    return ((("<torch>", state),) if state else ()) + ((("<training>", training),) if training else ())
+    guards = guard_values(lifted) if lifted else ()
+    return ((("<torch>", state),) if state else ()) + ((("<training>", training),) if training else ()) + guards
 
 
 class _InferenceOnly(torch.autograd.Function):

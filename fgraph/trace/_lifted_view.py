@@ -15,6 +15,7 @@ import weakref
 import torch
 from torch.nn.modules import module as _module
 
+from .._signature import static_key
 from ._callable import Lifted, _read
 
 _generation = [0]  # bumped whenever a watched module registers a parameter, buffer or submodule
@@ -58,6 +59,9 @@ class LiftedView:
             self.dicts.append(sub._parameters if local in sub._parameters else sub._buffers)
             self.keys.append(local)
         self.slots = [(kind, holder, key) for _, kind, holder, key in lifted.slots]
+        # the guarded Python values (Lifted.guards) as the slow call read them, by type and value (static_key)
+        self.guards = [(kind, holder, key) for _, kind, holder, key in lifted.guards]
+        self.guard_keys = [static_key(_read_slot(g)) for g in self.guards]
         self.tensors = self._tensors()
         self.slot_values = list(map(_read_slot, self.slots))
         self.modules = [sub for _, m in lifted.modules for sub in m.modules()]
@@ -88,6 +92,10 @@ class LiftedView:
         call for a 24-layer HF model); the tensors' pointers are read once their identity is proven."""
         if self.generation != _generation[0]:
             return False
+        if self.guards and list(map(static_key, map(_read_slot, self.guards))) != self.guard_keys:
+            return False
+        if not (self.tensors or self.modules or self.slots):  # (guarded Python values only: nothing more to prove)
+            return True
         try:
             now = list(map(_getitem, self.dicts, self.keys))
         except KeyError:  # a parameter deleted

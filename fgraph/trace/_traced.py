@@ -102,6 +102,16 @@ class Traced:
                 "runs draw too)",
                 "draw the noise outside and pass it in",
             )
+        # Python values the trace reads but no guard compares (containers too large): baked in, said once
+        self.unguarded = list(jitted.lifted.unguarded)
+        for name in self.unguarded:
+            _visible(
+                jitted,
+                ("unguarded", name),
+                f"`{name}` holds too many Python values to guard one by one: the trace reads them once, and a change "
+                "to them is not seen",
+                "pass the values the function reads as arguments (static= for those that choose the program)",
+            )
         is_break = breaks_filter(jitted.options.breaks)
         routine = call.statics.get(jitted.options.routine)
         self.mode, self.reason = resolve_mode(fname, jitted.options.mode, routine, gm, is_break)

@@ -1,0 +1,191 @@
+"""Python values a trace reads from outside the arguments (a global, a closure cell, a module's attribute, a config
+dict's entry, an enum) are guarded, as torch.compile guards them: after one changes, the jitted function gives the
+plain function's answer (a new signature, traced again), in every mode, and the cache miss names the value."""
+
+import enum
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fgraph
+from fgraph import Batched
+
+MODES = ["NONE", "PIECEWISE", "FULL"]
+SCALE = 2.0
+CFG = {"act": "tanh", "temperature": 1.0}
+
+
+class Act(enum.Enum):
+    TANH = "tanh"
+    RELU = "relu"
+
+
+ACT = Act.TANH
+
+
+def scaled(x):
+    return x * SCALE
+
+
+def configured(x):
+    y = torch.tanh(x) if CFG["act"] == "tanh" else torch.relu(x)
+    return y / CFG["temperature"]
+
+
+def by_enum(x):
+    return torch.tanh(x) if ACT is Act.TANH else torch.relu(x)
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.temp, self.use_bias = 2.0, False
+
+    def forward(self, x):
+        y = x * self.w / self.temp
+        return y + 1 if self.use_bias else y
+
+
+def jit(fn, mode):
+    return fgraph.jit(fn, batch={"x": Batched()}, buckets=[4], mode=mode)
+
+
+def same(f, g, x):
+    with torch.no_grad():
+        torch.testing.assert_close(f(x), g(x), rtol=0, atol=0)
+
+
+X = torch.tensor([[-1.0, 0.5, 2.0], [0.25, -3.0, 1.0]])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_global_is_seen(mode):
+    global SCALE
+    f = jit(scaled, mode)
+    try:
+        for SCALE in (2.0, 2.0, 3.0, 3, 2.0):  # noqa: B007 (3, an int, apart from 3.0: another trace)
+            same(f, scaled, X)
+    finally:
+        SCALE = 2.0
+    assert len(f.entries) == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_closure_cell_is_seen(mode):
+    scale = 2.0
+
+    def g(x):
+        return x * scale
+
+    f = jit(g, mode)
+    for scale in (2.0, 5.0, 5.0, -1.0):  # noqa: B007 (the cell g reads)
+        same(f, g, X)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_config_entry_is_seen(mode):
+    f = jit(configured, mode)
+    try:
+        for act, t in [("tanh", 1.0), ("relu", 1.0), ("relu", 0.5), ("tanh", 1.0)]:
+            CFG.update(act=act, temperature=t)
+            same(f, configured, X)
+    finally:
+        CFG.update(act="tanh", temperature=1.0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_enum_is_seen(mode):
+    global ACT
+    f = jit(by_enum, mode)
+    try:
+        for ACT in (Act.TANH, Act.RELU, Act.TANH):  # noqa: B007 (the global by_enum reads)
+            same(f, by_enum, X)
+    finally:
+        ACT = Act.TANH
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_changed_module_attribute_is_seen(mode):
+    m = Tempered()
+    f = fgraph.jit(m, batch={"x": Batched()}, buckets=[4], mode=mode)
+    for temp, bias in [(2.0, False), (2.0, False), (4.0, False), (4.0, True)]:
+        m.temp, m.use_bias = temp, bias
+        same(f, m, X)
+
+
+def test_the_cache_miss_names_the_changed_value(caplog):
+    global SCALE
+    f = jit(scaled, "NONE")
+    f(X)
+    fgraph.config.explain_cache_misses = True
+    try:
+        SCALE = 7.0
+        with caplog.at_level(logging.WARNING, logger="fgraph"):
+            f(X)
+    finally:
+        SCALE, fgraph.config.explain_cache_misses = 2.0, False
+    assert "SCALE" in caplog.text and "7.0" in caplog.text, caplog.text
+    assert "guarded: SCALE=2.0" in str(fgraph.explain(f))  # each signature lists what its trace baked in
+
+
+def test_a_function_reading_no_python_value_guards_nothing():
+    f = jit(lambda x: x * 2.0, "NONE")
+    f(X)
+    assert not f.lifted.guards
+
+
+NAMES = ["A", "B", "C", "D"]
+A, B, C, D = 1.0, 2.0, 3, True
+
+
+def program(x):
+    y = x * A + B
+    y = y - C if D else y * C
+    return torch.tanh(y) if A > B else y
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.sampled_from(["A", "B", "C"]), st.sampled_from([0.5, 1.0, 2.0, 3, -1])),
+            st.tuples(st.just("D"), st.booleans()),
+        ),
+        max_size=8,
+    )
+)
+def test_random_mutations_of_globals_between_calls_give_eagers_answers(changes):
+    """A program reading four globals, mutated at random between calls of one jitted function: every call equals the
+    plain function (fails when the guards are removed: a changed global replays the old trace)."""
+    saved = {k: globals()[k] for k in NAMES}
+    f = jit(program, "PIECEWISE")
+    try:
+        same(f, program, X)
+        for name, value in changes:
+            globals()[name] = value
+            same(f, program, X)
+            same(f, program, X)  # (the replay path too)
+    finally:
+        globals().update(saved)
+
+
+BIG = {f"k{i}": float(i) for i in range(100)}
+
+
+def reads_big(x):
+    return x * BIG["k3"]
+
+
+def test_a_container_too_large_to_guard_is_said_once_listed_by_explain_and_refused_under_strict(caplog):
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f = jit(reads_big, "NONE")
+        f(X)
+        f(X)
+    assert caplog.text.count("`BIG` holds too many Python values") == 1
+    assert "not guarded: BIG" in str(fgraph.explain(f))
+    with pytest.raises(fgraph.TraceError, match="strict=True.*BIG"):
+        fgraph.jit(reads_big, batch={"x": Batched()}, buckets=[4], strict=True)(X)
