@@ -100,3 +100,21 @@ def test_sequence_buckets_warn_only_where_causal_attention_under_a_mask_is_harml
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         ops = {r.getMessage().split("padding is visible: ")[1].split(" at ")[0] for r in caplog.records}
         assert ops == (set() if mixes else {"aten.view", "aten._softmax", "aten.bmm"}), ops
+
+
+@torch.no_grad()
+def test_a_dynamic_cache_returned_by_a_plain_call_names_the_way_out_generate_does():
+    """`model(ids)` leaves use_cache at its default: the model makes a DynamicCache and returns it. The class is
+    transformers', so the fix is how the model is called, the same as for a DynamicCache under generate."""
+    from examples import hf_generate as G
+
+    model = G.tiny("qwen2")
+    with pytest.raises(fgraph.TraceError) as plain:
+        fgraph.jit(model)(ids(2, 5))
+    assert "output cache is transformers' DynamicCache (use_cache=True, the default)" in plain.value.what
+    assert "use_cache=False" in plain.value.fix and "StaticCache" in plain.value.fix
+    assert "register" not in plain.value.fix and "dataclass" not in plain.value.fix
+    G.jit_forward(model)
+    with pytest.raises(fgraph.TraceError) as grown:  # generate's default cache grows per step
+        model.generate(ids(2, 5), max_new_tokens=3, do_sample=False)
+    assert "grown" in grown.value.what and plain.value.fix == grown.value.fix  # one way out, said once

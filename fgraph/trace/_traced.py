@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 
 from .. import _primitives as P
 from .. import padding
-from .._errors import TraceError
+from .._errors import GROWING_CACHE_FIX, TraceError
 from .._fx import base_of, write_targets
 from .._modes import resolve_mode
 from .._pytree import flatten_with_paths, holds, static_attrs, tree_flatten
@@ -256,8 +256,7 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
             f"{'a new tensor ' + _aval(x) if isinstance(x, torch.Tensor) else repr(x)}"
             f"{', grown' if grew else ''} by the function, where donated state is written in place (a cache "
             "that grows per call, such as transformers' DynamicCache, has no fixed-size graph)",
-            "use a fixed-size cache written in place: transformers' generate(..., "
-            'cache_implementation="static") or a StaticCache; or no cache: use_cache=False',
+            GROWING_CACHE_FIX,
         )
     if made:
         return InitialisesState(
