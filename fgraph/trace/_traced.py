@@ -5,6 +5,7 @@ program, its mode and why, what padding changes in it, how its outputs are cut b
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import NamedTuple
 
@@ -259,14 +260,31 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
             GROWING_CACHE_FIX,
         )
     if made:
+        what = f"the call makes donated `{made[0]}`" + (f" and {len(made) - 1} more" if len(made) > 1 else "")
+        if _under_generate():  # the cache may be generate's own (cache_implementation=...), never in the user's hands
+            name = made[0].split(".")[0].split("[")[0]
+            return InitialisesState(
+                what + ", which held no tensor (generate's prefill makes the cache's tensors): this call runs eagerly, "
+                "later ones are traced",
+                "to trace the prefill as well and have every generate read one cache in place, make a StaticCache, "
+                f"call cache.early_initialization(...) and pass it: generate(..., {name}=cache) (cache.reset() between "
+                "generates)",
+            )
         return InitialisesState(
-            f"the call makes donated `{made[0]}`"
-            + (f" and {len(made) - 1} more" if len(made) > 1 else "")
-            + ", which held no tensor (state made lazily, on first use): this call runs eagerly, later ones are traced",
+            what + ", which held no tensor (state made lazily, on first use): this call runs eagerly, later ones are "
+            "traced",
             "make the state before the first call to trace it as well (a transformers StaticCache: "
             "cache.early_initialization(...))",
         )
     return None
+
+
+def _under_generate() -> bool:
+    """Whether transformers' generate is calling: it passes the model a cache it made itself unless given one."""
+    f = sys._getframe()
+    while f is not None and not f.f_globals.get("__name__", "").startswith("transformers.generation."):
+        f = f.f_back
+    return f is not None
 
 
 def _aval(t) -> str:
