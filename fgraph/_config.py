@@ -64,6 +64,10 @@ class config(metaclass=_Checked):
     # many signatures on its own (capture() not counted), and past max_signatures new ones run eagerly
     warn_signatures = 8
     max_signatures = 64
+    # fgraph's errors show the user's frames and fgraph's message: torch's and fgraph's frames, and the torch error a
+    # trace error was made from, are left out (JAX's traceback filtering). False, or FGRAPH_TRACEBACK_FILTERING=off in
+    # the environment: the whole traceback and chain (fgraph/_traceback.py)
+    traceback_filtering = True
 
 
 def pdl_args(t) -> dict:

@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+# The way out of a transformers cache that grows per call (a DynamicCache), for every error that meets one: the class
+# is code the user cannot change, so the fix is how the model is called
+GROWING_CACHE_FIX = (
+    "use a fixed-size cache written in place: transformers' generate(..., "
+    'cache_implementation="static") or a StaticCache; or no cache: use_cache=False'
+)
+
+
+def transformers_cache(obj) -> bool:
+    """Whether `obj` is one of transformers' KV caches (DynamicCache, StaticCache, ...): a subclass of its Cache."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(obj).__mro__)
+
 
 class FgraphError(Exception):
     """Base of fgraph's errors. `str(e)` = what went wrong, then 'Fix: ...', then 'See: docs/errors.md#<class>'.

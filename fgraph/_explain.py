@@ -5,6 +5,7 @@ from __future__ import annotations
 from ._errors import FgraphError
 from ._jit import Jitted
 from ._lower import avals_lines
+from ._traceback import boundary
 from .capture import kernels_made
 from .trace import op_summary
 
@@ -98,6 +99,7 @@ def _listed(how: str, paths: list[str], most: int = 6) -> str:
     return f"{how} ({len(paths)}): {', '.join(paths[:most])}, ..."
 
 
+@boundary
 def explain(fn, *args, **kwargs) -> Explanation:
     """A report per signature of how fgraph runs it.
 

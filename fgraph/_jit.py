@@ -36,6 +36,7 @@ from ._signature import (
     pad_count,
     undeclared_batched,
 )
+from ._traceback import boundary, user_frames
 from .capture import Entry, Stats, capture_session, compiler
 from .padding import check_aliases, check_lengths
 
@@ -130,7 +131,8 @@ class Jitted(T.Inlined):
             taught = self._view is not None or (self.lifted.rescanned and not self.lifted)
             hit = self.fastpath.find(args, kwargs, self._view) if self._plain and taught else None
             if hit is None:
-                return self._slow_call(args, kwargs)
+                with user_frames:  # where tracing fails: fgraph's errors show the user's frames only
+                    return self._slow_call(args, kwargs)
             try:
                 out = hit.entry.run(hit.leaves, hit.n, hit.bound, self.options.copy_outputs)
             except Exception:
@@ -330,6 +332,7 @@ class Jitted(T.Inlined):
         return functools.partial(_with_jitted_forward, self, attr)
 
     # -- capture ---------------------------------------------------------------------------------------------
+    @boundary
     def capture(self, *args, buckets=None, progress=True, **kwargs):
         """Trace and capture every signature up front, then seal: later unseen signatures never capture.
 

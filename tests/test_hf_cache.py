@@ -2,6 +2,8 @@
 `model.generate(..., cache_implementation="static")` give eager's greedy tokens; a growing cache is a clear error;
 a jitted module is a drop-in for it (issue #31)."""
 
+import logging
+
 import pytest
 import torch
 
@@ -85,6 +87,44 @@ def test_token_by_token_decode_with_a_static_cache_the_caller_made():
     got_ids, got = run(f)
     assert torch.equal(got_ids, want_ids) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
     assert len(f.entries) == 2 and f.stats()["fallbacks"]["init"] == 0  # prefill and decode, each traced once
+
+
+def init_logs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "which held no tensor" in r.getMessage()]
+
+
+@torch.no_grad()
+def test_the_recipe_logs_a_fix_its_user_can_take_for_the_cache_generate_makes(caplog):
+    """generate makes the StaticCache its prefill fills: its user never holds it to early_initialization(...) it.
+    The log says what they can do (make one, initialise it, pass it), and that quiets it."""
+    model = G.tiny("qwen2")
+    want = G.generate(model, IDS, 3)
+    G.jit_forward(model)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        assert torch.equal(G.generate(model, IDS, 3), want)
+    (msg,) = init_logs(caplog)
+    assert "generate's prefill makes the cache's tensors" in msg
+    assert msg.split("Fix: ")[1].startswith("to trace the prefill as well") and "generate(..., cache=cache)" in msg
+    caplog.clear()
+    model = G.tiny("qwen2")
+    f = G.jit_forward(model)
+    cache = StaticCache(config=model.config, max_cache_len=16)  # the fix, taken
+    cache.early_initialization(2, 2, 16, torch.float32, "cpu")
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, disable_compile=True)
+        assert torch.equal(model.generate(IDS, cache=cache, **kw), want)
+    assert not init_logs(caplog) and f.stats()["fallbacks"]["init"] == 0
+
+
+@torch.no_grad()
+def test_a_static_cache_the_caller_made_is_told_to_initialise_it(caplog):
+    model = G.tiny("qwen2")
+    f = fgraph.jit(model, donate=["cache"])
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        f(IDS, cache=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
+    (msg,) = init_logs(caplog)
+    assert msg.split("Fix: ")[1].startswith("make the state before the first call to trace it as well")
+    assert "cache.early_initialization(...)" in msg and "generate" not in msg
 
 
 class Layer:  # a plain class, as a transformers 4.x cache layer: tensors and Python ints

@@ -3,6 +3,7 @@ undeclared batch input names itself and the fix, CaptureError is raised for capt
 a shape axis suggests Batched(axis=...) with buckets, and the padding warnings of sequence buckets are explained."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -100,3 +101,43 @@ def test_sequence_buckets_warn_only_where_causal_attention_under_a_mask_is_harml
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         ops = {r.getMessage().split("padding is visible: ")[1].split(" at ")[0] for r in caplog.records}
         assert ops == (set() if mixes else {"aten.view", "aten._softmax", "aten.bmm"}), ops
+
+
+@torch.no_grad()
+def test_a_dynamic_cache_returned_by_a_plain_call_names_the_way_out_generate_does():
+    """`model(ids)` leaves use_cache at its default: the model makes a DynamicCache and returns it. The class is
+    transformers', so the fix is how the model is called, the same as for a DynamicCache under generate."""
+    from examples import hf_generate as G
+
+    model = G.tiny("qwen2")
+    with pytest.raises(fgraph.TraceError) as plain:
+        fgraph.jit(model)(ids(2, 5))
+    assert "output cache is transformers' DynamicCache (use_cache=True, the default)" in plain.value.what
+    assert "use_cache=False" in plain.value.fix and "StaticCache" in plain.value.fix
+    assert "register" not in plain.value.fix and "dataclass" not in plain.value.fix
+    G.jit_forward(model)
+    with pytest.raises(fgraph.TraceError) as grown:  # generate's default cache grows per step
+        model.generate(ids(2, 5), max_new_tokens=3, do_sample=False)
+    assert "grown" in grown.value.what and plain.value.fix == grown.value.fix  # one way out, said once
+
+
+@torch.no_grad()
+def test_an_undonated_cache_error_shows_the_models_lines_not_torchs():
+    """The recipe without donate=: transformers' cache update reads the StaticCache's tensors, which fgraph does not
+    see into. The traceback runs from the call through generate and the model's code to that line, then fgraph's
+    message: no raw AssertionError of fake tensors chained before it, no torch.fx or fgraph frame (235 lines, ~80)."""
+    import traceback
+
+    from examples import hf_generate as G
+
+    model = G.tiny("qwen2")
+    model.forward = fgraph.jit(model.forward)  # donate= left out
+    with pytest.raises(fgraph.TraceError) as e:
+        G.generate(model, ids(2, 5), 3)
+    text = "".join(traceback.format_exception(e.value))
+    assert "is read by the function but is not one of its inputs" in e.value.what and "donate" in e.value.fix
+    assert e.value.__cause__ is None and "AssertionError" not in text and "FakeTensor" not in text
+    frames = [f.filename for f in traceback.extract_tb(e.value.__traceback__)]
+    internal = (os.path.dirname(fgraph.__file__), os.path.dirname(torch.fx.__file__))
+    assert frames[-1].endswith("cache_utils.py") and not any(f.startswith(internal) for f in frames)
+    assert len(text.splitlines()) <= 100, text

@@ -445,7 +445,7 @@ def test_a_shape_error_names_the_line_the_inputs_and_the_batch_axis(capfd):
     assert "`x` float32[(batch axis of `x`), 4], `w` float32[5, 4]" in msg
     assert "got [(batch axis of `x`), 4] X [5, 4]" in msg and not re.search(r"\bs\d+\b", msg)
     assert "fgraph.disable_jit()" in e.value.fix
-    assert isinstance(e.value.__cause__, RuntimeError)  # torch's own text, kept
+    assert e.value.__cause__ is None  # torch's own error: one switch away (tests/test_tracebacks.py)
     assert "failed while attempting to run meta" not in capfd.readouterr().err  # no fake-tensor logging
 
 

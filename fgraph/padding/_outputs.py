@@ -12,7 +12,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .._errors import TraceError
+from .._errors import GROWING_CACHE_FIX, TraceError, transformers_cache
 from .._pytree import flatten_with_paths
 from .._signature import path_str
 from ._mixing import BatchAxes
@@ -123,6 +123,12 @@ def refuse_opaque_outputs(fname: str, out, leaves: list) -> None:
         if not isinstance(v, torch.Tensor) and _tensors_in(v):
             p = flatten_with_paths(out)[0][i][0]
             where = f"output {path_str(p)}" if p else "the output"
+            if transformers_cache(v):  # (use_cache's default): a class of transformers' the user cannot change
+                raise TraceError(
+                    f"fgraph.jit({fname}): {where} is transformers' {type(v).__qualname__} (use_cache=True, the "
+                    "default): a cache made or grown per call, which no fixed-size graph can return",
+                    GROWING_CACHE_FIX,
+                )
             raise TraceError(
                 f"fgraph.jit({fname}): {where} is a {type(v).__qualname__} holding tensors, which fgraph "
                 "cannot see into (a captured graph would hand back the traced tensors)",

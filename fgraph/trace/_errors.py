@@ -1,7 +1,8 @@
 """Errors raised while tracing the user's function, re-raised at fgraph's boundary.
 
 What failed, the user's source line, the inputs involved by key path, symbolic sizes named by the argument they came
-from ("batch axis of `x`"), and torch's own error kept as the cause."""
+from ("batch axis of `x`"), and torch's own error kept as the cause when tracebacks are not filtered
+(fgraph/_traceback.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import _fx
 from .._errors import EscapeError, TraceError
+from .._traceback import filtering
 
 _NOISY = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch.fx.experimental.recording")
 
@@ -157,7 +159,7 @@ def raised_by_user(e: BaseException) -> bool:
 
 
 def translate(fname: str, e: Exception, names: Names) -> TraceError:
-    """An fgraph TraceError for an exception raised while tracing `fname` (raise it `from e`)."""
+    """An fgraph TraceError for an exception raised while tracing `fname` (raise it `from` fgraph._traceback.cause)."""
     op = getattr(e, "_fgraph_op", None)
     frames = list(_user_frames(e.__traceback__))
     line = op[3] if op else (_where(*frames[-1]) if frames else "<unknown>")
@@ -210,5 +212,10 @@ def translate(fname: str, e: Exception, names: Names) -> TraceError:
     return TraceError(
         f"fgraph.jit({fname}): {type(e).__name__} at {line}{involved}: {first}",
         "the function fails at these shapes and dtypes as written; run it eagerly to debug "
-        f"(`with fgraph.disable_jit(): {fname}(...)`); torch's error is chained as the cause",
+        f"(`with fgraph.disable_jit(): {fname}(...)`); "
+        + (
+            "torch's error is chained as the cause"
+            if not filtering()
+            else "FGRAPH_TRACEBACK_FILTERING=off chains torch's own error and frames as the cause"
+        ),
     )

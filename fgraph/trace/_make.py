@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _fx
 from .._errors import FgraphError, TraceError
 from .._state import root_of
+from .._traceback import cause, frames_of
 from . import _errors as E
 from . import _escapes
 from ._compiling import compiling_flag
@@ -252,7 +253,7 @@ def trace(
                 f"fgraph.jit({fname}): the traced function depends on tensor values at {_tb_line(e)} "
                 f"({name}): Python control flow or shapes that come from data cannot be captured",
                 "use torch.where / masking instead of `if tensor`, keep shapes static",
-            ) from e
+            ).with_traceback(frames_of(e)) from cause(e)
         if E.raised_by_user(e):
             # as jax.jit does: the function's own exception, of its own type (callers may catch it), with a note
             e.add_note(
@@ -260,7 +261,7 @@ def trace(
                 f"`with fgraph.disable_jit(): {fname}(...)` runs it eagerly)"
             )
             raise
-        raise E.translate(fname, e, names) from e
+        raise E.translate(fname, e, names).with_traceback(frames_of(e)) from cause(e)
     finally:
         tracing.depth -= 1
     if reach is not None:

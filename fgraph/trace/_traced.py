@@ -5,6 +5,7 @@ program, its mode and why, what padding changes in it, how its outputs are cut b
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import NamedTuple
 
@@ -14,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from .. import _primitives as P
 from .. import padding
-from .._errors import TraceError
+from .._errors import GROWING_CACHE_FIX, TraceError
 from .._fx import base_of, write_targets
 from .._modes import resolve_mode
 from .._pytree import flatten_with_paths, holds, static_attrs, tree_flatten
@@ -275,18 +276,34 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
             f"{'a new tensor ' + _aval(x) if isinstance(x, torch.Tensor) else repr(x)}"
             f"{', grown' if grew else ''} by the function, where donated state is written in place (a cache "
             "that grows per call, such as transformers' DynamicCache, has no fixed-size graph)",
-            "use a fixed-size cache written in place: transformers' generate(..., "
-            'cache_implementation="static") or a StaticCache; or no cache: use_cache=False',
+            GROWING_CACHE_FIX,
         )
     if made:
+        what = f"the call makes donated `{made[0]}`" + (f" and {len(made) - 1} more" if len(made) > 1 else "")
+        if _under_generate():  # the cache may be generate's own (cache_implementation=...), never in the user's hands
+            name = made[0].split(".")[0].split("[")[0]
+            return InitialisesState(
+                what + ", which held no tensor (generate's prefill makes the cache's tensors): this call runs eagerly, "
+                "later ones are traced",
+                "to trace the prefill as well and have every generate read one cache in place, make a StaticCache, "
+                f"call cache.early_initialization(...) and pass it: generate(..., {name}=cache) (cache.reset() between "
+                "generates)",
+            )
         return InitialisesState(
-            f"the call makes donated `{made[0]}`"
-            + (f" and {len(made) - 1} more" if len(made) > 1 else "")
-            + ", which held no tensor (state made lazily, on first use): this call runs eagerly, later ones are traced",
+            what + ", which held no tensor (state made lazily, on first use): this call runs eagerly, later ones are "
+            "traced",
             "make the state before the first call to trace it as well (a transformers StaticCache: "
             "cache.early_initialization(...))",
         )
     return None
+
+
+def _under_generate() -> bool:
+    """Whether transformers' generate is calling: it passes the model a cache it made itself unless given one."""
+    f = sys._getframe()
+    while f is not None and not f.f_globals.get("__name__", "").startswith("transformers.generation."):
+        f = f.f_back
+    return f is not None
 
 
 def _aval(t) -> str:
