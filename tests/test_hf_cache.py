@@ -255,7 +255,10 @@ def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, c
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = hf_bench.main(["--smoke", "--batches", "1", "--new", "3", "--rounds", "1", "--cache", cache])
     assert {r["contender"] for r in rows} == {"hf_eager", "hf_eager_static", "hf_fgraph_static"}
-    assert all(r["tokens_equal_eager_static"] and r["decode_tok_s_median"] > 0 for r in rows)
+    assert all(r["tokens_equal_eager_static"] for r in rows)
+    # a rate per row, unless its one round had none: on a loaded machine (CI's two workers on two cores) a short
+    # generate can take as long as the long one, and such a round is counted invalid, not timed (NaN)
+    assert all(r["decode_tok_s_median"] > 0 or r["invalid_rounds"] == r["rounds"] for r in rows), rows
     (fg,) = (r["fgraph"] for r in rows if "fgraph" in r)
     if cache == "generate":  # decode's one signature; each of the 5 generates (the first, an untimed round of two,
         # the timed round of two) makes a cache, eagerly in its prefill
@@ -266,7 +269,9 @@ def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, c
     assert 0 < host["replay_path"] < host["slow_bind"] and all(r["call_us"] > 0 for r in rows)
     assert 0 < host["find_in_generate"] < host["slow_bind"]
     (loop,) = (r["loop_us"] for r in rows if "loop_us" in r)
-    assert 0 < loop < min(r["call_us"] for r in rows)  # generate's own loop, under any model call
+    # generate's own loop, under any model call (a difference of two timings: on a loaded machine it can come out
+    # below zero, so only its bound is checked)
+    assert loop < min(r["call_us"] for r in rows)
     assert (tmp_path / "hf_bench.jsonl").read_text().count("\n") == 3
 
 
