@@ -574,6 +574,26 @@ def test_every_split_k_config_sums_its_partials_once_in_order_replay_after_repla
 
 
 @pytest.mark.gpu
+def test_a_new_key_compiles_every_candidate_side_by_side_before_timing_any(monkeypatch):
+    m, n, k = 3, 776, 768
+    x, w = rand(m, k, device="cuda"), rand(n, k, device="cuda", seed=1) / k**0.5
+    warm, real = [], _gemv._launch
+
+    def spy(*args, **kwargs):
+        warm.append(kwargs.get("warm", args[8] if len(args) > 8 else False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_gemv, "_launch", spy)
+    monkeypatch.setattr(fgraph.config, "tune_cache", False)
+    before, n_cands = dict(_gemv.counts), len(_gemv.candidates(m, n, k))
+    y = _gemv.op(x, w, None)
+    assert _gemv.counts["tuned"] == before["tuned"] + 1
+    assert _gemv.counts["compiled"] == before["compiled"] + n_cands
+    assert warm[:n_cands] == [True] * n_cands and not any(warm[n_cands:])
+    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_a_key_first_met_inside_a_capture_runs_cublas_and_is_counted():
     x, w = rand(2, 512, device="cuda"), rand(520, 512, device="cuda", seed=1)
     assert (2, 520, 512, bf16, False, False, 0, x.device.index) not in _gemv._choice

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -66,11 +68,17 @@ MARGIN = 0.85
 # the fused gate_up + activation against cuBLAS and the activation's own launch: the launch it saves is saved in the
 # decode graph too (docs/performance.md: what it measures)
 GLU_MARGIN = 0.95
+# each timing replays a CUDA graph of as many launches as fill this many ms, 10 times (triton's do_bench_cudagraph):
+# the per-replay overhead it leaves is the same fraction of every candidate's time, so the ranking holds at a few ms
+REP_MS = 3
 
 # tuned: keys timed (glu / norm / group: of them, those with the activation / the norm / of weights grouped);
 # triton / cublas: tuned keys each serves (split: the triton ones with K split); untuned: keys met first inside a
-# capture (cuBLAS); loaded: keys whose choice an earlier process made (_tuned), timed by none here
-counts = {"tuned": 0, "glu": 0, "norm": 0, "group": 0, "triton": 0, "split": 0, "cublas": 0, "untuned": 0, "loaded": 0}
+# capture (cuBLAS); loaded: keys whose choice an earlier process made (_tuned), timed by none here; compiled:
+# candidate kernels compiled for timing (Triton's own cache may hold them: then they are loaded, not built)
+counts = dict.fromkeys(
+    ("tuned", "glu", "norm", "group", "triton", "split", "cublas", "untuned", "loaded", "compiled"), 0
+)
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 
@@ -106,9 +114,9 @@ def _pow2(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None, u=None) -> None:
+def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None, u=None, warm: bool = False) -> None:
     """One launch of `cfg` into y; glu: the gate rows in w and the up rows in u, or (u None) both halves in w; norm:
-    (r or None, nw, eps, s) for fgraph::norm_linear (x, r and s contiguous)."""
+    (r or None, nw, eps, s) for fgraph::norm_linear (x, r and s contiguous). warm: compile it only (no launch)."""
     block_n, block_k, warps, stages, dot, splits = cfg
     if glu:
         w, u = halves(w, u)
@@ -120,11 +128,17 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
     r, nw, eps, s = norm if norm is not None else (None, x, 0.0, x)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
         u = w if u is None else u
-        kernel().gemv[grid](x, w, u, b if b is not None else w, y, ws, locks, r if r is not None else x, nw, s, eps, M,
-                            N, K, k_split, x.stride(0), w.stride(0), u.stride(0), y.stride(0), HAS_BIAS=b is not None,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLITS=splits, GLU=glu,
-                            NORM=norm is not None,
-                            HAS_RES=r is not None, num_warps=warps, num_stages=stages, **pdl_args(x))  # fmt: skip
+        _runner(kernel().gemv, grid, warm)(x, w, u, b if b is not None else w, y, ws, locks, r if r is not None else x,
+                                           nw, s, eps, M, N, K, k_split, x.stride(0), w.stride(0), u.stride(0),
+                                           y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                                           BLOCK_K=block_k, DOT=dot, SPLITS=splits, GLU=glu, NORM=norm is not None,
+                                           HAS_RES=r is not None, num_warps=warps, num_stages=stages,
+                                           **pdl_args(x))  # fmt: skip
+
+
+def _runner(fn, grid: tuple, warm: bool):
+    """A Triton kernel's launch over grid, or (warm) its compilation for those arguments alone."""
+    return functools.partial(fn.warmup, grid=grid) if warm else fn[grid]
 
 
 def halves(w: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,13 +214,13 @@ def _tune(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tupl
     if norm is not None:  # the matmul alone tuned first: timed inside a capture, its first call could not tune
         _pick(add_rms_norm(x, *norm)[1], w, b, glu)
     if glu or norm is not None:
-        unfused_ms = do_bench_cudagraph(lambda: _unfused(x, w, b, glu, norm, u), rep=10)
+        unfused_ms = do_bench_cudagraph(lambda: _unfused(x, w, b, glu, norm, u), rep=REP_MS)
     else:
-        unfused_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=10)
+        unfused_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=REP_MS)
     fused = None if norm is None else (*norm, torch.empty_like(x))
     best = _fastest(
         candidates(x.shape[0], n, w.shape[1], glu, norm is not None),
-        lambda cfg: _launch(cfg, x, w, b, y, glu, fused, u),
+        lambda cfg, warm=False: _launch(cfg, x, w, b, y, glu, fused, u, warm),
         (GLU_MARGIN if glu or norm is not None else MARGIN) * unfused_ms,
     )
     counts["tuned"] += 1
@@ -218,12 +232,19 @@ def _tune(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tupl
 
 
 def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
-    """The config whose launch, replayed in a CUDA graph, times fastest under limit_ms; None if none does."""
+    """The config whose launch, replayed in a CUDA graph, times fastest under limit_ms; None if none does.
+
+    launch(cfg, warm=True) compiles cfg's kernel without running it: every candidate is compiled first, side by side
+    in threads (Triton leaves the GIL while it compiles: one after another, a cold start spent most of its time in
+    them; docs/performance.md)."""
     from triton.testing import do_bench_cudagraph
 
+    with ThreadPoolExecutor(min(len(cfgs), os.cpu_count() or 1, 16) or 1) as pool:
+        list(pool.map(lambda cfg: launch(cfg, warm=True), cfgs))
+    counts["compiled"] += len(cfgs)
     best, best_ms = None, limit_ms
     for cfg in cfgs:
-        ms = do_bench_cudagraph(lambda cfg=cfg: launch(cfg), rep=10)
+        ms = do_bench_cudagraph(lambda cfg=cfg: launch(cfg), rep=REP_MS)
         if ms < best_ms:
             best, best_ms = cfg, ms
     return best
@@ -291,7 +312,7 @@ def _grouped(x, ws: list, bs: list) -> bool:
     )
 
 
-def _launch_group(cfg: tuple, x, ws: list, bs: list, ys: list) -> None:
+def _launch_group(cfg: tuple, x, ws: list, bs: list, ys: list, warm: bool = False) -> None:
     block_n, block_k, warps, stages, dot, _ = cfg
     # GROUP of each: the last weight repeated with no columns (N 0) where there are fewer
     n = [w.shape[0] for w in ws] + [0] * (GROUP - len(ws))
@@ -299,10 +320,11 @@ def _launch_group(cfg: tuple, x, ws: list, bs: list, ys: list) -> None:
     b3 = [b if b is not None else w for b, w in zip(b3, w3)]
     grid = (sum(-(-k // block_n) for k in n),)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel().gemv_group[grid](x, *w3, *b3, *y3, x.shape[0], *n, x.shape[1], x.stride(0), *(w.stride(0) for w in w3),
-                                  HAS_BIAS=bs[0] is not None, BLOCK_M=16 if dot else _pow2(x.shape[0]),
-                                  BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, num_warps=warps, num_stages=stages,
-                                  **pdl_args(x))  # fmt: skip
+        _runner(kernel().gemv_group, grid, warm)(x, *w3, *b3, *y3, x.shape[0], *n, x.shape[1], x.stride(0),
+                                                 *(w.stride(0) for w in w3), HAS_BIAS=bs[0] is not None,
+                                                 BLOCK_M=16 if dot else _pow2(x.shape[0]), BLOCK_N=block_n,
+                                                 BLOCK_K=block_k, DOT=dot, num_warps=warps, num_stages=stages,
+                                                 **pdl_args(x))  # fmt: skip
 
 
 def _pick_group(x, ws: list, bs: list) -> tuple | None:
@@ -322,10 +344,10 @@ def _tune_group(x, ws: list, bs: list) -> tuple | None:
 
     for w, b in zip(ws, bs):
         _pick(x, w, b)
-    alone_ms = do_bench_cudagraph(lambda: [linear(x, w, b) for w, b in zip(ws, bs)], rep=10)
+    alone_ms = do_bench_cudagraph(lambda: [linear(x, w, b) for w, b in zip(ws, bs)], rep=REP_MS)
     ys = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
     unsplit = [c for c in candidates(x.shape[0], max(w.shape[0] for w in ws), x.shape[1]) if c[-1] == 1]
-    best = _fastest(unsplit, lambda cfg: _launch_group(cfg, x, ws, bs, ys), GLU_MARGIN * alone_ms)
+    best = _fastest(unsplit, lambda cfg, warm=False: _launch_group(cfg, x, ws, bs, ys, warm), GLU_MARGIN * alone_ms)
     counts["tuned"] += 1
     counts["group"] += 1
     counts["triton" if best is not None else "cublas"] += 1
