@@ -118,21 +118,26 @@ def device_name(device: str) -> str:
 
 def jit_step(step, mode: str, buckets, inductor=None):
     """fgraph.jit of a decode step (llama's, or a TP rank's) the way the benchmarks run it: mode "FULL+C" is FULL
-    with Inductor-compiled pieces (`inductor`: Inductor's options, or its defaults); the KV cache donated and
+    with Inductor-compiled pieces (`inductor`: Inductor's options, or its defaults), "DEFAULT" jit's defaults; the KV cache donated and
     declared scratch (padded rows write only its page 0), outputs zero-copy (read before the next call)."""
     import fgraph
     from examples import llama
     from fgraph.ops import attention as A
 
     spec = llama.Batch(fgraph.Batched(pad=0), fgraph.Batched(pad=0), A.metadata_batching())
+    # "DEFAULT": fgraph.jit's own mode and compile choice (on CUDA: FULL decode graphs of compiled pieces)
+    chosen = (
+        {}
+        if mode == "DEFAULT"
+        else {"mode": mode.split("+")[0], "compile": dict(inductor or {}) if mode.endswith("+C") else False}
+    )
     return fgraph.jit(
         step,
         static=["routine"],
         donate=["cache"],
         scratch=["cache"],
         batch={"batch": spec},
-        mode=mode.split("+")[0],
-        compile=dict(inductor or {}) if mode.endswith("+C") else False,
         buckets=buckets,
         copy_outputs=False,
+        **chosen,
     )

@@ -24,7 +24,7 @@ from ._modes import Mode
 from ._pytree import check_static_fields
 from ._signature import Call, Signature, device_of, path_str
 from ._state import outside_inference_mode
-from .capture import Entry, new_pool, ran
+from .capture import CompileFailed, Entry, new_pool, ran
 from .trace import InitialisesState, Traced
 
 log = logging.getLogger("fgraph")
@@ -165,15 +165,25 @@ class Cache:
         """Warm up and capture `entry` on `call` (a graphless mode only runs it), into the function's pool."""
         opts = self.owner.options
         graphed = entry.mode is not Mode.NONE
-        entry.capture(  # in the call's grad and inference modes (its signature's): it writes the caller's state
-            call,
-            self._pool(entry.device) if graphed else None,
-            opts.warmups if graphed else 0,
-            opts.compile if graphed else None,
-            config.inputs_in_graph,
-            donate=opts.donate,
-            batched=tuple(opts.batch),
-        )
+        compile = opts.compile_for(entry.device) if graphed else None
+        try:
+            self._capture(entry, call, compile)
+        except CompileFailed as e:
+            if not opts.compile_default:  # asked for by name: the user's to change
+                raise CaptureError(
+                    f"fgraph.jit({self.owner.name}, compile={compile or True!r}): {entry.sig.describe()}: {e}",
+                    "leave compile= out (the default runs such a signature as uncompiled graphs) or pass compile=False",
+                ) from e.__cause__
+            self.owner.log_once(
+                ("uncompiled", e.piece),
+                "%s: %s; it runs uncompiled graphs (logged once). Fix: compile=False to skip compiling",
+                entry.sig.describe(),
+                e,
+            )
+            entry.uncapture()
+            entry.compiled = {}
+            self._capture(entry, call, None)
+            entry.uncompiled = str(e)
         if config.log_captures and graphed:
             log.warning(
                 "fgraph.jit(%s): captured %d %s graph(s) for %s in %.3f s, pool +%.3f GiB",
@@ -184,6 +194,18 @@ class Cache:
                 entry.capture_seconds,
                 entry.pool_bytes / 2**30,
             )
+
+    def _capture(self, entry: Entry, call: Call, compile: dict | None) -> None:
+        opts, graphed = self.owner.options, entry.mode is not Mode.NONE
+        entry.capture(  # in the call's grad and inference modes (its signature's): it writes the caller's state
+            call,
+            self._pool(entry.device) if graphed else None,
+            opts.warmups if graphed else 0,
+            compile,
+            config.inputs_in_graph,
+            donate=opts.donate,
+            batched=tuple(opts.batch),
+        )
 
     def _pool(self, device):
         if self.pool is None:

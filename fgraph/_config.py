@@ -38,6 +38,10 @@ class config(metaclass=_Checked):
     # compiled pieces (jit(compile=...)) of buckets up to this size are compiled for their own static shapes instead
     # of served by the one symbolic compilation (0: none); explain says which (docs/performance.md: what it measures)
     compile_static_max = 0
+    # fgraph.jit's default (no compile= given): a CUDA signature's graph pieces are compiled by Inductor before capture
+    # (fusions and fgraph::linear: the speed the README's table shows); elsewhere uncompiled graphs. False: the
+    # default is uncompiled graphs everywhere, eager's own kernels, bit for bit the plain function
+    compile_cuda = True
     # compiled CUDA pieces run their matmuls of a small weight's transpose as fgraph::linear: at <= 16 rows a
     # no-split-K kernel where it times faster than cuBLAS (fgraph/capture/_small_m.py and _gemv.py;
     # docs/performance.md: what it measures)

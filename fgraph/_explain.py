@@ -20,11 +20,15 @@ class Explanation:
     __repr__ = __str__
 
 
-def _entry_text(name: str, e, n: int | None) -> str:
-    lines = [f"{name}{e.sig.describe()}"]
+def _entry_text(fn: Jitted, e, n: int | None) -> str:
+    lines = [f"{fn.name}{e.sig.describe()}"]
     if n is not None:
         lines.append(f"  tokens: {n} -> bucket {e.sig.bucket} ({e.sig.bucket - n} padded)")
     lines.append(f"  mode: {e.mode.name} ({e.reason})")
+    if e.mode.name != "NONE":  # which graphs: Inductor's compiled pieces or eager's kernels (jit's compile=)
+        lines.append(f"  compile: {fn.options.compile_text(e.device)}")
+        if e.uncompiled:
+            lines.append(f"  uncompiled: {e.uncompiled}; this signature runs uncompiled graphs")
     lines.extend(avals_lines(e))
     lines.append(f"  read: {_inputs_text(e)}")
     for f in e.traced.mixing or ():  # ops the padded rows take part in (fgraph/padding/_mixing.py)
@@ -117,11 +121,11 @@ def explain(fn, *args, **kwargs) -> Explanation:
     if not args and not kwargs:
         entries = sorted(fn.entries.values(), key=lambda e: (repr(e.sig.statics), e.sig.bucket or 0))
         return Explanation(
-            "\n".join(_entry_text(fn.name, e, None) for e in entries) or f"{fn.name}: no signatures yet", entries
+            "\n".join(_entry_text(fn, e, None) for e in entries) or f"{fn.name}: no signatures yet", entries
         )
     call = fn.bind(args, kwargs)
     why = fn.ungraphed(call)
     if why is not None:  # no graph serves it: what the call does
         return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why[1] or 'an empty batch'}", [])
     e = fn.cache.probe(fn, call)  # trace only: explaining never captures
-    return Explanation(_entry_text(fn.name, e, call.n), [e])
+    return Explanation(_entry_text(fn, e, call.n), [e])

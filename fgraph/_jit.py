@@ -78,7 +78,7 @@ class Jitted(T.Inlined):
         copy_outputs=True,
         routine="routine",
         warmups=1,
-        compile=False,
+        compile=None,
         static_argnames=(),
         donate_argnames=(),
     ):
@@ -369,21 +369,23 @@ class Jitted(T.Inlined):
         if progress:
             print(
                 f"fgraph: captured {graphs} graphs for {len(self.cache.entries) - n0} signatures of {self.name} in "
-                f"{secs:.1f} s, {gib:.2f} GiB" + self._compile_summary(compiled0),
+                f"{secs:.1f} s, {gib:.2f} GiB" + self._compile_summary(compiled0, device),
                 file=sys.stderr,
                 flush=True,
             )
         return self
 
-    def _compile_summary(self, before: dict) -> str:
-        """What Inductor did during a capture: pieces compiled, loaded from its cache, found in this process."""
-        if self.options.compile is None:
-            return ""
+    def _compile_summary(self, before: dict, device) -> str:
+        """The compile choice in effect, and what Inductor did in a capture (compiled, loaded, shared, failed)."""
+        text = "; " + self.options.compile_text(device or "cpu")
+        if device is None or self.options.compile_for(device) is None:
+            return text
         d = {k: compiler.counts[k] - before[k] for k in before}
+        failed = f", failed on {d['failed']} signatures (uncompiled)" if d["failed"] else ""
         return (
-            f"; Inductor: {d['compiled']} pieces compiled, {d['loaded']} loaded from its cache ({d['static']} of them "
+            f"{text}: {d['compiled']} pieces compiled, {d['loaded']} loaded from its cache ({d['static']} of them "
             f"for one bucket's own shapes), {d['shared']} shared, {d['linear']} matmuls as fgraph::linear, in "
-            f"{d['seconds']:.1f} s"
+            f"{d['seconds']:.1f} s{failed}"
         )
 
     # -- introspection ---------------------------------------------------------------------------------------
@@ -488,10 +490,9 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
     are read in place; a new one is read in place after one recapture, one that moves again is copied into
     fgraph's buffers per call (stats() counts copies; donated ones are copied back). Calls are serialised by a
     lock per jitted function, so threads may share one.
-    compile: compile the graph pieces with Inductor before capturing them (fuses elementwise work between
-      matmuls; costs compile time per signature, so capture fewer buckets with it). True, or a dict of Inductor
-      config options as torch.compile(options=...) takes them, e.g. {"coordinate_descent_tuning": True}: with it,
-      Inductor turns one-row matmuls (decode at batch 1) into tuned Triton reductions with the norm fused in.
+    compile: Inductor compiles the graph pieces before capture (fusions; few-row matmuls as fgraph::linear). Default:
+      on CUDA (fgraph.config.compile_cuda), uncompiled graphs elsewhere; a piece Inductor fails on runs uncompiled,
+      logged. False: uncompiled graphs, eager's own kernels (bit for bit). True, or a dict of Inductor options.
     """
     _options.check_names(options, _OPTIONS)
     if fn is None:

@@ -13,6 +13,7 @@ import attrs
 import torch.utils._pytree as pytree
 
 from . import _primitives as P
+from ._config import config
 from ._errors import SignatureError
 from ._modes import Mode
 from ._signature import Batched, default_buckets
@@ -38,6 +39,24 @@ class Options:
     warmups: int
     compile: dict | None
     given: dict
+    compile_default: bool = False  # no compile= given: `compile_for` decides per device
+
+    def compile_for(self, device: str) -> dict | None:
+        """The Inductor options a signature on `device` compiles its graph pieces under; None: uncompiled graphs.
+        As given, or by default ({}: Inductor's defaults) on CUDA while fgraph.config.compile_cuda is on."""
+        if not self.compile_default:
+            return self.compile
+        return {} if device.startswith("cuda") and config.compile_cuda else None
+
+    def compile_text(self, device: str) -> str:
+        """Which `compile_for` is in effect on `device`, and why (explain, the capture summary)."""
+        got = self.compile_for(device)
+        if not self.compile_default:
+            return "uncompiled graphs (compile=False)" if got is None else f"Inductor (compile={got or True!r})"
+        if got is not None:
+            return "Inductor (the default on CUDA; compile=False: eager's kernels, bit for bit)"
+        why = "fgraph.config.compile_cuda is off" if device.startswith("cuda") else f"the default on {device}"
+        return f"uncompiled graphs ({why}; compile=True: Inductor)"
 
 
 def check_names(options: dict, known) -> None:
@@ -219,7 +238,9 @@ def make(fname: str, signature, lifted_roots: set[str], given: dict) -> Options:
         given=dict(given),
     )
     check_options(fname, signature, options)
-    return attrs.evolve(options, compile=inductor_options(fname, opts["compile"]))
+    return attrs.evolve(
+        options, compile=inductor_options(fname, opts["compile"]), compile_default=opts["compile"] is None
+    )
 
 
 def check_options(fname: str, signature, options: Options) -> None:

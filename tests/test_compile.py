@@ -154,13 +154,13 @@ def test_a_compilations_assumptions_leave_the_traces_shape_env_as_it_was():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    from fgraph.capture import _inductor
+    from fgraph.capture._assumed import restored
 
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
     x = mode.from_tensor(torch.empty(256, 4), symbolic_context=StatelessSymbolicContext([DimDynamic.DYNAMIC] * 2))
     s = x.shape[0].node.expr
-    with _inductor._restored(env) as before:
+    with restored(env) as before:
         assert x.shape[0] == 256  # a compilation's guard: replaces s by 256
         assert x.shape[0].node.expr == 256 and len(env.guards) > len(before.guards)
     assert x.shape[0].node.expr == s and env.replace(s) == s
@@ -168,16 +168,16 @@ def test_a_compilations_assumptions_leave_the_traces_shape_env_as_it_was():
 
 
 def test_a_compilation_serves_only_inputs_of_the_layout_it_asserts():
-    """Shared.holds_for checks every size and stride of the layout (a number the trace fixed as well as a symbol),
+    """Compilation.holds_for checks every size and stride of the layout (a number the trace fixed as well as a symbol),
     each int input, the guards and the ranges, before a bucket runs the code."""
     import sympy
 
-    from fgraph.capture._inductor import Shared
+    from fgraph.capture._assumed import Compilation
 
     s = sympy.Symbol("s0", integer=True, positive=True)
     n = sympy.Integer
     layout = [((s, n(4)), (n(4), n(1))), s, ((n(256),), (n(1),))]  # [s0, 4] rows, s0 as an int, [256]
-    shared = Shared(None, layout, [sympy.Ne(s, 7)], {s: (2, 512)})
+    shared = Compilation(None, layout, [sympy.Ne(s, 7)], {s: (2, 512)})
     ok = [torch.empty(8, 4), 8, torch.empty(256)]
     assert shared.holds_for(ok)
     assert not shared.holds_for([torch.empty(8, 4), 9, torch.empty(256)])  # an int input that disagrees

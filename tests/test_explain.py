@@ -18,6 +18,7 @@ def test_explain_one_signature_before_capture():
 step(breaks=1, routine='mixed', bucket=8)
   tokens: 7 -> bucket 8 (1 padded)
   mode: PIECEWISE (FULL_AND_PIECEWISE requested -> PIECEWISE for the mixed routine)
+  compile: uncompiled graphs (the default on cpu; compile=True: Inductor)
   inputs: 3
     params['w']: float32[8, 8]@cpu
     state['count']: int64[]@cpu
@@ -53,6 +54,7 @@ def test_explain_shows_downgrades_and_capture_cost():
         == """\
 fn(routine='decode', bucket=4)
   mode: FULL (FULL requested)
+  compile: uncompiled graphs (the default on cpu; compile=True: Inductor)
   inputs: 1
     x: float32[4, 2]@cpu (Batched)
   outputs: 1
@@ -70,6 +72,7 @@ fn(routine='decode', bucket=4)
 fn(routine='mixed', bucket=4)
   mode: PIECEWISE (FULL requested -> PIECEWISE (toy_decode_only has no mixed graph routine; toy_decode_only \
 supports UNIFORM_DECODE))
+  compile: uncompiled graphs (the default on cpu; compile=True: Inductor)
   inputs: 1
     x: float32[4, 2]@cpu (Batched)
   outputs: 1

@@ -15,6 +15,7 @@ from ._graphs import CudaGraph as CudaGraph
 from ._graphs import capture_session as capture_session
 from ._graphs import new_pool as new_pool
 from ._graphs import ran as ran
+from ._inductor import CompileFailed as CompileFailed
 from ._inductor import compiler as compiler
 from ._inductor import inductor_options as inductor_options
 from ._slots import Slots as Slots

@@ -86,6 +86,7 @@ class Entry:
         self.sole = None  # a PIECEWISE program that is one graph piece returned as it is: that graph (_sole_graph)
         self.capture_seconds, self.pool_bytes = 0.0, 0
         self.compiled: dict = {}  # piece name -> its Compiled (compile=...): `how` says symbolic (shared) or static
+        self.uncompiled = None  # why Inductor did not serve where it was to (CompileFailed's text), else None
 
     # -- running ----------------------------------------------------------------------------------------------
     def _args(self, leaves):
@@ -201,7 +202,7 @@ class Entry:
             self.compiled = {}
             static = self.sig.bucket is not None and self.sig.bucket <= config.compile_static_max
             for piece in tqdm(graph_pieces, desc=f"fgraph compile {self.sig.describe()}", disable=None, leave=False):
-                self.compiled[piece.name] = c = Compiled(piece.module, compile, static)
+                self.compiled[piece.name] = c = Compiled(piece.name, piece.module, compile, static)
                 setattr(self.module, piece.name, c)
         self.buffers = InputBuffers(
             [(self.sig.leaves[i].shape, call.leaves[i].dtype) for i in self.batched_ix],

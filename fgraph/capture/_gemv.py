@@ -68,17 +68,14 @@ MARGIN = 0.85
 # the fused gate_up + activation against cuBLAS and the activation's own launch: the launch it saves is saved in the
 # decode graph too (docs/performance.md: what it measures)
 GLU_MARGIN = 0.95
-# each timing replays a CUDA graph of as many launches as fill this many ms, 10 times (triton's do_bench_cudagraph):
-# the per-replay overhead it leaves is the same fraction of every candidate's time, so the ranking holds at a few ms
+# a timing: 10 replays of a CUDA graph of this many ms of launches (do_bench_cudagraph); the ranking holds at a few
 REP_MS = 3
 
 # tuned: keys timed (glu / norm / group: of them, those with the activation / the norm / of weights grouped);
 # triton / cublas: tuned keys each serves (split: the triton ones with K split); untuned: keys met first inside a
 # capture (cuBLAS); loaded: keys whose choice an earlier process made (_tuned), timed by none here; compiled:
 # candidate kernels compiled for timing (Triton's own cache may hold them: then they are loaded, not built)
-counts = dict.fromkeys(
-    ("tuned", "glu", "norm", "group", "triton", "split", "cublas", "untuned", "loaded", "compiled"), 0
-)
+counts = dict.fromkeys("tuned glu norm group triton split cublas untuned loaded compiled".split(), 0)
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import time
-import types
 from collections.abc import Callable
 
 import sympy
@@ -24,6 +23,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from .._config import config as fgraph_config
 from .._errors import SignatureError
 from . import _small_m
+from ._assumed import Compilation, bound_int, input_layout, layout_facts, piece_key, restored
 
 
 def inductor_options(fname: str, compile) -> dict | None:
@@ -64,6 +64,15 @@ def _of_kind(v, kind) -> bool:
     return isinstance(v, (int, float)) if kind is float else isinstance(v, kind)
 
 
+class CompileFailed(Exception):
+    """Inductor could not compile a graph piece (`piece`: its name); the cause is chained. Under jit's default the
+    signature is captured again with uncompiled graphs; a compile= asked for by name is an error."""
+
+    def __init__(self, piece: str, cause: BaseException):
+        self.piece = piece
+        super().__init__(f"Inductor failed on piece {piece}: {type(cause).__name__}: {str(cause).splitlines()[0]}")
+
+
 class Compiled(torch.nn.Module):
     """A graph piece as Inductor compiled it: one compiled function per distinct piece, shared.
 
@@ -72,12 +81,13 @@ class Compiled(torch.nn.Module):
     call it is checked against the call's sizes: where a guard or range Inductor relied on does not hold, this
     signature gets a compilation at its own static shapes."""
 
-    def __init__(self, module: fx.GraphModule, options: dict, static: bool = False):
+    def __init__(self, name: str, module: fx.GraphModule, options: dict, static: bool = False):
         super().__init__()
         module = with_linear(module)
         self.module, self.options, self.static = module, options, static
         # compiled (or found) now, so capture's bar shows the progress; a static piece compiles at its first call
-        self.shared = None if static else compiler.symbolic(module, options)
+        self.shared = None if static else _compiling(name, lambda: compiler.symbolic(module, options))
+        self.name = name
         self.fn, self.how = None, None
         # a piece that returns one bare tensor (split_module's single output): compiled code returns a 1-list, which
         # the program would hand on as the output itself (a list, never sliced back to N)
@@ -89,9 +99,21 @@ class Compiled(torch.nn.Module):
             if not self.static and self.shared.holds_for(args):
                 self.fn, self.how = self.shared.fn, "symbolic"
             else:
-                self.fn, self.how = compiler.static(self.module, self.options, args), "static"
+                fn = _compiling(self.name, lambda: compiler.static(self.module, self.options, args))
+                self.fn, self.how = fn, "static"
         out = self.fn(*args)
         return out[0] if self.single and isinstance(out, (tuple, list)) else out
+
+
+def _compiling(name: str, compile: Callable):
+    """compile(), its failure a CompileFailed (out of memory aside: that has its own path)."""
+    try:
+        return compile()
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        compiler.counts["failed"] += 1
+        raise CompileFailed(name, e) from e
 
 
 def with_linear(module: fx.GraphModule) -> fx.GraphModule:
@@ -116,103 +138,6 @@ def with_linear(module: fx.GraphModule) -> fx.GraphModule:
     return got
 
 
-class Shared:
-    """One compiled function and everything its code may rely on about its inputs' sizes.
-
-    `layout`: each input as the compilation saw it, with the trace's replacements applied (a symbol the trace fixed,
-    as `s0 == 256`, is the number; one it equated with another, that other): per tensor (sizes, strides), per int its
-    value, as sympy expressions over the layout's symbols. `guards`: what the trace and Inductor assumed of those
-    symbols. `ranges`: their value ranges. Inductor's code asserts every input's sizes and strides and may have
-    specialised on any guard, so a call's inputs must satisfy all three (`holds_for`) before the code serves it."""
-
-    def __init__(self, fn, layout: list, guards: list, ranges: dict):
-        self.fn, self.layout, self.guards, self.ranges = fn, layout, guards, ranges
-        self.uses = 0
-
-    def holds_for(self, args) -> bool:
-        """Whether `args` have the sizes and strides the code asserts and satisfy every guard and range it assumed."""
-        bound: dict = {}
-        for spec, a in zip(self.layout, args):  # the symbols: from the dims that are one
-            if isinstance(spec, tuple):
-                if not isinstance(a, torch.Tensor) or a.dim() != len(spec[0]):
-                    return False
-                pairs = zip(spec[0], a.shape)
-            else:
-                pairs = [(spec, a)] if spec is not None else []
-            for e, n in pairs:
-                if isinstance(e, sympy.Symbol) and bound.setdefault(e, n) != n:
-                    return False
-        try:
-            for spec, a in zip(self.layout, args):
-                if isinstance(spec, tuple):
-                    sizes, strides = spec
-                    if any(_value(e, bound) != n for e, n in zip(sizes, a.shape)):
-                        return False
-                    # (as Inductor's assert_size_stride: a dim of size 0 or 1 has any stride)
-                    if any(n > 1 and _value(e, bound) != st for e, st, n in zip(strides, a.stride(), a.shape)):
-                        return False
-                elif spec is not None and (not isinstance(a, int) or _value(spec, bound) != a):
-                    return False
-            ok = all(bool(g.xreplace(bound)) is True for g in self.guards)
-        except TypeError:  # an expression over a symbol no input binds
-            return False
-        for sym, n in bound.items():
-            lo, hi = self.ranges.get(sym, (None, None))
-            if (lo is not None and n < lo) or (hi is not None and n > hi):
-                return False
-        if ok:
-            self.uses += 1
-        return ok
-
-
-def _value(e, bound: dict) -> int:
-    """An expression of the layout at the bound symbols' values (TypeError where one is unbound)."""
-    got = e.xreplace(bound) if isinstance(e, sympy.Basic) else e
-    if isinstance(got, sympy.Basic) and not got.is_Integer:
-        raise TypeError(f"unbound symbols in {got}")
-    return int(got)
-
-
-def _layout(inputs: list, env) -> list:
-    """Each input as its compilation sees it (Shared.layout): (sizes, strides) of a tensor, an int's expression,
-    None for anything else; every expression with the env's replacements applied."""
-
-    def expr(d):
-        e = d.node.expr if isinstance(d, torch.SymInt) else d
-        return env.replace(e) if env is not None and isinstance(e, sympy.Basic) else sympy.Integer(int(e))
-
-    out: list = []
-    for v in inputs:
-        if isinstance(v, torch.Tensor):
-            out.append((tuple(map(expr, v.shape)), tuple(map(expr, v.stride()))))
-        elif isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool):
-            out.append(expr(v))
-        else:
-            out.append(None)
-    return out
-
-
-def _facts(layout: list, env) -> tuple[list, dict]:
-    """(guards, ranges): what the env knows of the layout's symbols, as its replacements leave it (guards over
-    other symbols only, such as the trace's other batch axes, cannot shape this piece's code)."""
-    syms = _symbols(layout)
-    guards = []
-    for g in env.guards:
-        e = env.replace(g.expr)
-        if e.free_symbols and e.free_symbols <= syms and e is not sympy.true:
-            guards.append(e)
-    ranges = {s: (_bound(r.lower), _bound(r.upper)) for s, r in env.var_to_range.items() if s in syms}
-    return guards, ranges
-
-
-def _symbols(layout: list) -> set:
-    out: set = set()
-    for spec in layout:
-        for e in (spec[0] + spec[1]) if isinstance(spec, tuple) else (spec,) if spec is not None else ():
-            out |= getattr(e, "free_symbols", set())
-    return out
-
-
 class Compiler:
     """Every piece Inductor compiled in this process, by what it is, and counters of the work.
 
@@ -222,36 +147,45 @@ class Compiler:
     cache serves the compilation (it needs the trace's shape env, given here through a tracing context)."""
 
     def __init__(self):
-        self.shared: dict[str, Shared] = {}
+        self.shared: dict[str, Compilation] = {}
         # compiled / loaded: compile_fx calls Inductor ran / served from its FX-graph cache (static: those made for
         # one bucket's own shapes); shared: pieces served by a compilation this process already had
         # linear: the fgraph ops the signatures' pieces' matmuls were rewritten into (fgraph::linear, linears,
         # linear_glu, norm_linear); group, glu, norm: those of fgraph::linears, linear_glu, norm_linear
         # (fgraph/capture/_small_m.py)
-        self.counts = dict.fromkeys(("compiled", "loaded", "shared", "static", "linear", "glu", "norm", "group"), 0)
+        # failed: signatures whose pieces Inductor raised on (they ran uncompiled graphs, or the error was raised)
+        self.counts = dict.fromkeys(
+            ("compiled", "loaded", "shared", "static", "failed", "linear", "glu", "norm", "group"), 0
+        )
         self.counts["seconds"] = 0.0
 
-    def symbolic(self, module: fx.GraphModule, options: dict) -> Shared:
+    def symbolic(self, module: fx.GraphModule, options: dict) -> Compilation:
         """The piece compiled for its traced (symbolic) input avals, compiled now or found.
 
         Found first by the piece itself (every signature of a trace runs the same piece module), then by its key."""
-        mine = module.meta.setdefault("fgraph_compiled", {})  # options -> Shared, for this piece module
+        mine = module.meta.setdefault("fgraph_compiled", {})  # options -> Compilation, for this piece module
         by_options = repr(sorted(options.items()))
         got = mine.get(by_options)
+        if isinstance(got, Exception):  # (failed for an earlier signature: every other fails alike)
+            raise got
         if got is None:
             inputs = [n.meta.get("val") for n in module.graph.nodes if n.op == "placeholder"]
             mode = next((v.fake_mode for v in inputs if isinstance(v, torch._subclasses.FakeTensor)), None)
             if mode is None or mode.shape_env is None:  # a static trace: a fake mode with a shape env (the cache)
                 mode, inputs = _static_fakes(inputs)
-            layout = _layout(inputs, mode.shape_env)
-            guards, ranges = _facts(layout, mode.shape_env)
+            layout = input_layout(inputs, mode.shape_env)
+            guards, ranges = layout_facts(layout, mode.shape_env)
             # (what the trace knows of the piece's sizes is part of its key: a trace that fixed a size shares no
             # compilation with one that did not)
             key, names = piece_key(module, inputs, options, (guards, ranges))
             got = self.shared.get(key)
             if got is None:
-                fn, assumed, now = self._assumed(module, inputs, options, mode, key, names)
-                got = self.shared[key] = Shared(fn, layout, guards + assumed, {**ranges, **now})
+                try:
+                    fn, assumed, now = self._assumed(module, inputs, options, mode, key, names)
+                except Exception as e:
+                    mine[by_options] = e
+                    raise
+                got = self.shared[key] = Compilation(fn, layout, guards + assumed, {**ranges, **now})
                 mine[by_options] = got
                 return got
             mine[by_options] = got
@@ -268,11 +202,11 @@ class Compiler:
         compiled again, with the cache off, to learn them."""
         env = mode.shape_env
         loaded0 = self.counts["loaded"]
-        with _restored(env) as before:
+        with restored(env) as before:
             fn = self._compile(module, inputs, options, mode)
             assumed = [g.expr for g in env.guards[len(before.guards) :]]
             assumed += [sympy.Eq(k, v) for k, v in env.replacements.items() if k not in before.replacements]
-            now = {s: (_bound(r.lower), _bound(r.upper)) for s, r in env.var_to_range.items() if s in names}
+            now = {s: (bound_int(r.lower), bound_int(r.upper)) for s, r in env.var_to_range.items() if s in names}
         assumed = [env.replace(g) for g in assumed]  # over the layout's symbols, as the trace's replacements leave them
         path = _assumptions_path(key)
         if self.counts["loaded"] == loaded0:  # compiled here: what it assumed goes beside the cached compilation
@@ -305,7 +239,9 @@ class Compiler:
         got = self.shared.get(key)
         if got is None:
             self.counts["static"] += 1
-            got = self.shared[key] = Shared(self._compile(module, inputs, options, mode), _layout(inputs, None), [], {})
+            got = self.shared[key] = Compilation(
+                self._compile(module, inputs, options, mode), input_layout(inputs, None), [], {}
+            )
         return got.fn
 
     def _compile(self, module, inputs, options, mode):
@@ -331,42 +267,11 @@ class Compiler:
 compiler = Compiler()
 
 
-@contextlib.contextmanager
-def _restored(env):
-    """The trace's shape env as it was before, after what runs inside (a compilation) assumed more in it.
-
-    Inductor records its assumptions in the env (guards, replacements, narrower ranges, runtime asserts) and the
-    env caches what it derives from them (`replace`, each SymNode's `expr`) by version counters it bumps only when
-    their sizes grow. Putting the old containers back is not enough: a cached `replace(s0) -> 256` from one piece's
-    compilation would specialise the next piece compiled in the same env, which then records no assumption of its
-    own. So both counters move on, and every derived value is recomputed from the restored state."""
-    names = ("guards", "replacements", "var_to_range", "divisible", "axioms")
-    saved = {k: copy.copy(getattr(env, k)) for k in names if hasattr(env, k)}
-    # (lists per symbol that a compilation appends to: copied one level down)
-    saved["deferred_runtime_asserts"] = {k: list(v) for k, v in getattr(env, "deferred_runtime_asserts", {}).items()}
-    before = types.SimpleNamespace(**saved)
-    try:
-        yield before
-    finally:
-        for k, v in saved.items():
-            setattr(env, k, v)
-        for counter in ("_replacements_version_counter", "_version_counter"):
-            if hasattr(env, counter):
-                setattr(env, counter, getattr(env, counter) + 1)
-        if hasattr(env, "_prev_cache_key"):
-            env._prev_cache_key = env._get_key()
-
-
 def _static_fakes(values: list) -> tuple[FakeTensorMode, list]:
     """A fake mode with a shape env (Inductor's FX-graph cache needs one), and `values` as its static fakes."""
     mode = FakeTensorMode(shape_env=ShapeEnv())
     with mode:
         return mode, [mode.from_tensor(v, static_shapes=True) if isinstance(v, torch.Tensor) else v for v in values]
-
-
-def _bound(x) -> int | None:
-    """A range's bound as an int, None where it is unbounded (sympy's oo, int_oo)."""
-    return int(x) if isinstance(x, int) or getattr(x, "is_Integer", False) else None
 
 
 def _assumptions_path(key: str) -> str:
@@ -380,59 +285,6 @@ def config_patch(options: dict):
     from torch._inductor import config
 
     return config.patch(options)
-
-
-def piece_key(module: fx.GraphModule, inputs: list, options: dict, facts=([], {})) -> tuple[str, dict]:
-    """A piece's graph as text that two structurally equal pieces share: nodes numbered in order, each input's avals
-    (dtype, device, shape, strides) as the trace's replacements leave them (a SymInt's `node.expr` applies them) with
-    symbols renamed by first appearance, what the trace knows of them (`facts`: guards and ranges, `_facts`), the
-    options; constants by value."""
-    names: dict = {}
-
-    def expr(x) -> str:
-        e = x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) else x
-        if isinstance(e, sympy.Basic):
-            for s in sorted(e.free_symbols, key=str):
-                names.setdefault(s, sympy.Symbol(f"s{len(names)}"))
-            return str(e.xreplace(names))
-        return repr(e)
-
-    def aval(v) -> str:
-        if isinstance(v, (list, tuple)):
-            return "(" + ",".join(map(aval, v)) + ")"
-        if isinstance(v, torch.Tensor):
-            dims = ",".join(map(expr, v.shape))
-            strides = ",".join(map(expr, v.stride()))
-            return f"{v.dtype}@{v.device}[{dims}]/[{strides}]{'g' if v.requires_grad else ''}"
-        return expr(v) if v is not None else "-"
-
-    number = {n: i for i, n in enumerate(module.graph.nodes)}
-
-    def arg(a) -> str:
-        if isinstance(a, fx.Node):
-            return f"%{number[a]}"
-        if isinstance(a, (list, tuple)):
-            return "(" + ",".join(map(arg, a)) + ")"
-        if isinstance(a, dict):
-            return "{" + ",".join(f"{k}:{arg(v)}" for k, v in a.items()) + "}"
-        return expr(a) if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) else repr(a)
-
-    lines = [aval(v) for v in inputs]
-    guards, ranges = facts
-    lines += sorted(f"guard {expr(g)}" for g in guards)
-    lines += sorted(f"range {expr(sym)} {lo} {hi}" for sym, (lo, hi) in ranges.items())
-    for n in module.graph.nodes:
-        if n.op == "placeholder":
-            continue
-        if n.op == "get_attr":  # a constant made while tracing: part of the key by value
-            t = getattr(module, n.target)
-            small = isinstance(t, torch.Tensor) and t.numel() <= 64
-            lines.append(f"const {aval(t)} {t.tolist() if small else id(module)}")
-            continue
-        target = n.target if n.op in ("call_function", "output") else f"{n.op}:{id(module)}:{n.target}"
-        lines.append(f"{n.op} {target} {arg(n.args)} {arg(n.kwargs)} -> {aval(n.meta.get('val'))}")
-    lines.append(repr(sorted(options.items())))
-    return "\n".join(lines), names
 
 
 def _same_shape(a, b) -> bool:
