@@ -19,10 +19,9 @@ barrier: the stream-K pattern); the last to arrive sums the partials in split or
 arrival order), adds the bias, stores y and puts the counter back to 0 for the next launch or replay. The counters
 are per key (rows, N, K, ...) and persist: kernels of one key must not run concurrently on two streams.
 
-Which kernel serves a shape is measured, not guessed: the first call of a (rows, N, K, dtype, bias) key outside a
-CUDA-graph capture times each candidate config and cuBLAS itself, replayed in a CUDA graph (kernel time with its
-launch gaps, as in a decode graph), and keeps the fastest where it beats cuBLAS by a margin (MARGIN); elsewhere
-cuBLAS stays. A key met first inside a capture (no timing possible there) runs cuBLAS, counted as `untuned`.
+Which kernel serves a shape is measured: the first call of a (rows, N, K, dtype, bias) key outside a capture times
+each candidate config and cuBLAS, replayed in a CUDA graph (launch gaps included, as in a decode graph), and keeps
+the fastest where it beats cuBLAS by MARGIN. A key met first inside a capture runs cuBLAS (`untuned`).
 
 `fgraph::linear_glu`: silu(y[:, :N]) * y[:, N:] for y = x @ w^T, w [2N, K] a gated MLP's fused gate and up rows;
 or silu(x @ w^T) * (x @ u^T) for two weights [N, K] (an HF MLP's gate_proj and up_proj). The same kernel, each
@@ -55,15 +54,14 @@ from . import _tuned
 
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce
-# path (rows <= 4) keeps BLOCK_M x BLOCK_N x BLOCK_K
-# <= 16K elements in registers; the dot path pads the rows to 16 and lets Triton pipeline w's tiles (cp.async), which
-# keeps more bytes in flight: the large matrices need it
+# path (rows <= 4) keeps BLOCK_M x BLOCK_N x BLOCK_K <= 16K elements in registers; the dot path pads the rows to 16
+# and lets Triton pipeline w's tiles (cp.async), which keeps more bytes in flight: the large matrices need it
 _REDUCE = [(4, 512, 4, 3, False), (8, 512, 4, 3, False), (16, 256, 4, 3, False), (16, 512, 8, 3, False)]
 _DOT = [(16, 128, 4, 3, True), (16, 256, 4, 4, True), (32, 128, 4, 3, True), (32, 256, 4, 3, True),
         (64, 128, 4, 3, True), (16, 512, 8, 3, True)]  # fmt: skip
 # a config replaces cuBLAS only when it is this much faster alone: cuBLAS's kernels start while the kernel before
 # them drains, so a kernel's time alone overstates what replacing cuBLAS saves inside a decode graph
-# (docs/performance.md: 5-10 % faster alone measured as 1 % slower in the step)
+# (docs/performance.md: 5-10 % faster alone was 1 % slower in the step)
 MARGIN = 0.85
 # the fused gate_up + activation against cuBLAS and the activation's own launch: the launch it saves is saved in the
 # decode graph too (docs/performance.md: what it measures)
@@ -263,6 +261,9 @@ def _chosen(key: tuple, device, tune, ready=None) -> tuple | None:
         else:
             with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
                 cfg = tune()
+                # timings run on side streams, and cuBLAS keeps a 32 MiB workspace per stream (~1 GiB after a cold
+                # start): freed, as torch does at every capture's start, and given back
+                getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)(), torch.cuda.empty_cache()
             _tuned.store(key, device.index, cfg)
         _choice[key] = cfg
     return _choice[key]
