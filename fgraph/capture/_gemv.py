@@ -63,8 +63,7 @@ _DOT = [(16, 128, 4, 3, True), (16, 256, 4, 4, True), (32, 128, 4, 3, True), (32
 # them drains, so a kernel's time alone overstates what replacing cuBLAS saves inside a decode graph
 # (docs/performance.md: 5-10 % faster alone was 1 % slower in the step)
 MARGIN = 0.85
-# the fused gate_up + activation against cuBLAS and the activation's own launch: the launch it saves is saved in the
-# decode graph too (docs/performance.md: what it measures)
+# the fused gate_up + activation against cuBLAS and the activation's launch: the launch it saves is saved in the step
 GLU_MARGIN = 0.95
 # a timing: 10 replays of a CUDA graph of this many ms of launches (do_bench_cudagraph); the ranking holds at a few
 REP_MS = 3
@@ -262,8 +261,9 @@ def _chosen(key: tuple, device, tune, ready=None) -> tuple | None:
             with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
                 cfg = tune()
                 # timings run on side streams, and cuBLAS keeps a 32 MiB workspace per stream (~1 GiB after a cold
-                # start): freed, as torch does at every capture's start, and given back
-                getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)(), torch.cuda.empty_cache()
+                # start): freed, as torch does at every capture's start, and given back (memory's own empty_cache:
+                # capture_session stubs torch.cuda.empty_cache for the graphs it captures)
+                getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)(), torch.cuda.memory.empty_cache()
             _tuned.store(key, device.index, cfg)
         _choice[key] = cfg
     return _choice[key]
