@@ -37,7 +37,7 @@ import torch
 
 from benchmarks import kernels
 from examples import hf_generate
-from fgraph.capture import linear_counts
+from fgraph.kernels import linear_counts
 
 
 def make_model(smoke: bool, device: str, dtype, layers: int = 2):

@@ -24,7 +24,8 @@ from ._modes import Mode
 from ._pytree import check_static_fields
 from ._signature import Call, Signature, device_of, path_str
 from ._state import outside_inference_mode
-from .capture import CompileFailed, Entry, new_pool, ran
+from .capture import Entry, new_pool, ran
+from .compile import CompileFailed
 from .trace import InitialisesState, Traced
 
 log = logging.getLogger("fgraph")

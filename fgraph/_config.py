@@ -43,7 +43,7 @@ class config(metaclass=_Checked):
     # default is uncompiled graphs everywhere, eager's own kernels, bit for bit the plain function
     compile_cuda = True
     # compiled CUDA pieces run their matmuls of a small weight's transpose as fgraph::linear: at <= 16 rows a
-    # no-split-K kernel where it times faster than cuBLAS (fgraph/capture/_small_m.py and _gemv.py;
+    # no-split-K kernel where it times faster than cuBLAS (fgraph/compile/_small_m.py, fgraph/kernels/_gemv.py;
     # docs/performance.md: what it measures)
     small_m_gemv = True
     # with small_m_gemv: a gated MLP's silu(gate) * up after its fused gate_up matmul runs as fgraph::linear_glu, one
@@ -57,7 +57,7 @@ class config(metaclass=_Checked):
     # Off until measured in the decode step (docs/performance.md)
     small_m_norm = False
     # the tuners' choices are kept on disk beside Inductor's cache, by GPU, CUDA, torch, Triton and kernel source, and
-    # read by later processes instead of timing the keys again (fgraph/capture/_tuned.py). False: each process times
+    # read by later processes instead of timing the keys again (fgraph/kernels/_tuned.py). False: each process times
     tune_cache = True
     # fgraph's own Triton kernels of a decode step (fgraph::linear's family, the triton attention's decode and merge)
     # launch with programmatic dependent launch: each may start while the kernel before it runs and waits for it

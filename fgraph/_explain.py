@@ -6,7 +6,7 @@ from ._errors import FgraphError
 from ._jit import Jitted
 from ._lower import avals_lines
 from ._traceback import boundary
-from .capture import kernels_made
+from .compile import kernels_made
 from .trace import op_summary
 
 
@@ -65,7 +65,7 @@ def _entry_text(fn: Jitted, e, n: int | None) -> str:
                 f"      compiled: {how}" + (f", shared by {c.shared.uses} uses" if c.how == "symbolic" else "")
             )
             made = kernels_made(c.module)
-            if made:  # fgraph's own kernels in the piece (fgraph.config.small_m_*: fgraph/capture/_small_m.py)
+            if made:  # fgraph's own kernels in the piece (fgraph.config.small_m_*: fgraph/compile/_small_m.py)
                 lines.append(f"      fgraph kernels: {made}")
     if e.graphs:
         lines.append(

@@ -37,7 +37,8 @@ from ._signature import (
     undeclared_batched,
 )
 from ._traceback import boundary, user_frames
-from .capture import Entry, Stats, capture_session, compiler
+from .capture import Entry, Stats, capture_session
+from .compile import compiler
 from .padding import check_aliases, check_lengths
 
 _disabled = False

@@ -17,7 +17,7 @@ from ._config import config
 from ._errors import SignatureError
 from ._modes import Mode
 from ._signature import Batched, default_buckets
-from .capture import inductor_options
+from .compile import inductor_options
 
 
 @attrs.frozen

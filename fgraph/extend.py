@@ -26,6 +26,6 @@ from .capture import DoneEvent as DoneEvent
 def pdl_prologue():
     """The Triton JIT function `after_prior(PDL)`, a kernel's first statement where it honours fgraph.config.pdl (its
     launch arguments: `pdl_args(t)`). Imports Triton."""
-    from ._pdl import after_prior
+    from .kernels import pdl_prologue as prologue
 
-    return after_prior
+    return prologue()

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 import fgraph
 from benchmarks.common import decode_batch, device_name, jit_step, sync, time_ms
 from examples import llama
-from fgraph.capture import compiler
+from fgraph.compile import compiler
 from fgraph.ops import attention as A
 
 

@@ -25,7 +25,8 @@ import torch.utils._pytree as pytree
 import fgraph
 from benchmarks.common import copy_bandwidth, decode_batch, device_name, jit_step, time_ms
 from examples import llama
-from fgraph.capture import _gemv, compiler
+from fgraph.compile import compiler
+from fgraph.kernels import _gemv
 from fgraph.ops import attention as A
 
 

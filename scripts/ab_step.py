@@ -30,7 +30,7 @@ import fgraph
 from benchmarks import kernels
 from benchmarks.common import decode_batch, device_name, jit_step, time_ms
 from examples import llama
-from fgraph.capture import _small_m
+from fgraph.compile import _small_m
 from fgraph.ops import _attn_triton as T
 from fgraph.ops import attention as A
 

@@ -21,9 +21,9 @@ from .._modes import Mode
 from .._pytree import unflattener
 from .._signature import Call
 from .._state import put_back
+from ..compile import Compiled
 from . import _graphs as G
 from ._buffers import InputBuffers
-from ._inductor import Compiled
 from ._slots import Slots
 
 

@@ -152,7 +152,7 @@ class Compiler:
         # one bucket's own shapes); shared: pieces served by a compilation this process already had
         # linear: the fgraph ops the signatures' pieces' matmuls were rewritten into (fgraph::linear, linears,
         # linear_glu, norm_linear); group, glu, norm: those of fgraph::linears, linear_glu, norm_linear
-        # (fgraph/capture/_small_m.py)
+        # (fgraph/compile/_small_m.py)
         # failed: signatures whose pieces Inductor raised on (they ran uncompiled graphs, or the error was raised)
         self.counts = dict.fromkeys(
             ("compiled", "loaded", "shared", "static", "failed", "linear", "glu", "norm", "group"), 0

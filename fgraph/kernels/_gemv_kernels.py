@@ -6,7 +6,7 @@ Importing this module imports Triton: _gemv.kernel() does, on first use.
 import triton
 import triton.language as tl
 
-from .._pdl import after_prior
+from ._pdl import after_prior
 
 
 @triton.jit
