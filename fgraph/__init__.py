@@ -12,10 +12,6 @@ from ._errors import FgraphError as FgraphError
 from ._errors import RunError as RunError
 from ._errors import SignatureError as SignatureError
 from ._errors import TraceError as TraceError
-from ._explain import explain as explain
-from ._jit import Jitted as Jitted
-from ._jit import disable_jit as disable_jit
-from ._jit import jit as jit
 from ._modes import Mode as Mode
 from ._primitives import PlanCall as PlanCall
 from ._primitives import Primitive as Primitive
@@ -27,6 +23,10 @@ from ._signature import Aval as Aval
 from ._signature import Batched as Batched
 from ._signature import Signature as Signature
 from ._signature import default_buckets as default_buckets
+from .function import Jitted as Jitted
+from .function import disable_jit as disable_jit
+from .function import explain as explain
+from .function import jit as jit
 from .trace import Piece as Piece
 from .trace import Program as Program
 from .trace import repeated as repeated

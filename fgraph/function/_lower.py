@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ._pytree import flatten_with_paths
+from .._pytree import flatten_with_paths
 
 
 def _aval(t, traced, bucket) -> str:

@@ -17,14 +17,11 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from tqdm.auto import tqdm
 
-from . import _options
-from . import trace as T
-from ._config import config
-from ._errors import CaptureError, EscapeError, FgraphError, SignatureError
-from ._lower import lower
-from ._pytree import flatten_with_paths, is_seen_into, see_into
-from ._shared import Shared, shared_for
-from ._signature import (
+from .. import trace as T
+from .._config import config
+from .._errors import CaptureError, EscapeError, FgraphError, SignatureError
+from .._pytree import flatten_with_paths, is_seen_into, see_into
+from .._signature import (
     Call,
     Signature,
     Static,
@@ -36,10 +33,13 @@ from ._signature import (
     pad_count,
     undeclared_batched,
 )
-from ._traceback import boundary, user_frames
-from .capture import Entry, Stats, capture_session
-from .compile import compiler
-from .padding import check_aliases, check_lengths
+from .._traceback import boundary, user_frames
+from ..capture import Entry, Stats, capture_session
+from ..compile import compiler
+from ..padding import check_aliases, check_lengths
+from . import _options
+from ._lower import lower
+from ._shared import Shared, shared_for
 
 _disabled = False
 

@@ -12,12 +12,12 @@ from collections.abc import Iterable, Mapping
 import attrs
 import torch.utils._pytree as pytree
 
-from . import _primitives as P
-from ._config import config
-from ._errors import SignatureError
-from ._modes import Mode
-from ._signature import Batched, default_buckets
-from .compile import inductor_options
+from .. import _primitives as P
+from .._config import config
+from .._errors import SignatureError
+from .._modes import Mode
+from .._signature import Batched, default_buckets
+from ..compile import inductor_options
 
 
 @attrs.frozen

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ._errors import FgraphError
+from .._errors import FgraphError
+from .._traceback import boundary
+from ..compile import kernels_made
+from ..trace import op_summary
 from ._jit import Jitted
 from ._lower import avals_lines
-from ._traceback import boundary
-from .compile import kernels_made
-from .trace import op_summary
 
 
 class Explanation:

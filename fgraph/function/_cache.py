@@ -17,16 +17,16 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ._config import config
-from ._errors import CaptureError, EscapeError, FgraphError, RunError, SignatureError
+from .._config import config
+from .._errors import CaptureError, EscapeError, FgraphError, RunError, SignatureError
+from .._modes import Mode
+from .._pytree import check_static_fields
+from .._signature import Call, Signature, device_of, path_str
+from .._state import outside_inference_mode
+from ..capture import Entry, new_pool, ran
+from ..compile import CompileFailed
+from ..trace import InitialisesState, Traced
 from ._fastpath import FastPath
-from ._modes import Mode
-from ._pytree import check_static_fields
-from ._signature import Call, Signature, device_of, path_str
-from ._state import outside_inference_mode
-from .capture import Entry, new_pool, ran
-from .compile import CompileFailed
-from .trace import InitialisesState, Traced
 
 log = logging.getLogger("fgraph")
 

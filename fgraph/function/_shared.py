@@ -25,11 +25,11 @@ import weakref
 import attrs
 import torch.utils._pytree as pytree
 
-from . import trace as T
+from .. import trace as T
+from .._pytree import see_into
+from .._signature import static_key
 from ._cache import Cache
 from ._fastpath import FastPath, layout_key
-from ._pytree import see_into
-from ._signature import static_key
 
 log = logging.getLogger("fgraph")
 

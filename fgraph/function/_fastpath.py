@@ -20,11 +20,11 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from ._errors import SignatureError
-from ._pytree import _RECORDS, _children, flattener, is_seen_into
-from ._signature import Call, batch_specs, bucket_for, leaf_of, static_key, torch_state
-from .padding import check_aliases
-from .trace import LiftedView
+from .._errors import SignatureError
+from .._pytree import _RECORDS, _children, flattener, is_seen_into
+from .._signature import Call, batch_specs, bucket_for, leaf_of, static_key, torch_state
+from ..padding import check_aliases
+from ..trace import LiftedView
 
 
 class Layout(NamedTuple):
