@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fgraph
-from fgraph import _shared
+from fgraph.function import forget_all
 
 # On CUDA fgraph.jit compiles its pieces by default (fgraph.config.compile_cuda). The suite's specs compare jitted
 # calls with eager bit for bit, which holds for eager's own kernels: they ask for those by this switch, and a compile
@@ -30,6 +30,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_jit_state():
     """Each test's jit objects start afresh: state is shared per function and options, process-wide
-    (fgraph/_shared.py), and tests jit the same module-level functions again and again."""
-    _shared.forget_all()
+    (fgraph/function/_shared.py), and tests jit the same module-level functions again and again."""
+    forget_all()
     yield
