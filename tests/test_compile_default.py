@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fgraph
-from fgraph._options import Options
-from fgraph.capture import compiler
+from fgraph.compile import compiler
+from fgraph.function._options import Options
 
 W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fgraph
-from fgraph.capture import compiler
+from fgraph.compile import compiler
 
 pytestmark = pytest.mark.gpu
 bf16 = torch.bfloat16

@@ -372,7 +372,7 @@ def test_compiled_pieces_keep_residual_adds_out_of_the_gemms():
     into mm + add; a bias (a 1-D addend) keeps its addmm (a GEMM epilogue, no copy)."""
     import torch.fx as fx
 
-    from fgraph.capture._inductor import _residual_adds_out_of_gemms
+    from fgraph.compile._inductor import _residual_adds_out_of_gemms
 
     aten = torch.ops.aten
     x, a, b, bias = torch.randn(4, 8), torch.randn(4, 16), torch.randn(16, 8), torch.randn(8)

@@ -17,7 +17,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import fgraph
-from fgraph.capture import _gemv, _small_m, compiler
+from fgraph.compile import _small_m, compiler
+from fgraph.kernels import _gemv
 
 bf16 = torch.bfloat16
 

@@ -15,7 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
 from examples.layers import gated_mlp, linear, rms_norm
-from fgraph.capture import _gemv, _small_m, compiler
+from fgraph.compile import _small_m, compiler
+from fgraph.kernels import _gemv
 
 bf16 = torch.bfloat16
 EPS = 1e-6

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import fgraph
-from fgraph.capture import _gemv
 from fgraph.extend import pdl_args
+from fgraph.kernels import _gemv
 
 ROOT = pathlib.Path(fgraph.__file__).parent
 # the kernels that take a PDL constexpr, by source file
 PDL_KERNELS = {
-    "capture/_gemv_kernels.py": {"gemv", "glu", "add_rms_norm", "gemv_group"},
+    "kernels/_gemv_kernels.py": {"gemv", "glu", "add_rms_norm", "gemv_group"},
     "ops/_attn_triton_kernels.py": {"decode", "merge"},
 }
 
@@ -77,7 +77,7 @@ def test_pdl_kernels_compile_for_sm90_with_the_wait_before_any_global_access_and
     """What the device runs, read from the PTX: on, griddepcontrol.wait precedes every global load, store, async
     copy and atomic (the split's counters), and the launch asks for PDL; off, no griddepcontrol at all."""
     pytest.importorskip("triton")
-    from fgraph.capture import _gemv_kernels
+    from fgraph.kernels import _gemv_kernels
     from fgraph.ops import _attn_triton_kernels
 
     fn, consts, types = {

@@ -153,8 +153,8 @@ def test_a_guard_holds_exactly_while_every_node_holds_the_same_objects(shape, ed
     """guard_for's check, against a walk of the tree: true exactly while every node (list, dict, object seen into)
     holds the same objects in the same places: an item moved from one node to the next, which keeps the walk's total
     size, is seen as well."""
-    from fgraph._fastpath import guard_for
     from fgraph._pytree import flatten_with_paths, see_into
+    from fgraph.function._fastpath import guard_for
 
     def build(s):
         if s == "t":

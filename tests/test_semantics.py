@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import fgraph
-from fgraph import Batched, _shared
+from fgraph import Batched
 from fgraph.capture import _entry as E
+from fgraph.function import _shared
 from tests import toys
 
 MODES = ["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
@@ -383,8 +384,8 @@ def test_a_mutable_container_inside_a_frozen_one_is_seen():
 
 
 def test_guards_skip_immutable_trees():
-    from fgraph._fastpath import guard_for
     from fgraph._pytree import flatten_with_paths
+    from fgraph.function._fastpath import guard_for
 
     frozen = (torch.ones(1), (torch.ones(1),))
     assert guard_for(frozen, flatten_with_paths(frozen)[1]) is None  # identity is the proof: no per-call work
@@ -898,12 +899,12 @@ def test_the_shared_cache_goes_away_with_the_function(mode):
     f = make()
     j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
     j(p, x)
-    state, entry = weakref.ref(j.shared), weakref.ref(next(iter(j.entries.values())))
+    state, entry = weakref.ref(j.state), weakref.ref(next(iter(j.entries.values())))
     del j
     gc.collect()
     j = fgraph.jit(f, batch={"x": Batched()}, mode=mode, buckets=[4])
     torch.testing.assert_close(j(p, x), f(p, x), rtol=0, atol=0)
-    assert j.shared is state() and j.stats()["total"]["traces"] == 1 and j.stats()["total"]["calls"] == 2
+    assert j.state is state() and j.stats()["total"]["traces"] == 1 and j.stats()["total"]["calls"] == 2
     fn = weakref.ref(f)
     del f, j
     gc.collect()
@@ -934,7 +935,7 @@ def test_modules_and_bound_methods_share_per_object():
         views = [fgraph.jit(call(obj), batch=batch, mode="FULL", buckets=[4]) for obj in (a, b)]
         assert [v.stats()["total"]["calls"] for v in views] == [3, 2]
         assert [v.stats()["total"]["traces"] for v in views] == [1, 1]
-        state = weakref.ref(views[0].shared)
+        state = weakref.ref(views[0].state)
         del a, obj, views, j
         gc.collect()
         assert state() is None

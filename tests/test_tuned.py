@@ -1,4 +1,4 @@
-"""The tuners' choices on disk (fgraph/capture/_tuned.py): a second process reads what the first timed and times
+"""The tuners' choices on disk (fgraph/kernels/_tuned.py): a second process reads what the first timed and times
 nothing; another GPU, or fgraph.config.tune_cache off, times again. The GPU is stubbed (its name, its capture state):
 the choice logic runs on the CPU; what the kernels compute is the GPU specs' (tests/test_linear.py)."""
 
@@ -14,7 +14,7 @@ import contextlib, json, sys
 from unittest import mock
 import torch
 import fgraph
-from fgraph.capture import _gemv
+from fgraph.kernels import _gemv
 
 gpu, cache_on = sys.argv[1], sys.argv[2] == "on"
 fgraph.config.tune_cache = cache_on

@@ -124,7 +124,7 @@ def explain(fn, *args, **kwargs) -> Explanation:
             "\n".join(_entry_text(fn, e, None) for e in entries) or f"{fn.name}: no signatures yet", entries
         )
     call = fn.bind(args, kwargs)
-    why = fn.ungraphed(call)
+    why = fn.state.ungraphed(call)
     if why is not None:  # no graph serves it: what the call does
         return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why[1] or 'an empty batch'}", [])
     e = fn.cache.probe(fn, call)  # trace only: explaining never captures

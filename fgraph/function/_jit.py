@@ -13,14 +13,12 @@ from collections.abc import Callable, Mapping
 from typing import overload
 
 import torch
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from tqdm.auto import tqdm
 
 from .. import trace as T
-from .._config import config
-from .._errors import CaptureError, EscapeError, FgraphError, SignatureError
-from .._pytree import flatten_with_paths, is_seen_into, see_into
+from .._errors import CaptureError, SignatureError
+from .._pytree import flatten_with_paths, see_into
 from .._signature import (
     Call,
     Signature,
@@ -31,15 +29,14 @@ from .._signature import (
     device_of,
     leaf_of,
     pad_count,
-    undeclared_batched,
 )
 from .._traceback import boundary, user_frames
 from ..capture import Entry, Stats, capture_session
 from ..compile import compiler
-from ..padding import check_aliases, check_lengths
 from . import _options
+from ._function_state import FunctionState
 from ._lower import lower
-from ._shared import Shared, shared_for
+from ._shared import shared_for
 
 _disabled = False
 
@@ -61,8 +58,9 @@ class Jitted(T.Inlined):
     Inspection: `options` (the checked jit options), `entries` (Signature -> Entry, read-only), `stats()`,
     `cache` (entries, traces, the graph pool), `fastpath` (the replay path's keys); see docs/contract.md.
 
-    Jit objects of one function object and equal options are views of one `shared` state (fgraph/_shared.py): they
-    trace and capture once, and show the same entries, cache and stats; reset() on one resets it for all."""
+    Jit objects of one function object and equal options are views of one `state` (FunctionState): they trace and
+    capture once, and show the same entries, cache and stats; reset() on one resets it for all. A view replays what
+    the fast path finds and hands every other call to its state (FunctionState.call)."""
 
     def __init__(
         self,
@@ -96,9 +94,8 @@ class Jitted(T.Inlined):
         self._plain = T.plain_signature(signature)
         self._view = None  # the replay path's proof of the lifted tensors (FastPath.remember)
         # cache, fastpath, sealed, fallbacks, the warnings logged and the lock: per function object and options
-        self.shared = shared_for(fn, given, lambda: Shared(name, signature, opts))
-        self.cache, self.fastpath, self._lock = self.shared.cache, self.shared.fastpath, self.shared.lock
-        self.fallbacks = self.shared.fallbacks
+        self.state = shared_for(fn, given, lambda: FunctionState(name, signature, opts))
+        self.cache, self.fastpath, self._lock = self.state.cache, self.state.fastpath, self.state.lock
 
     def __get__(self, obj, objtype=None):
         """The function itself from the class; from an instance, a Jitted of the bound method, one per instance.
@@ -109,7 +106,7 @@ class Jitted(T.Inlined):
     @property
     def sealed(self) -> bool:
         """capture() ran (on this jit object or another view of its shared state): unseen signatures run eagerly."""
-        return self.shared.sealed
+        return self.state.sealed
 
     @property
     def entries(self) -> Mapping[Signature, Entry]:
@@ -120,7 +117,7 @@ class Jitted(T.Inlined):
 
     def log_once(self, key, fmt: str, *args) -> None:
         """Log a warning about this function once per key."""
-        self.shared.log_once(key, fmt, *args)
+        self.state.log_once(key, fmt, *args)
 
     # -- the call path ---------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -133,7 +130,7 @@ class Jitted(T.Inlined):
             hit = self.fastpath.find(args, kwargs, self._view) if self._plain and taught else None
             if hit is None:
                 with user_frames:  # where tracing fails: fgraph's errors show the user's frames only
-                    return self._slow_call(args, kwargs)
+                    return self.state.call(self, args, kwargs)
             try:
                 out = hit.entry.run(hit.leaves, hit.n, hit.bound, self.options.copy_outputs)
             except Exception:
@@ -183,133 +180,18 @@ class Jitted(T.Inlined):
         )
         return Call(sig, statics, paths, leaves, specs, n, dict(bound.arguments))
 
-    def _slow_call(self, args, kwargs):
-        shared = self.shared
-        # a call like one that made donated state: eagerly, without binding (a backward refusal needs the binding)
-        if shared.initialising_calls and not torch.is_grad_enabled() and shared.initialises(self, args, kwargs):
-            self.fallbacks["init"] += 1
-            return self.fn(*args, **kwargs)
-        try:
-            call = self.cache.for_grad_mode(self.bind(args, kwargs))
-        except T.LazyParameters as e:  # this call makes them: eagerly, as the module would
-            if self.options.strict:
-                raise SignatureError(f"fgraph.jit({self.name}, strict=True): {e.what}", e.fix) from None
-            self.log_once(("lazy",), "%s (logged once). Fix: %s", e.what, e.fix)
-            self.fallbacks["init"] += 1
-            return self.fn(*args, **kwargs)
-        if (why := self.ungraphed(call)) is not None:  # an empty batch: counted, not logged (nothing to fix)
-            return self._fallback(why[0], call, why[1], "raise buckets=[..., N] or split the batch")
-        entry = self.cache.entries.get(call.sig)
-        if entry is None and call.sig in self.shared.initialising:
-            shared.note_initialising(self, args, kwargs)
-            return self._fallback("init", call, None, None)
-        if entry is None:
-            if self.sealed:
-                return self._fallback(
-                    "unseen",
-                    call,
-                    f"signature {call.sig.describe()} was not captured" + self.cache.closest(call.sig),
-                    f"add it to {self.name}.capture(...)"
-                    + (  # torch's settings are the caller's: capture() takes no argument for them
-                        f", called under the same torch settings ({settings})"
-                        if (settings := dict(call.sig.statics).get("<torch>")) is not None
-                        else ""
-                    ),
-                )
-            if self.cache.made >= config.max_signatures:
-                return self._fallback(
-                    "cap",
-                    call,
-                    f"{self.cache.made} signatures made by calls already (fgraph.config.max_signatures)"
-                    + self.cache.closest(call.sig),
-                    "pass values that change per call as tensors, or capture() the signatures you need up front",
-                )
-            try:
-                with self._padded_meets_unbatched(call):
-                    entry = self.cache.make(
-                        self, call, call.padding_only(call.sig.bucket) if call.n is not None else call
-                    )
-            except T.InitialisesState as e:  # a lazily made cache: this call makes its tensors, eagerly
-                self.shared.initialising.add(call.sig)
-                shared.note_initialising(self, args, kwargs)
-                return self._fallback("init", call, e.what, e.fix)
-            if entry is None:  # the capture ran out of device memory: freed, this call runs eagerly
-                return self._fallback("oom", call, "capturing ran out of device memory", "capture fewer buckets")
-            self.cache.made += 1
-            self.cache.warn_retraces(call)
-        elif entry.slots is not None and (moved := entry.slots.diverged(call.leaves)):
-            self.cache.recapture(entry, call, moved)
-        check_lengths(self.name, entry.traced.tied, call.leaves)
-        check_aliases(self.name, entry.traced, call.leaves, call.specs)
-        first = (
-            self._padded_meets_unbatched(call, tracing=False) if entry.stats.calls == 0 else contextlib.nullcontext()
-        )
-        with first:
-            out = entry.run(call.leaves, call.n, call.bound, self.options.copy_outputs, check=True)
-        if self._plain:
-            self._view = self.fastpath.remember(call, entry, self.lifted, self._view)
-        entry.verified = None
-        return T.refuse_backward(self.name, self.lifted, out, self._donated(call))
-
-    def _donated(self, call) -> tuple:
+    def donated(self, call) -> tuple:
         """The donated arguments of a call, as passed (handed back as the caller's own when returned)."""
         return self._donated_of(call.bound)
 
+    def learn(self, call, entry) -> None:
+        """After a call the slow path served: the replay path's keys for its signature, and this view's proof of
+        the lifted tensors it read (FastPath.remember)."""
+        if self._plain:
+            self._view = self.fastpath.remember(call, entry, self.lifted, self._view)
+
     def _donated_of(self, bound: dict) -> tuple:
         return tuple(bound[k] for k in self.options.donate if k in bound)
-
-    @contextlib.contextmanager
-    def _padded_meets_unbatched(self, call: Call, tracing: bool = True):
-        """A padded call whose trace, capture or first run fails, while an input not declared Batched has the call's
-        N rows along a dim: that input is named, with the fix (the padded batched rows have no row of it).
-
-        tracing: the function's own exceptions come through as themselves (callers may catch them), with a note."""
-        try:
-            yield
-        except Exception as e:
-            if isinstance(e, (SignatureError, EscapeError)) or call.n is None or call.sig.bucket in (None, call.n):
-                raise
-            found = undeclared_batched(call, set(self.lifted.names) if self.lifted else set())
-            if not found:
-                raise
-            (path, shape, axis), *more = found
-            what = (
-                f"fgraph.jit({self.name}): {path} {shape} is not declared Batched, but its dim {axis} has this call's "
-                f"N={call.n} rows while the batched inputs are padded to the bucket {call.sig.bucket}: where they "
-                "meet, the padded rows have no row of it"
-                + (f" (so do {', '.join(f'{p} {s} dim {a}' for p, s, a in more)})" if more else "")
-            )
-            top = path.split(".")[0].split("[")[0]
-            fix = (
-                f"declare it Batched(axis={axis}): batch={{..., {top!r}: fgraph.Batched(axis={axis})}}"
-                + ("" if top == path else f" (or a prefix tree whose leaf at {path} is Batched(axis={axis}))")
-                + "; its padded rows then hold the pad value (0 by default)"
-            )
-            if tracing and not isinstance(e, FgraphError):
-                e.add_note(f"{what}\nFix: {fix}")
-                raise
-            raise SignatureError(f"{what} ({type(e).__name__}: {getattr(e, 'what', e)})", fix) from e
-
-    def ungraphed(self, call) -> tuple[str, str | None] | None:
-        """(kind, what) when no graph serves a call: none traces 0 rows, and none is past the largest bucket."""
-        if call.n == 0:
-            return "empty", None
-        big = call.n is not None and call.sig.bucket is None
-        return ("oversize", f"{call.n} tokens exceed the largest bucket {self.options.buckets[-1]}") if big else None
-
-    def _fallback(self, kind, call, what, fix):
-        if self.options.strict and what is not None:
-            raise SignatureError(f"fgraph.jit({self.name}, strict=True): {what}", fix)
-        if what is not None:
-            self.log_once((kind, call.sig.statics), "%s; running eagerly (logged once). Fix: %s", what, fix)
-        self.fallbacks[kind] += 1
-        device = device_of(self.name, call, strict=False)
-        leaves = [x.to(device) if s is not None else x for x, s in zip(call.leaves, call.specs)]
-        tree = pytree.tree_unflatten(leaves, call.sig.treespec)
-        for k in self.options.donate:  # the caller's own donated objects, which the call may initialise
-            if k in tree and is_seen_into(call.bound.get(k)):
-                tree[k] = call.bound[k]
-        return T.refuse_backward(self.name, self.lifted, T.invoke(self, tree, call.statics), self._donated(call))
 
     def __getattr__(self, name: str):
         """A jitted module is a drop-in for it: attributes Jitted lacks are the module's (`.config`, `.device`).
@@ -364,7 +246,7 @@ class Jitted(T.Inlined):
                         )
                     graphs += len(entry.graphs)
                 bar.close()
-        self.shared.sealed = True
+        self.state.sealed = True
         secs = time.perf_counter() - t0
         gib = sum(e.pool_bytes for e in self.cache.entries.values()) / 2**30
         if progress:
@@ -399,7 +281,7 @@ class Jitted(T.Inlined):
         signature (keyed by its description, plus the leaves that tell apart signatures described alike). Jit
         objects of one function and equal options share them: each shows the calls of all. A jitted module's also
         count the calls its methods made through its jitted forward (`jit(model).generate(...)`)."""
-        per, fallbacks = dict(self.cache.stats()), dict(self.fallbacks)
+        per, fallbacks = dict(self.cache.stats()), dict(self.state.fallbacks)
         forward = self.__dict__.get("_forward")
         if forward is not None:
             inner = forward.stats()
@@ -413,7 +295,7 @@ class Jitted(T.Inlined):
 
         Graphs whose outputs the caller still holds keep their memory (retired, not freed) until a later reset
         finds them unused. Every jit object of this function and options is reset (they share one cache)."""
-        self.shared.reset()
+        self.state.reset()
 
 
 def _with_jitted_forward(jitted: Jitted, method, *args, **kwargs):

@@ -1,19 +1,5 @@
-"""Shared: what a jitted function keeps, one per function object and options, for every jit object of them.
-
-jax.jit caches per function and options: `for _ in range(3): fgraph.jit(f)(x)` traces f once. Each jit object of
-one function object and equal options is a view of one Shared (its Cache of signatures, traces and graphs, the
-replay path's FastPath, whether capture() sealed it, the fallback counts, the warnings logged once, the lock that
-serialises its calls), found in a process-wide map held weakly: it goes away with the function.
-
-What is shared never gives another answer than a jit object of its own would: the key is the function object itself
-(a closure made again is a new function: its own state) and options compared by value; the tensors a call reads
-(arguments, lifted parameters, closed-over and global tensors) are read per call by the jit object called, as
-without sharing. What a trace freezes (Python values the function reads) is frozen for every view, as under jax.jit:
-`.reset()` on any view traces again for all.
-
-A Shared holds no reference to the function (the map's weak key would never die): its cache gets the jit object
-that calls it where it traces (Cache.make, Cache.probe).
-"""
+"""The map of FunctionStates: one per function object and jit options, held weakly by the function, so jit objects
+of one function and equal options are views of one state (`_function_state`)."""
 
 from __future__ import annotations
 
@@ -23,86 +9,13 @@ import types
 import weakref
 
 import attrs
-import torch.utils._pytree as pytree
-
-from .. import trace as T
-from .._pytree import see_into
-from .._signature import static_key
-from ._cache import Cache
-from ._fastpath import FastPath, layout_key
 
 log = logging.getLogger("fgraph")
 
 
-class Shared:
-    """One function's jit state, for given options: what every jit object of them is a view of."""
-
-    def __init__(self, name: str, signature, options):
-        self.name, self.options = name, options
-        self.fastpath = FastPath(name, signature, options.static, options.batch, options.buckets)
-        self.cache = Cache(self, self.fastpath)
-        self.sealed = False  # capture() ran: unseen signatures run eagerly (or raise with strict) from now on
-        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0, "init": 0}
-        self.logged: set = set()  # warnings already logged once
-        self.initialising: set = set()  # signatures whose calls make donated state's tensors: run eagerly
-        # the same calls by `_call_key`: found again without binding (which reads every lifted tensor: ~5 ms for an
-        # HF model's prefill, where generate makes a new cache each call)
-        self.initialising_calls: set = set()
-        self.lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
-
-    def log_once(self, key, fmt: str, *args) -> None:
-        """Log a warning about this function once per key."""
-        if key not in self.logged:
-            self.logged.add(key)
-            log.warning("fgraph.jit(%s): " + fmt, self.name, *args)
-
-    def reset(self) -> None:
-        self.cache.reset()
-        self.sealed = False
-
-    def note_initialising(self, jitted, args: tuple, kwargs: dict) -> None:
-        """Remember a call whose signature makes donated state (before it runs: its state not yet made). Not with
-        batched arguments: their fallback pads and moves them, which the plain function would not."""
-        if self.options.batch:
-            return
-        key = self._call_key(jitted, args, kwargs)
-        if key is not None:
-            self.initialising_calls.add(key)
-
-    def initialises(self, jitted, args: tuple, kwargs: dict) -> bool:
-        """Whether a call is keyed as one noted by `note_initialising`."""
-        key = self._call_key(jitted, args, kwargs)
-        return key is not None and key in self.initialising_calls
-
-    def _call_key(self, jitted, args: tuple, kwargs: dict):
-        """A key of a call cheaper than its signature: the statics by type and value, each other argument's
-        structure and leaves' abstract values, torch's settings and the lifted modules' training flags; not the
-        lifted tensors themselves. Two calls of one key make donated state alike. None where a part is unhashable."""
-        try:
-            bound = jitted.signature.bind(*args, **kwargs)
-        except TypeError:
-            return None
-        bound.apply_defaults()
-        parts = []
-        try:
-            for k, v in bound.arguments.items():
-                if k in self.options.static:
-                    parts.append((k, static_key(v)))
-                    continue
-                if k in self.options.donate:  # (a plain object seen into, as binding sees it)
-                    see_into(v)
-                leaves, spec = pytree.tree_flatten(v)
-                parts.append((k, layout_key(spec, leaves)))  # (the replay path's key of an argument's layout)
-            key = (T.context(jitted.lifted), tuple(parts))
-            hash(key)
-        except TypeError:
-            return None
-        return key
-
-
 # ------------------------------------------------------------------------------------------------ the map
 class _Slot:
-    """One function's entry in the map: weak references to what identifies it, and its Shared per options key."""
+    """One function's entry in the map: weak references to what identifies it, and its FunctionState per options key."""
 
     def __init__(self, refs: tuple):
         self.refs, self.by_options = refs, {}
@@ -112,10 +25,10 @@ _slots: dict[tuple[int, ...], _Slot] = {}  # ids of what identifies a function (
 _slots_lock = threading.Lock()
 
 
-def shared_for(fn, given: dict, make) -> Shared:
-    """The Shared of `fn` and these options (`given`, as passed to jit), made by `make()` the first time.
+def shared_for(fn, given: dict, make):
+    """The FunctionState of `fn` and these options (`given`, as passed to jit), made by `make()` the first time.
 
-    A function that cannot be held weakly, or options with an unhashable value, get a Shared of their own."""
+    A function that cannot be held weakly, or options with an unhashable value, get a FunctionState of their own."""
     objs, key = identity_of(fn), options_key(given)
     if objs is None or key is None:
         return make()
