@@ -457,15 +457,18 @@ def test_vmap_and_grad_over_a_jitted_call_are_fgraph_errors():
         torch.func.grad(f)(torch.randn(3))
 
 
-def test_torch_compile_over_a_jitted_call_says_so_and_its_fix_works():
+def test_torch_compile_over_a_jitted_call_runs_it_as_one_opaque_call_of_fgraphs_graphs():
     f = fgraph.jit(lambda x: x * 2 + 1)
     x = torch.randn(3)
-    with pytest.raises(FgraphError, match=r"called inside torch.compile") as e:
-        torch.compile(lambda x: f(x).relu())(x)
-    assert "torch.compiler.disable" in e.value.fix
     torch._dynamo.reset()
-    g = torch.compiler.disable(f)
-    torch.testing.assert_close(torch.compile(lambda x: g(x).relu())(x), (x * 2 + 1).relu())
+    outer = torch.compile(lambda x: f(x).relu())
+    for _ in range(3):
+        torch.testing.assert_close(outer(x), (x * 2 + 1).relu())
+    torch.testing.assert_close(torch.compile(f)(x), x * 2 + 1)
+    assert f.stats()["total"]["traces"] == 1 and f.stats()["total"]["calls"] == 4  # (fgraph served every call)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"fgraph.jit function runs fgraph's own CUDA graphs.*fullgraph=True"):
+        torch.compile(lambda x: f(x).relu(), fullgraph=True)(x)
 
 
 def test_autograd_through_a_jitted_call_is_an_fgraph_error():

@@ -121,6 +121,8 @@ class Jitted(T.Inlined):
 
     # -- the call path ---------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_dynamo_compiling():  # torch.compile tracing a caller: this call stays opaque to it
+            return _opaque(self, args, kwargs)
         if _disabled or T.tracing.depth:  # called while this thread traces a function: inlined
             return self.fn(*args, **kwargs)
         T.check_transforms(self.name)  # vmap / grad over a jitted call: an fgraph error
@@ -296,6 +298,21 @@ class Jitted(T.Inlined):
         Graphs whose outputs the caller still holds keep their memory (retired, not freed) until a later reset
         finds them unused. Every jit object of this function and options is reset (they share one cache)."""
         self.state.reset()
+
+
+def _opaque(jitted: Jitted, args: tuple, kwargs: dict):
+    """A jitted call inside a function torch.compile traces (HF generate's own compile of a jitted forward): a graph
+    break, so Dynamo neither traces fgraph's call path nor its graphs; at run time fgraph runs the call as any other
+    (its signatures and graphs, the plain function's answer). fullgraph=True cannot break there: torch says so, with
+    the reason below."""
+    return jitted(*args, **kwargs)
+
+
+_opaque = torch.compiler.disable(
+    _opaque,
+    reason="a call of an fgraph.jit function runs fgraph's own CUDA graphs, opaque to torch.compile: compile without "
+    "fullgraph=True, or torch.compile the plain function instead of calling the jitted one",
+)
 
 
 def _with_jitted_forward(jitted: Jitted, method, *args, **kwargs):

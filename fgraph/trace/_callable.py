@@ -28,7 +28,6 @@ from .._errors import FgraphError, SignatureError
 from .._fx import user_code
 from .._pytree import flatten_with_paths
 from .._signature import Guard, path_str, torch_state
-from ._compiling import dynamo_compiling
 
 
 class Inlined:
@@ -434,13 +433,7 @@ def check_transforms(fname: str) -> None:
 
     vmap / grad / jacrev (torch.func) over a jitted call: its inputs are functorch wrappers that a captured graph
     cannot see through."""
-    if _functorch.peek_interpreter_stack() is not None:
-        if dynamo_compiling():  # dynamo tracing into fgraph's own code (it sets up transforms too)
-            raise FgraphError(
-                f"fgraph.jit({fname}): called inside torch.compile, which traces into fgraph's call itself",
-                "torch.compile the plain function, or keep the jitted call out of the compiled region (wrap it in "
-                "torch.compiler.disable)",
-            )
+    if _functorch.peek_interpreter_stack() is not None:  # (torch.compile never gets here: Jitted.__call__)
         raise FgraphError(
             f"fgraph.jit({fname}): called under a torch.func transform (vmap, grad, jacrev, ...); a jitted "
             "call replays captured graphs, which a transform cannot batch or differentiate",
