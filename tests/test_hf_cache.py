@@ -248,6 +248,19 @@ def test_full_capture_of_the_recipe_on_the_gpu_gives_exact_tokens():
     assert f.stats()["total"]["captures"] >= 1 and f.stats()["total"]["replays"] >= 6
 
 
+@pytest.mark.gpu
+def test_generates_own_compile_of_the_jitted_forward_runs_fgraphs_graphs():
+    """generate as it runs by default on CUDA with a static cache: it torch.compiles the model's call, whose forward
+    is jitted; that call is opaque to the compile (a graph break), so fgraph's graphs give eager's tokens."""
+    model = G.tiny("qwen2", "cuda")
+    ids = IDS.cuda()
+    want = G.generate(model, ids, 8)
+    f = G.jit_forward(model, "FULL")
+    torch._dynamo.reset()
+    assert torch.equal(G.generate(model, ids, 8, disable_compile=False), want)
+    assert f.stats()["total"]["captures"] >= 1 and f.stats()["total"]["replays"] >= 6
+
+
 @pytest.mark.parametrize("cache", ["generate", "caller"])
 def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, cache):
     from benchmarks import hf_bench

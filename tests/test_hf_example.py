@@ -32,6 +32,19 @@ def test_logits_equal_eager_in_every_mode(model, prompts, mode):
     assert len(e.graphs) == graphs and e.stats.calls == 1
 
 
+@torch.no_grad()
+def test_torch_compile_over_the_jitted_model_runs_it_as_one_opaque_call(model, prompts):
+    """As generate compiles the model's call on CUDA with a static cache (torch.compile(model.__call__), fullgraph
+    off, the forward jitted): Dynamo breaks at the jitted call and fgraph serves it, eager's logits."""
+    f = H.jit_model(model, "FULL")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda ids: H.logits(f, ids))
+    want = model(input_ids=prompts, use_cache=False).logits
+    for _ in range(2):
+        assert torch.equal(compiled(prompts), want)
+    assert f.stats()["total"]["calls"] == 2 and f.stats()["total"]["traces"] == 1
+
+
 def test_greedy_generation_equals_eager():
     """`python -m examples.hf_llama --device cpu`: every step's logits and the greedy tokens equal eager's."""
     out = H.main(["--mode", "FULL", "--device", "cpu", "--new-tokens", "2", "--batch", "3", "--prompt-len", "5"])
