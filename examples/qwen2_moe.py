@@ -5,7 +5,7 @@ fgraph/ops/moe.py), passed to `llama.forward` as its `mlp` hook; its `backend` i
 (`MoEConfig.moe_backend`), so the trace sees it and fgraph's split rule decides per backend: local/allgather
 stay inside full graphs, all2all (host-synced token counts) is cut out and the step is captured piecewise
 around it. Layers listed in `mlp_only_layers` (Qwen2-MoE) keep a dense gated MLP. HF transformers'
-modeling_qwen2_moe.py / modeling_mixtral.py are the numerical references (tests/test_moe_model.py).
+modeling_qwen2_moe.py / modeling_mixtral.py are the numerical references (tests/examples/test_moe_model.py).
 `python -m examples.generate` runs these models: it picks this loader by the checkpoint's architecture.
 
   python -m examples.generate --preset tiny-moe    # embedded tiny random MoE (= python -m examples.qwen2_moe)

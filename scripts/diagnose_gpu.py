@@ -319,7 +319,7 @@ def pool(cfg, params):
 def inductor(cfg, params):
     """How far Inductor-compiled steps are from the eager step (bf16, FA2, 7 sequences at position 300, both
     routines): fgraph FULL+C with and without its residual-add pass, and torch.compile of the same step, each as
-    max |d| / max |logit| and argmax agreement (the scale tests/test_models_gpu.py's FULL+C tolerance is set by)."""
+    max |d| / max |logit| and argmax agreement (the scale tests/examples/test_models_gpu.py's FULL+C tolerance is set by)."""
     from fgraph import _inductor
 
     ps = A.page_size_for("flash_attn")

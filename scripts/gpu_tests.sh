@@ -7,7 +7,7 @@
 #                                                         the kernels'
 #                                           kernels       fgraph's Triton kernels' specs (fgraph::linear and its
 #                                                         family, the triton attention, RoPE, the KV write, PDL)
-#                                           models        tests/test_models_gpu.py but FlashInfer's and the
+#                                           models        tests/examples/test_models_gpu.py but FlashInfer's and the
 #                                                         compiled ones
 #                                           compiled      test_models_gpu's Inductor-compiled tests (-k compile:
 #                                                         two tests, ~4 minutes of compiling) and
@@ -48,14 +48,14 @@ if [ "${n:-0}" -lt 1 ]; then
   exit 1
 fi
 # every gpu-marked test of tests/ but the multi-GPU files (a new test file joins a lane without an edit here)
-single="tests --ignore=tests/test_tp_gpu.py --ignore=tests/test_ep_gpu.py"
-models=tests/test_models_gpu.py
-shapes=tests/test_compile_gpu.py  # (compiled pieces over random model shapes: in the compiled lane)
+single="tests --ignore=tests/examples/test_tp_gpu.py --ignore=tests/examples/test_ep_gpu.py"
+models=tests/examples/test_models_gpu.py
+shapes=tests/compile/test_compile_gpu.py  # (compiled pieces over random model shapes: in the compiled lane)
 # (a lane of their own: the single lane ran ~290 s of the suite's ~300 with them)
-kernels="tests/test_linear.py tests/test_norm_linear.py tests/test_attention_triton.py tests/test_pdl.py
-tests/test_rope.py tests/test_kv_write.py"
+kernels="tests/kernels/test_linear.py tests/kernels/test_norm_linear.py tests/ops/test_attention_triton.py tests/kernels/test_pdl.py
+tests/ops/test_rope.py tests/ops/test_kv_write.py"
 fi_tc="import sys, pytest, fgraph.ops._attn_flashinfer as FI; FI.TENSOR_CORE_PLAN_PATHS = False; \
-sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-k', 'flashinfer', 'tests/test_models_gpu.py']))"
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-k', 'flashinfer', 'tests/examples/test_models_gpu.py']))"
 rcs=$(mktemp -d)
 # lane NAME CMD...: runs CMD with its output in $log/gpu_tests-NAME.log and its exit status in $rcs/NAME
 lane() {
@@ -72,7 +72,7 @@ lane_fi() {
   lane flashinfer t $single -k flashinfer
   lane flashinfer-tc-plan-paths-off timeout -k 10 "$limit" python3 -c "$fi_tc"
 }
-lane_multi() { lane multigpu t tests/test_tp_gpu.py tests/test_ep_gpu.py -k "not bench"; }
+lane_multi() { lane multigpu t tests/examples/test_tp_gpu.py tests/examples/test_ep_gpu.py -k "not bench"; }
 want="${LANES:-single kernels models compiled flashinfer flashinfer-tc-plan-paths-off multigpu}"
 has() { [[ " $want " == *" $1 "* ]]; }
 lanes=""

@@ -31,7 +31,7 @@ SILENT MISMATCHES (wrong results, no error):
 ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   padded_rows_mixed_into_real_ones       MED   logged once at trace time with the line, listed by explain
-                                               (x.mean(0), softmax over tokens, ...: tests/test_padding.py)
+                                               (x.mean(0), softmax over tokens, ...: tests/padding/test_padding.py)
   random_draws_differ_from_eager         MED   rand, dropout, multinomial, ...: padded rows and warm-up runs draw
                                                too, so a seeded run differs from eager; logged once with the line,
                                                listed by explain. Draw the noise outside and pass it in

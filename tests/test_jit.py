@@ -425,7 +425,7 @@ def test_pad_modes_scalar_ramp_and_callable(dtype):
 @pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16])  # numpy host path, and the torch path
 def test_batch_axis_other_than_the_first_is_padded_along_it(dtype):
     """Batched(axis=1): [2, N] leaves padded along N (fill 7); a shorter call after a longer one re-pads what the
-    longer one wrote. Outputs are cut back to N along the dims sized by it (tests/test_padding.py)."""
+    longer one wrote. Outputs are cut back to N along the dims sized by it (tests/padding/test_padding.py)."""
     f = fgraph.jit(lambda x: x.T * 2, batch={"x": Batched(axis=1, pad=7)}, mode="FULL", buckets=[8])
     for n in (5, 3, 3, 8):
         x = torch.arange(2 * n, dtype=dtype).view(2, n)

@@ -655,7 +655,7 @@ def stores_into_its_argument(x, state):
 def test_an_argument_returned_after_the_function_stored_into_it_holds_the_new_values(mode, device):
     """A donated argument the function returns comes back as the caller's own object only where the function left it
     holding what was passed (its tensors updated in place or not); any other argument returned is a value (its
-    tensors copied: tests/test_outputs.py). One it stored new values into comes back as the traced tree of this
+    tensors copied: tests/padding/test_outputs.py). One it stored new values into comes back as the traced tree of this
     call's values, as jax.jit returns it, never as the caller's object with the old ones. (The caller's own dict
     is not written by a jitted call: tests/test_footguns.py.)"""
     j = fgraph.jit(stores_into_its_argument, batch={"x": Batched(mixes=True)}, mode=mode, buckets=[4, 8])

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fgraph
-from tests.test_replay_path import MODES, fast
+from tests.function.test_replay_path import MODES, fast
 
 
 class Layer:  # plain classes, as transformers' StaticCache and its layers: seen into as donated state

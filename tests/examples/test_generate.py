@@ -12,7 +12,7 @@ import torch
 
 from examples import engine, generate, llama, request, sampling
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [
     [5, 17, 300, 2, 999, 41, 8, 8, 120, 77, 3, 64, 500, 1, 23, 45, 6, 7, 90],
     [11],
@@ -307,7 +307,7 @@ def test_cli_text_prompt_with_tokenizer(tmp_path, capsys):
     """--model DIR with a tokenizer.json: --prompt TEXT is encoded, the output decoded."""
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
-    from tests.test_models import make_hf
+    from tests.examples.test_models import make_hf
 
     make_hf("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True), str(tmp_path))
     words = ["<unk>", "the", "capital", "of", "france", "is"] + [f"w{i}" for i in range(122)]
@@ -359,7 +359,7 @@ def test_readme_command_runs_fresh():
 
 def test_compile_flag_reaches_the_jitted_step(tiny, eager):
     """`--compile` / Engine(compile=True) serves Inductor-compiled pieces (FULL+C); with mode NONE nothing is
-    captured or compiled, so the tokens are eager's (the compiled path's tokens: tests/test_models_gpu.py)."""
+    captured or compiled, so the tokens are eager's (the compiled path's tokens: tests/examples/test_models_gpu.py)."""
     eng, report = run(tiny, "NONE", compile=True)
     assert eng.step_fn.options.compile == {} and report.tokens == eager
     assert generate.parse_args(["--compile"]).compile and not generate.parse_args([]).compile

@@ -1,6 +1,7 @@
 """GPU: the engine's fault handling and seeded sampling on CUDA with captured graphs, and the loader's
-non-finite check on device tensors (the CPU suite covers the logic: tests/test_engine_faults.py,
-tests/test_checkpoint_errors.py). Run on the device: `bash scripts/gpu_tests.sh tests/test_engine_gpu.py`."""
+non-finite check on device tensors (the CPU suite covers the logic: tests/examples/test_engine_faults.py,
+tests/examples/test_checkpoint_errors.py). Run on the device:
+`bash scripts/gpu_tests.sh tests/examples/test_engine_gpu.py`."""
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def test_a_nan_weight_is_found_on_cuda(tmp_path):
     pytest.importorskip("transformers")
     from safetensors.torch import load_file, save_file
 
-    from tests.test_models import make_hf
+    from tests.examples.test_models import make_hf
 
     make_hf("llama", dict(num_key_value_heads=2), str(tmp_path))
     ts = load_file(str(tmp_path / "model.safetensors"))

@@ -6,8 +6,8 @@ graphs. With the random-weight Qwen2.5-0.5B preset (14 q heads, 2 KV heads: one 
   - bfloat16, the best attention backend: TP=2 in every capture mode == TP=2 eager bit for bit (same kernels on
     the same buckets; a 2-rank all-reduce adds two numbers, so it is exact whatever NCCL's algorithm).
 And the TP=1 vs TP=2 decode-step latency table of benchmarks/tp_bench.py (llama3-8b, batch 1 and 64).
-Run on a 2-GPU device: `bash scripts/gpu_tests.sh tests/test_tp_gpu.py` (ranks are spawned by examples.tp.launch,
-killed past the deadline)."""
+Run on a 2-GPU device: `bash scripts/gpu_tests.sh tests/examples/test_tp_gpu.py` (ranks are spawned by
+examples.tp.launch, killed past the deadline)."""
 
 import gc
 import os
@@ -19,7 +19,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="multigpu: needs 2 GPUs")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = ("eager", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 NEW_TOKENS = 8
 ENGINE = dict(max_seqs=32, max_seq_len=384, max_batch_tokens=128, buckets=(1, 8, 32, 128))

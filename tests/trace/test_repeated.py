@@ -89,7 +89,7 @@ def test_a_tensor_read_from_outside_the_arguments_is_refused():
         f(params, batch)
     msg = str(e.value)
     assert "fgraph.repeated(" in msg and "from outside the function's arguments" in msg
-    assert "aten.mm.default at tests/test_repeated.py:" in msg and "(an input of the jitted function)" in msg
+    assert "aten.mm.default at tests/trace/test_repeated.py:" in msg and "(an input of the jitted function)" in msg
     assert "pass every tensor the function reads as an argument" in msg
 
 

@@ -166,7 +166,7 @@ def _checks(t: tp.TP, hf_dir: str | None):
 def test_tp2_matches_tp1_over_gloo(tmp_path):
     hf_dir = None  # without transformers / safetensors: everything but the checkpoint path
     if all(importlib.util.find_spec(m) for m in ("transformers", "safetensors")):
-        from tests.test_models import make_hf
+        from tests.examples.test_models import make_hf
 
         hf_dir = str(tmp_path / "hf")
         make_hf("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=False), hf_dir)

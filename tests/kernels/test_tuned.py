@@ -1,13 +1,13 @@
 """The tuners' choices on disk (fgraph/kernels/_tuned.py): a second process reads what the first timed and times
 nothing; another GPU, or fgraph.config.tune_cache off, times again. The GPU is stubbed (its name, its capture state):
-the choice logic runs on the CPU; what the kernels compute is the GPU specs' (tests/test_linear.py)."""
+the choice logic runs on the CPU; what the kernels compute is the GPU specs' (tests/kernels/test_linear.py)."""
 
 import json
 import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parent.parent.parent
 
 SCRIPT = """
 import contextlib, json, sys

@@ -4,7 +4,7 @@
 The eager oracle is the same engine with mode="eager": the plain step function, no fgraph.jit, on batches
 padded to the same buckets (so both run kernels of the same shapes and must agree bit for bit). One engine
 per (backend, mode) captures once and serves every concurrency level in turn.
-Run on the device: `bash scripts/gpu_tests.sh tests/test_models_gpu.py` (~8 min in all; one backend at a time
+Run on the device: `bash scripts/gpu_tests.sh tests/examples/test_models_gpu.py` (~8 min in all; one backend at a time
 fits a 10-minute command: add `-k torch`, `-k flash_attn`, `-k flashinfer`).
 """
 
@@ -148,7 +148,7 @@ def test_cli_default_on_gpu(capsys):
 
 def test_checkpoint_loads_straight_to_gpu(tmp_path):
     pytest.importorskip("transformers")
-    from tests.test_models import make_hf
+    from tests.examples.test_models import make_hf
 
     hf = make_hf("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True), str(tmp_path))
     cfg, params = checkpoint.load(str(tmp_path), dtype="float32", device="cuda")

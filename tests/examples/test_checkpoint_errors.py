@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from examples import checkpoint, generate  # noqa: E402
-from tests.test_models import make_hf  # noqa: E402
+from tests.examples.test_models import make_hf  # noqa: E402
 
 ST = "model.safetensors"
 DOWN = "model.layers.1.mlp.down_proj.weight"

@@ -19,8 +19,8 @@ from examples.layers import rope_cos_sin, rope_inv_freq
 from fgraph.ops import _attn_torch, _rope
 from fgraph.ops import _attn_triton as T
 from fgraph.ops import attention as A
-from tests.test_attention_gpu import backend_or_skip
-from tests.test_attention_triton import LENS, LLAMA, QWEN, Batch, all_padding, interpreter, same
+from tests.ops.test_attention_gpu import backend_or_skip
+from tests.ops.test_attention_triton import LENS, LLAMA, QWEN, Batch, all_padding, interpreter, same
 
 MIXED = ([1, 2, 17, 1, 40, 20], LENS)  # (query lens, seq lens): decodes, a prompt, chunks after a history
 

@@ -123,7 +123,7 @@ def test_a_dynamic_cache_returned_by_a_plain_call_names_the_way_out_generate_doe
         "except fgraph.TraceError as e:\n"
         "    print(json.dumps({'what': e.what, 'fix': e.fix}))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root)
     assert run.stdout.strip(), run.stderr[-3000:]
     plain = json.loads(run.stdout.strip().splitlines()[-1])
@@ -161,7 +161,7 @@ def test_an_undonated_cache_error_shows_the_models_lines_not_torchs():
         "        'frames': [f.filename for f in traceback.extract_tb(e.__traceback__)],\n"
         "        'internal': [os.path.dirname(fgraph.__file__), os.path.dirname(torch.fx.__file__)]}))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root)
     assert run.stdout.strip(), run.stderr[-3000:]
     e = json.loads(run.stdout.strip().splitlines()[-1])

@@ -331,7 +331,8 @@ def test_the_reported_index_patterns_are_real(mode, caplog):
         got, want = g(x, perm), eager(permuted_rows, x, perm)
     assert torch.equal(got[1:], want[1:]) and torch.equal(got[0], torch.full((3,), 0.5))
     assert "aten.index at " in caplog.text and where(last_row_by_index) in caplog.text
-    assert f"aten.index_put_ at tests/test_padding.py:{permuted_rows.__code__.co_firstlineno + 2}:" in caplog.text
+    line = permuted_rows.__code__.co_firstlineno + 2
+    assert f"aten.index_put_ at tests/padding/test_padding.py:{line}:" in caplog.text
 
 
 # index patterns padding does not leak through: the check follows what padding puts in the index (a ramp of
@@ -484,8 +485,8 @@ def test_an_output_that_shrinks_as_the_batch_grows_is_a_trace_error(mode):
     f = fgraph.jit(rest_of_table, batch={"x": Batched()}, buckets=[8], mode=mode)
     with pytest.raises(
         fgraph.TraceError,
-        match=r"output 0 at tests/test_padding.py:\d+ has 8 - Min\(8, x.shape\[0\]\) rows along dim 0, fewer as "
-        r"the batch grows.*\nFix: take its rows from a start that does not depend on the batch size",
+        match=r"output 0 at tests/padding/test_padding.py:\d+ has 8 - Min\(8, x.shape\[0\]\) rows along dim 0, "
+        r"fewer as the batch grows.*\nFix: take its rows from a start that does not depend on the batch size",
     ):
         f(torch.arange(8.0), torch.ones(3))
 

@@ -18,8 +18,8 @@ pytest.importorskip("safetensors")
 import fgraph  # noqa: E402
 from examples import checkpoint, generate, llama, qwen2_moe  # noqa: E402
 from fgraph.ops import attention as A  # noqa: E402
+from tests.examples.test_models import PAGE, PROMPTS, assert_steps_match_hf, hf_greedy  # noqa: E402
 from tests.hf import NO_SPECIAL_TOKENS, save_tiny  # noqa: E402
-from tests.test_models import PAGE, PROMPTS, assert_steps_match_hf, hf_greedy  # noqa: E402
 
 BASE = dict(
     hidden_size=64,

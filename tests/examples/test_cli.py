@@ -12,7 +12,7 @@ import torch
 import fgraph
 from examples import generate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = ["--no-progress", "--mode", "eager", "--max-new-tokens", "2"]
 
 USAGE = {  # flags -> what the one line names

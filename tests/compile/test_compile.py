@@ -14,7 +14,7 @@ import fgraph
 from examples import engine, llama
 from fgraph.ops import attention as A
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parent.parent.parent
 CFG = dict(llama.presets["tiny"], n_layers=3, dim=64, n_heads=2, n_kv_heads=1, head_dim=32, intermediate=96)
 
 

@@ -310,7 +310,7 @@ def test_no_garbage_collection_during_a_cuda_stream_capture(monkeypatch):
 def test_each_cuda_graph_capture_owns_its_cublas_workspace(monkeypatch):
     """torch's cuBLAS workspaces are cleared right before a capture (so the capture allocates its own, in its pool)
     and right after (so no later graph inherits it): what others then do to torch's workspaces cannot free memory a
-    jitted function's graphs write. On the GPU: tests/test_workspace_gpu.py."""
+    jitted function's graphs write. On the GPU: tests/capture/test_workspace_gpu.py."""
     import contextlib
 
     seen = []

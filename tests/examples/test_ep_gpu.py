@@ -1,17 +1,17 @@
 """GPU: expert parallelism over NCCL on 2 GPUs, the tiny MoE model's engine on each rank serving its own requests
-(tests/test_moe_dist.py's ep_engine_tokens, the CPU/gloo test's rank function: each rank its own requests, of
+(tests/ops/test_moe_dist.py's ep_engine_tokens, the CPU/gloo test's rank function: each rank its own requests, of
 other counts and lengths, the ranks padded to one token count per step):
   - float32, torch attention: allgather and all2all, eager and every capture mode, give the greedy tokens of
     moe_backend="local" with all the experts on one GPU (float32 keeps the reordered expert sums far below the
     gaps between top logits);
   - bfloat16, FA2 and FlashInfer attention: each captured mode equals EP eager bit for bit (same kernels), with
     allgather's NCCL collectives inside FULL graphs and all2all cut out, the step captured piecewise around it.
-Run on a 2-GPU device: `bash scripts/gpu_tests.sh tests/test_ep_gpu.py`."""
+Run on a 2-GPU device: `bash scripts/gpu_tests.sh tests/examples/test_ep_gpu.py`."""
 
 import pytest
 import torch
 
-from tests.test_moe_dist import ep_engine_tokens
+from tests.ops.test_moe_dist import ep_engine_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="multigpu: needs 2 GPUs")]
 

@@ -4,7 +4,7 @@ untied embeddings, odd vocabularies, MoE layers. Each shape is drawn from a seed
 id, so a failure names the shape that broke it. `examples.generate` captures every bucket up to 256 tokens (16
 prompts of 16), so a piece compiled at one bucket and run at another shows here, at capture.
 
-Run on the device: `bash scripts/gpu_tests.sh tests/test_compile_gpu.py`."""
+Run on the device: `bash scripts/gpu_tests.sh tests/compile/test_compile_gpu.py`."""
 
 import random
 

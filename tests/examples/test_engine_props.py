@@ -21,8 +21,8 @@ import torch
 from examples import engine, llama, sampling
 from examples.request import RequestError
 from fgraph.ops import attention as A
-from tests.test_engine_faults import PHASES, assert_consistent, build, inject
-from tests.test_generate import tiny  # noqa: F401 (the tiny model, a module fixture)
+from tests.examples.test_engine_faults import PHASES, assert_consistent, build, inject
+from tests.examples.test_generate import tiny  # noqa: F401 (the tiny model, a module fixture)
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies

@@ -17,7 +17,7 @@ def _checks(rank, world):
     import fgraph
     from fgraph import Batched, Mode
     from fgraph.ops import moe as M
-    from tests.test_moe import moe_params, moe_step, tokens, weights
+    from tests.ops.test_moe import moe_params, moe_step, tokens, weights
 
     def close(a, b, dtype):
         tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
@@ -104,7 +104,7 @@ def test_world_of_one_communicates_and_matches_local(tmp_path):
     )
     try:
         from fgraph.ops import moe as M
-        from tests.test_moe import tokens, weights
+        from tests.ops.test_moe import tokens, weights
 
         w, x = weights(), tokens(7)
         for backend in ("allgather", "all2all"):

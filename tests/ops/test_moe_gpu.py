@@ -3,7 +3,7 @@ the example model's FULL graphs); all2all over NCCL at world size 1 runs piecewi
 allgather's NCCL collectives sit inside a full graph. Eager (same buckets, same kernels) is the oracle: the engines
 here replay eager's own kernels (compile=False), so their bf16 tokens are eager's bit for bit; compiled pieces are
 checked in float32, where Inductor's reordered sums cannot flip a greedy token.
-Run on the device: `python -m pytest -q tests/test_moe_gpu.py` (timings: `python -m fgraph.ops.moe cuda`)."""
+Run on the device: `python -m pytest -q tests/ops/test_moe_gpu.py` (timings: `python -m fgraph.ops.moe cuda`)."""
 
 import contextlib
 import os

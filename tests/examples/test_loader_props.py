@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, reject, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from examples import checkpoint, llama, qwen2_moe  # noqa: E402
+from tests.examples.test_models import assert_steps_match_hf  # noqa: E402
 from tests.hf import NO_SPECIAL_TOKENS, save_tiny  # noqa: E402
-from tests.test_models import assert_steps_match_hf  # noqa: E402
 
 # architecture -> (transformers model class, its config class)
 MODELS = {
