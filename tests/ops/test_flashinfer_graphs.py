@@ -12,7 +12,7 @@ import fgraph
 from fgraph import Mode
 from fgraph.ops import _attn_flashinfer as FI
 from fgraph.ops import attention as A
-from tests.ops.test_attention import TOY_BATCH, Case, flashinfer_stand_in, toy_inputs, toy_step
+from tests.ops.attention_cases import TOY_BATCH, Case, flashinfer_stand_in, toy_inputs, toy_step
 
 
 def jit_mixed(buckets=(8, 16, 32), mode="FULL"):
