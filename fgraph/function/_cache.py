@@ -1,6 +1,6 @@
 """Cache: what one jitted function keeps per signature, and the only code that changes it.
 
-One per function and options (fgraph/_shared.py), shared by every jit object of them.
+One per function and options (FunctionState, fgraph/function/_function_state.py), shared by every jit object of them.
 
 Its signatures' entries, the traces they share (one per routine, structure and non-batch shapes, serving every
 bucket its symbols fit), the graph pool every signature captures into, fgraph's buffers for inputs copied per call,
