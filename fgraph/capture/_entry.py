@@ -80,7 +80,8 @@ class Entry:
         self.specs = [call.specs[i] for i in self.batched_ix]
         self.write_back = [(k, i) for k, i in enumerate(self.batched_ix) if i in traced.written_batched]
         self.graphs: list = []
-        self.verified = None  # the argument layouts whose addresses were last checked (set by Jitted.__call__ after a replay, read by FastPath.find)
+        # the argument layouts whose addresses were last checked (set after a replay, read by FastPath.find)
+        self.verified = None
         self.slots = None  # the inputs its graphs read by address: in place or copied (Slots)
         self.full, self.buffers = None, None
         self.sole = None  # a PIECEWISE program that is one graph piece returned as it is: that graph (_sole_graph)

@@ -45,7 +45,7 @@ class Slots:
         donate, batched = set(donate), set(batched)
         self.donated = [r in donate for r in root]
         # positions inside batched arguments (a tensor without a batch axis next to batched ones): those arguments
-        # are flattened afresh every call, so no container identity vouches for these tensors (the replay path, FastPath.find)
+        # are flattened afresh every call, so no container identity vouches for these tensors (FastPath.find)
         self.loose = [k for k, r in enumerate(root) if r in batched]
         self._loose_with: dict[tuple, list[int]] = {}
         self._plans: dict[bool, tuple] = {}  # copy in (False) and back (True): _plan; move() drops them
