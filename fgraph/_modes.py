@@ -6,6 +6,7 @@ signature's breaks."""
 from __future__ import annotations
 
 import enum
+from typing import NamedTuple
 
 import torch.fx as fx
 
@@ -27,6 +28,14 @@ class Mode(enum.Enum):
         if self is Mode.FULL_AND_PIECEWISE:
             return Mode.FULL if decode else Mode.PIECEWISE
         return self
+
+
+class Weakest(NamedTuple):
+    """The break with the weakest capture support seen so far: its level, why, and its primitive's name."""
+
+    level: P.Support
+    why: str
+    primitive: str
 
 
 def resolve_mode(fname: str, requested: Mode, routine, gm: fx.GraphModule, is_break) -> tuple[Mode, str]:
@@ -54,10 +63,11 @@ def resolve_mode(fname: str, requested: Mode, routine, gm: fx.GraphModule, is_br
                     f"add {p.name!r} to breaks=[...] (or leave breaks=None), or use mode='NONE'",
                 )
             continue
-        if weakest is None or level < weakest[0]:
-            weakest = (level, why, p.name)
-    if want is Mode.FULL and weakest is not None and weakest[0] < need:
-        return Mode.PIECEWISE, (f"FULL requested -> PIECEWISE ({weakest[1]}; {weakest[2]} supports {weakest[0].name})")
+        if weakest is None or level < weakest.level:
+            weakest = Weakest(level, why, p.name)
+    if want is Mode.FULL and weakest is not None and weakest.level < need:
+        w = weakest
+        return Mode.PIECEWISE, f"FULL requested -> PIECEWISE ({w.why}; {w.primitive} supports {w.level.name})"
     if want is requested:
         return want, f"{requested.name} requested"
     if routine is None:

@@ -6,6 +6,7 @@ mirrors a call pads its inputs into, and the padding writes themselves."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -176,18 +177,27 @@ def foreach_copy(dst: list, src: list, groups: list[list[int]] | None = None) ->
         torch._foreach_copy_([dst[i] for i in ix], [src[i] for i in ix])
 
 
+class LastCall(NamedTuple):
+    """A call whose every leaf went to the head of its target (`_pad_all`): its leaves' shapes, the target views
+    they were copied into, the rows then written per target, and the views' dtype groups."""
+
+    shapes: list
+    views: list
+    real: list
+    groups: list
+
+
 def _pad_all(targets, targets_np, real, leaves, specs, heads: dict) -> None:
     """Pad each leaf into its target, skipping padding still in place from the previous call.
 
-    Pad each leaf into its target; `real` holds the rows last written per target (-1: unknown), so padding still in
-    place from the previous call is not written again. The usual call (every leaf as long as the last call's, or
-    filling its target) is one `_foreach_copy_` per dtype into cached views of the targets' heads: a C++ call for
-    all leaves of a dtype (cheaper than a loop of numpy slice writes: docs/performance.md). heads[None] remembers such
-    a call (leaf shapes, views, rows, dtype groups): a call with the same shapes, whose targets nobody wrote since,
-    goes straight to that copy (a decode loop at a fixed batch size)."""
+    `real` holds the rows last written per target (-1: unknown), so padding still in place is not written again.
+    The usual call (every leaf as long as the last call's, or filling its target) is one `_foreach_copy_` per dtype
+    into cached views of the targets' heads: a C++ call for all leaves of a dtype (cheaper than a loop of numpy slice
+    writes: docs/performance.md). heads[None] remembers such a call (LastCall): a call with the same shapes, whose
+    targets nobody wrote since, goes straight to that copy (a decode loop at a fixed batch size)."""
     last = heads.get(None)
-    if last is not None and real == last[2] and [x.shape for x in leaves] == last[0]:
-        foreach_copy(last[1], leaves, last[3])
+    if last is not None and real == last.real and [x.shape for x in leaves] == last.shapes:
+        foreach_copy(last.views, leaves, last.groups)
         return
     dst, src = [], []
     for k, (t, x, s) in enumerate(zip(targets, leaves, specs)):
@@ -214,6 +224,6 @@ def _pad_all(targets, targets_np, real, leaves, specs, heads: dict) -> None:
     groups = copy_groups(dst)
     foreach_copy(dst, src, groups)
     if dst and len(dst) == len(leaves):
-        heads[None] = ([x.shape for x in leaves], dst, list(real), groups)
+        heads[None] = LastCall([x.shape for x in leaves], dst, list(real), groups)
     else:
         heads.pop(None, None)

@@ -126,6 +126,6 @@ def explain(fn, *args, **kwargs) -> Explanation:
     call = fn.bind(args, kwargs)
     why = fn.state.ungraphed(call)
     if why is not None:  # no graph serves it: what the call does
-        return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why[1] or 'an empty batch'}", [])
+        return Explanation(f"{fn.name}{call.sig.describe()}\n  runs eagerly: {why.what or 'an empty batch'}", [])
     e = fn.cache.probe(fn, call)  # trace only: explaining never captures
     return Explanation(_entry_text(fn, e, call.n), [e])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -34,6 +35,13 @@ from ._cache import Cache
 from ._fastpath import FastPath, layout_key
 
 log = logging.getLogger("fgraph")
+
+
+class Ungraphed(NamedTuple):
+    """A call no graph serves: its fallback kind (`empty`, `oversize`) and what to log (None: nothing to fix)."""
+
+    kind: str
+    what: str | None
 
 
 class FunctionState:
@@ -122,7 +130,7 @@ class FunctionState:
             self.fallbacks["init"] += 1
             return view.fn(*args, **kwargs)
         if (why := self.ungraphed(call)) is not None:  # an empty batch: counted, not logged (nothing to fix)
-            return self.fallback(view, why[0], call, why[1], "raise buckets=[..., N] or split the batch")
+            return self.fallback(view, why.kind, call, why.what, "raise buckets=[..., N] or split the batch")
         entry = self.cache.entries.get(call.sig)
         if entry is None and call.sig in self.initialising:
             self.note_initialising(view, args, kwargs)
@@ -206,12 +214,13 @@ class FunctionState:
                 raise
             raise SignatureError(f"{what} ({type(e).__name__}: {getattr(e, 'what', e)})", fix) from e
 
-    def ungraphed(self, call) -> tuple[str, str | None] | None:
-        """(kind, what) when no graph serves a call: none traces 0 rows, and none is past the largest bucket."""
+    def ungraphed(self, call) -> Ungraphed | None:
+        """Why no graph serves a call, if none does: none traces 0 rows, and none is past the largest bucket."""
         if call.n == 0:
-            return "empty", None
-        big = call.n is not None and call.sig.bucket is None
-        return ("oversize", f"{call.n} tokens exceed the largest bucket {self.options.buckets[-1]}") if big else None
+            return Ungraphed("empty", None)
+        if call.n is not None and call.sig.bucket is None:
+            return Ungraphed("oversize", f"{call.n} tokens exceed the largest bucket {self.options.buckets[-1]}")
+        return None
 
     def fallback(self, view, kind, call, what, fix):
         if self.options.strict and what is not None:
