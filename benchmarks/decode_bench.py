@@ -166,11 +166,6 @@ ROUNDS = 3  # timing rounds per cell: every contender once per round, in turn (-
 TOL_COMPILED = 0.1  # max |logits - eager| / max |eager| of Inductor-compiled steps (bf16 through every layer)
 
 
-def compiled_mode(mode: str, dev) -> bool:
-    """Whether a mode runs Inductor's pieces: "+C", or "DEFAULT" on CUDA (fgraph.jit's default compiles there)."""
-    return mode.endswith("+C") or (mode == "DEFAULT" and str(dev).startswith("cuda") and fgraph.config.compile_cuda)
-
-
 def check_against_eager(name: str, got: torch.Tensor, ref: torch.Tensor, compiled: bool) -> tuple[float, str | None]:
     """(relative max error, why it is refused or None). Uncompiled fgraph runs eager's kernels: bit for bit."""
     err = ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
@@ -209,7 +204,7 @@ def cell(jitted, step, compiled, params, cache, batch, dev, backend, peers, a, n
             out = f(params, cache, batch, routine="decode")[0]  # traces (first bucket of a family) and captures
             sync(dev)
             row[f"{key}_setup_s"] = time.perf_counter() - t0
-            row[f"{key}_err"], why = check_against_eager(key, out, ref, compiled_mode(mode, dev))
+            row[f"{key}_err"], why = check_against_eager(key, out, ref, f.options.compile_for(str(dev)) is not None)
             if why:
                 row[f"{key}_error"] = why
                 continue

@@ -262,9 +262,10 @@ class Entry:
             self.slots = Slots(self, call.leaves, donate, batched)
 
     def uncapture(self) -> None:
-        """Let go of the graphs and buffers, for a capture again: the program's top level is made afresh."""
+        """Let go of the graphs, buffers and compiled pieces, for a capture again: the program's top level is made
+        afresh."""
         self.release()
-        self.module = _own_top_level(self.traced.program.module)
+        self.module, self.compiled = _own_top_level(self.traced.program.module), {}
         self.verified = None
 
     def release(self) -> None:

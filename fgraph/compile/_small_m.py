@@ -5,7 +5,7 @@ a 3-D x that torch's matmul does not fold, such as a transposed attention output
 view(expand(t(w))))`, one weight broadcast over the batch: that is rewritten into `fgraph::linear` of x's rows too).
 Inductor would hand either to cuBLAS, which at decode sizes (M <= 16 rows) runs the small projections far below
 copy bandwidth and splits long K into two kernels. `fgraph::linear` takes x and w as they are and, at run time, picks
-the tuned no-split-K kernel for few rows or cuBLAS (`_gemv`). A rewrite needs: x 2-D of a half dtype on
+the tuned no-split-K kernel for few rows or cuBLAS (`fgraph.kernels`). A rewrite needs: x 2-D of a half dtype on
 the piece's device, w 2-D with contiguous rows and at most SMALL_WEIGHT bytes (or, with at most SPLIT_COLUMNS rows,
 SPLIT_WEIGHT), a bias 1-D, rows that may be few (a symbolic M, or M <= 16), and addmm's scalars at their defaults.
 Anything else stays as traced.
@@ -15,7 +15,7 @@ and o, 2 MB and 1.6 MB, where cuBLAS reaches 8-12 % of copy bandwidth); on the l
 the best config or ahead, and a rewritten matmul that the tuner hands back to cuBLAS made the 8B step 0.4-0.8 %
 slower (docs/performance.md), so those are not rewritten. SPLIT_WEIGHT / SPLIT_COLUMNS: a few output columns over a
 long K (0.5B's down, 896 x 4864, 8.7 MB), where cuBLAS splits K into a GEMM and a reduction kernel and the kernel's
-in-kernel split-K (`_gemv`) may serve it in one.
+in-kernel split-K (`fgraph.kernels`) may serve it in one.
 
 A gated MLP's `silu(gate) * up` over the two halves of one matmul (`linear(x, w13).chunk(2, -1)`: split, silu, mul)
 becomes one `fgraph::linear_glu(x, w13)` whatever the weight's size: without its kernel the op runs the matmul and
@@ -41,7 +41,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import kernels as _gemv  # (fgraph::linear's family: the ops this pass writes)
+from .. import kernels  # (fgraph::linear's family: the ops this pass writes)
 from .._fx import write_targets
 
 aten = torch.ops.aten
@@ -83,7 +83,7 @@ def _val(node):
 
 
 def _few_rows(m) -> bool:
-    return isinstance(m, torch.SymInt) or m <= _gemv.MAX_ROWS
+    return isinstance(m, torch.SymInt) or m <= kernels.MAX_ROWS
 
 
 def _small(w) -> bool:
@@ -138,7 +138,7 @@ def _rewrite_bmm(gm: fx.GraphModule, node, device_type: str) -> None:
     with gm.graph.inserting_before(node):
         x = gm.graph.call_function(aten.reshape.default, (left, [-1, k]))
         x.meta["val"] = rows
-        y = gm.graph.call_function(_gemv.op, (x, w, None))
+        y = gm.graph.call_function(kernels.op, (x, w, None))
         y.meta["val"] = _val(node).reshape(-1, n)
         out = gm.graph.call_function(aten.view.default, (y, [sizes[0], sizes[1], n]))
     out.meta = dict(node.meta)
@@ -186,7 +186,7 @@ def _rewrite_glu(gm: fx.GraphModule, node, device_type: str, order: _Order) -> b
         if not _fits(_val(x), _val(w), None, device_type, any_size=True) or not order.quiet((mm, node)):
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(_gemv.glu_op, (x, w))
+            new = gm.graph.call_function(kernels.glu_op, (x, w))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         for dead in (node, act, up, gate, split, mm):
@@ -226,7 +226,7 @@ def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str, order: _Order)
         if _val(wg).shape != _val(wu).shape or not order.quiet((mg, mu, node)):
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(_gemv.glu_op, (xg, wg, wu))
+            new = gm.graph.call_function(kernels.glu_op, (xg, wg, wu))
             new.meta["val"] = _val(mg)
             out = new if vg is None else gm.graph.call_function(vg.target, (new, *vg.args[1:]))
         out.meta = dict(node.meta)
@@ -312,7 +312,7 @@ def _residual(s) -> tuple:
 def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> None:
     """A matmul or fgraph::linear_glu of rms_norm(x (+ r)) -> fgraph::norm_linear(x, r, nw, eps, w, b, glu): its
     output 0 the product, its output 1 the sum x + r for the sum's other readers."""
-    if node.target is _gemv.glu_op:
+    if node.target is kernels.glu_op:
         if len(node.args) > 2 and node.args[2] is not None:  # (two weights: not fused with the norm)
             return
         (h, w), b, wt, glu = node.args[:2], None, None, True
@@ -334,7 +334,7 @@ def _rewrite_norm(gm: fx.GraphModule, node, device_type: str, order: dict) -> No
     if any(order[a] >= order[at] for a in inputs):
         return
     with gm.graph.inserting_before(at):
-        new = gm.graph.call_function(_gemv.norm_op, (x, r, nw, eps, w, b, glu))
+        new = gm.graph.call_function(kernels.norm_op, (x, r, nw, eps, w, b, glu))
         y = gm.graph.call_function(operator.getitem, (new, 0))
         total = gm.graph.call_function(operator.getitem, (new, 1))
     order.update(dict.fromkeys((new, y, total), order[at] - 0.5))  # (after every node before `at`)
@@ -381,14 +381,14 @@ def _rewrite_groups(gm: fx.GraphModule, device_type: str, order: _Order) -> None
         members = [(n, g) for n, g in members if all(at[a] < at[first] for a in g[1:3] if a is not None)]
         members = [(n, g) for n, g in members if order.quiet((first, n))]
         while len(members) >= 2:
-            _group(gm, members[: _gemv.GROUP])
-            members = members[_gemv.GROUP :]
+            _group(gm, members[: kernels.GROUP])
+            members = members[kernels.GROUP :]
 
 
 def _group(gm: fx.GraphModule, members: list) -> None:
     x = members[0][1][0]
     with gm.graph.inserting_before(members[0][0]):
-        new = gm.graph.call_function(_gemv.group_op, (x, [g[1] for _, g in members], [g[2] for _, g in members]))
+        new = gm.graph.call_function(kernels.group_op, (x, [g[1] for _, g in members], [g[2] for _, g in members]))
         new.meta["val"] = [_val(node) for node, _ in members]
         for i, (node, _) in enumerate(members):
             y = gm.graph.call_function(operator.getitem, (new, i))
@@ -413,7 +413,7 @@ def rewrite(
     if norm:
         positions = {n: i for i, n in enumerate(gm.graph.nodes)}
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and node.target in (aten.mm.default, aten.addmm.default, _gemv.glu_op):
+            if node.op == "call_function" and node.target in (aten.mm.default, aten.addmm.default, kernels.glu_op):
                 _rewrite_norm(gm, node, device_type, positions)
     if group:
         _rewrite_groups(gm, device_type, order)
@@ -428,7 +428,7 @@ def rewrite(
         if not _fits(_val(x), _val(w), None if b is None else _val(b), device_type):
             continue
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(_gemv.op, (x, w, b))
+            new = gm.graph.call_function(kernels.op, (x, w, b))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
@@ -450,8 +450,8 @@ def kernels_made(gm: fx.GraphModule) -> str:
 
 
 _OPS = {
-    "fgraph::linear": _gemv.op,
-    "fgraph::linears": _gemv.group_op,
-    "fgraph::linear_glu": _gemv.glu_op,
-    "fgraph::norm_linear": _gemv.norm_op,
+    "fgraph::linear": kernels.op,
+    "fgraph::linears": kernels.group_op,
+    "fgraph::linear_glu": kernels.glu_op,
+    "fgraph::norm_linear": kernels.norm_op,
 }

@@ -182,7 +182,6 @@ class Cache:
                 e,
             )
             entry.uncapture()
-            entry.compiled = {}
             self._capture(entry, call, None)
             entry.uncompiled = str(e)
         if config.log_captures and graphed:

@@ -260,10 +260,10 @@ def _chosen(key: tuple, device, tune, ready=None) -> tuple | None:
         else:
             with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
                 cfg = tune()
-                # timings run on side streams, and cuBLAS keeps a 32 MiB workspace per stream (~1 GiB after a cold
-                # start): freed, as torch does at every capture's start, and given back (memory's own empty_cache:
-                # capture_session stubs torch.cuda.empty_cache for the graphs it captures)
-                getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)(), torch.cuda.memory.empty_cache()
+                # timings run on side streams; cuBLAS keeps a 32 MiB workspace per stream (~1 GiB cold): freed, as at
+                # every capture's start, and given back (memory's own empty_cache: capture_session stubs torch.cuda's)
+                getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()  # (a CPU build of torch has none)
+                torch.cuda.memory.empty_cache()
             _tuned.store(key, device.index, cfg)
         _choice[key] = cfg
     return _choice[key]
