@@ -108,13 +108,18 @@ def main(argv=None):
         contenders["hf_compile_static"] = m
     m = make_model(smoke, device, dtype)
     m.load_state_dict(base.state_dict())
-    hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])  # `cache` or `past_key_values` (older)
+    hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=False)  # eager's kernels, graphed
     contenders["hf_fgraph_static"] = m
-    if not smoke:  # the same with Inductor-compiled pieces (an HF model has no break: its forward is one piece)
+    if not smoke:  # fgraph.jit's default on CUDA: Inductor-compiled pieces (an HF model has no break: one piece)
         m = make_model(smoke, device, dtype)
         m.load_state_dict(base.state_dict())
-        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=True)
+        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
         contenders["hf_fgraph_static_compiled"] = m
+        # the same, through generate as it runs by default: it torch.compiles the call of the jitted forward
+        m = make_model(smoke, device, dtype)
+        m.load_state_dict(base.state_dict())
+        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
+        contenders["hf_fgraph_generate_default"] = m
     for name in args.skip:
         contenders.pop(name)
     out_dir = os.environ.get("OUT", ".")
@@ -146,7 +151,9 @@ def main(argv=None):
             else:
                 kw = {"cache_implementation": "static"}  # the cache generate makes
             # transformers compiles the decode call itself only for this contender, when asked to
-            kw["disable_compile"] = not (name == "hf_compile_static" and args.compile == "generate")
+            kw["disable_compile"] = not (
+                (name == "hf_compile_static" and args.compile == "generate") or name == "hf_fgraph_generate_default"
+            )
             with torch.no_grad():
                 # (the eager references run from `base` also when --skip leaves their rows out)
                 model = contenders.get(name, base) if name in ("hf_eager", "hf_eager_static") else contenders[name]
@@ -196,7 +203,7 @@ def main(argv=None):
                 row["host_us"]["find_in_generate"] = find_in_generate_us(
                     contenders[name], lambda: gen(name, LOOP_TOKENS)
                 )
-            compiled_here = name == "hf_compile_static" and args.compile == "generate"
+            compiled_here = (name == "hf_compile_static" and args.compile == "generate") or name == "hf_fgraph_generate_default"
             row["call_us"] = call_us(
                 contenders[name], "_compiled_call" if compiled_here else "forward", lambda: gen(name, 8)
             )

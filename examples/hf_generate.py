@@ -79,7 +79,8 @@ def jit_forward(model, mode: str = "FULL_AND_PIECEWISE", **options):
 
 
 def generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> torch.Tensor:
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, disable_compile=True, **kwargs)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, disable_compile=True)
+    kw.update(kwargs)
     with torch.no_grad():
         return model.generate(ids, cache_implementation="static", **kw)
 
