@@ -275,21 +275,21 @@ def test_explain_of_what_is_not_a_jitted_function(what):
 
 
 def test_host_tensor_inside_a_device_signature():
-    """A tensor made on the CPU inside a device signature is a host->device copy per replay: rejected where it is
-    made. (The meta device stands in for CUDA here; batched inputs may still come from the host.) CPU 0-dim
-    constants are made on the device instead (tests/test_semantics.py), unless computed from an input or returned."""
+    """A host tensor computed from an input, or returned, inside a device signature is a copy per replay, or a host
+    value eager hands back: rejected where it is made. (The meta device stands in for CUDA here; batched inputs may
+    still come from the host.) Host constants the source fixes are made on the device instead
+    (tests/test_semantics_outputs_and_cache.py)."""
     made = {  # fn -> the op the error names
-        lambda x, w: (x @ w) * torch.tensor([2.0, 2.0]).to(w.device): r"a constant, as torch.tensor\(...\) makes",
-        lambda x, w: (x @ w) * torch.zeros(2).to(w.device): r"aten.zeros.default",
         lambda x, w: (x @ w) * (w.sum().to("cpu") * 2): r"aten._to_copy.default",
         lambda x, w: ((x @ w) * torch.tensor(2.0), torch.tensor(1.0)): r"a constant, as torch.tensor\(...\) makes",
+        lambda x, w: ((x @ w) * torch.arange(2).to(w.device), torch.arange(2)): r"aten.arange.default",
     }
     for fn, op in made.items():
         g = fgraph.jit(fn, batch={"x": Batched()}, buckets=[4])
         with pytest.raises(
             TraceError,
             match=rf"a CPU tensor \({op}\) at tests/test_errors.py:\d+ in a meta signature\n"
-            r"Fix: create it on the device",
+            r"Fix: create it on the device \(device='meta'\)",
         ):
             g(torch.ones(3, 2), torch.ones(2, 2, device="meta"))
 

@@ -255,17 +255,27 @@ def host_constants(x):
     return torch.where(x > torch.tensor(0.0), x * two, x - half), x.to(torch.int64) + torch.tensor(True)
 
 
+def host_arrays(x):
+    """[n, 4] -> [n, 4], [n, 2]: CPU tensors of any size the source fixes, moved to x's device as eager code moves
+    them (a copy per eager call), and a host index a CUDA op takes as it is."""
+    scale = torch.tensor([1.0, 2.0, 3.0, 4.0]) * torch.tensor([[0.5], [2.0]])[1]  # a host op on constants alone
+    cols = torch.arange(4).flip(0)[:2]  # a host factory and ops on it
+    return x * scale.to(x.device) + torch.linspace(0, 1, 4).to(x.device), x[:, cols]
+
+
+@pytest.mark.parametrize("fn", [host_constants, host_arrays])
 @pytest.mark.parametrize("mode", MODES)
-def test_cpu_scalar_constants_made_inside_are_part_of_the_program(mode, device):
+def test_cpu_constants_made_inside_are_part_of_the_program(mode, fn, device):
     """As jax.jit embeds constants: on CUDA the constants are made on the device inside the program, FULL graphs
     included, and the answers are eager's."""
-    j = fgraph.jit(host_constants, batch={"x": Batched()}, mode=mode, buckets=[4])
+    j = fgraph.jit(fn, batch={"x": Batched()}, mode=mode, buckets=[4])
     for k in range(3):
         x = rand(device, 3, 4, seed=k)
         got = j(x)
         with fgraph.disable_jit():
             want = j(x)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert j.stats()["total"]["traces"] == 1
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -283,6 +293,23 @@ def test_cpu_scalar_constants_are_embedded_in_a_device_program(mode, monkeypatch
     for made in ("[], 2.0, dtype = torch.float32", "[], 0.5, device", "[], 3, dtype = torch.int64", "[], True"):
         assert f"aten.full.default({made}" in text, made
     assert "device(type='meta')" in text and "get_attr" not in text and "_tensor_constant" not in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_constants_of_any_size_are_embedded_in_a_device_program(mode, monkeypatch):
+    """The same for tensors of any size: each constant's values are moved to the device once, at trace time, and
+    factories and ops on constants alone run there, so no host tensor is left in the program."""
+    monkeypatch.setattr(fgraph.config, "inputs_in_graph", False)  # (FULL graphs cannot copy meta memory in)
+    j = fgraph.jit(host_arrays, mode=mode)
+    x = torch.ones(3, 4, device="meta")
+    got = j(x)
+    with fgraph.disable_jit():
+        want = j(x)
+    assert [(g.shape, g.dtype, g.device) for g in got] == [(w.shape, w.dtype, w.device) for w in want]
+    gm = j.lower(x).graph_module
+    consts = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
+    assert consts and all(c.device.type == "meta" for c in consts if isinstance(c, torch.Tensor))
+    assert "device(type='cpu')" not in j.lower(x).as_text()
 
 
 # -- retraces are bounded and loud -----------------------------------------------------------------------------

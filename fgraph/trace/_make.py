@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext, free_unbacked_symbols
 from torch.overrides import TorchFunctionMode
@@ -27,6 +27,7 @@ from .._traceback import cause, frames_of
 from . import _errors as E
 from . import _escapes
 from ._compiling import compiling_flag
+from ._constants import embed_host_constants
 
 
 def user_line(skip_ops: bool = True) -> str:
@@ -319,70 +320,6 @@ def _same_storage(a: fx.Node, b: fx.Node) -> bool:
     )
 
 
-def _on_device(val: torch.Tensor, device: str) -> torch.Tensor:
-    """A traced (fake) 0-dim tensor's twin on `device`."""
-    return FakeTensor(val.fake_mode, torch.empty((), dtype=val.dtype, device="meta"), torch.device(device))
-
-
-def _is_aten(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten"
-
-
-def embed_host_scalars(gm: fx.GraphModule, device: str) -> None:
-    """Make the CPU 0-dim constants the function creates part of a device program, as jax.jit embeds constants.
-
-    `x + torch.tensor(2.0)` runs eagerly on CUDA (its ops take CPU 0-dim tensors), but a CPU tensor in a captured
-    graph would be read on the host once, at capture. A constant (a get_attr of a tensor made from data, a factory
-    like torch.full((), 1.5)) and every 0-dim CPU op on such constants alone become device ops: the constant a fill
-    of its value on the device, factories made there. 0-dim tensors take part in type promotion alike wherever they
-    live, so the results are eager's. Left alone (refused by `check` as before): CPU tensors that are not 0-dim,
-    ones computed from inputs, random draws, a constant the function returns (eager returns it on the CPU) or passes
-    to a primitive (which may read it on the host)."""
-    if device == "cpu":
-        return
-    host: list[fx.Node] = []
-    for node in gm.graph.nodes:
-        val, op = node.meta.get("val"), node.target
-        if not (isinstance(val, FakeTensor) and val.device.type == "cpu" and val.dim() == 0):
-            continue
-        if node.op == "get_attr":
-            value = getattr(gm, op, None)
-            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.dim() == 0:
-                host.append(node)
-        elif (
-            node.op == "call_function"
-            and isinstance(op, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded not in op.tags
-            and all(n in host for n in node.all_input_nodes)
-        ):
-            host.append(node)
-    # each use outside them an aten op (a primitive may read a CPU tensor on the host), none the output
-    if not host or any(u not in host and not _is_aten(u) for n in host for u in n.users):
-        return
-    dev = torch.device(device)
-    for node in host:
-        val = node.meta["val"]
-        if node.op == "get_attr":
-            value = getattr(gm, node.target)
-            with gm.graph.inserting_before(node):
-                made = gm.graph.call_function(
-                    torch.ops.aten.full.default,
-                    ([], value.item()),
-                    {"dtype": value.dtype, "device": dev, "pin_memory": False},
-                )
-            made.meta.update(node.meta)
-            made.meta["val"] = _on_device(val, device)
-            node.replace_all_uses_with(made)
-            gm.graph.erase_node(node)
-            if not any(n.op == "get_attr" and n.target == node.target for n in gm.graph.nodes):
-                delattr(gm, node.target)
-        else:
-            if "device" in node.kwargs:  # a factory: torch.full((), 1.5), torch.zeros(())
-                node.kwargs = {**node.kwargs, "device": dev}
-            node.meta["val"] = _on_device(val, device)
-    gm.recompile()
-
-
 def check(
     fname: str,
     gm: fx.GraphModule,
@@ -394,9 +331,9 @@ def check(
 
     An output that is a non-donated input or a view of one (`return x`, `x.reshape(...)`, `x[:, :1]`) gets a copy
     inside the program: outputs are values, and a replay must not hand back a view of the caller's tensor or of
-    fgraph's buffers. CPU 0-dim constants the function makes are moved into a device program first
-    (embed_host_scalars)."""
-    embed_host_scalars(gm, device)
+    fgraph's buffers. Host constants the function makes are moved into a device program first
+    (embed_host_constants)."""
+    embed_host_constants(gm, device)
     for node in gm.graph.nodes:
         for tgt in _fx.write_targets(node):
             b = _fx.base_of(tgt)
@@ -425,7 +362,7 @@ def check(
             raise TraceError(
                 f"fgraph.jit({fname}): a CPU tensor ({E.op_label(node)}) at {node.meta.get('line')} in a "
                 f"{device} signature",
-                "create it on the device (device=...), or pass it as an argument",
+                f"create it on the device (device={device!r}), or pass it as an argument",
             )
         if node.op == "output":
             outs = list(node.args[0])
