@@ -33,3 +33,12 @@ def _fresh_jit_state():
     (fgraph/function/_shared.py), and tests jit the same module-level functions again and again."""
     forget_all()
     yield
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def each_device(request):
+    """The test once on the CPU and once with CUDA as torch's default device (tensors its code makes land there);
+    files of specs that create their tensors without a device= opt in with
+    `pytestmark = pytest.mark.usefixtures("each_device")`."""
+    with torch.device(request.param):
+        yield request.param

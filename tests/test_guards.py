@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 import fgraph
 from fgraph import Batched
 
+pytestmark = pytest.mark.usefixtures("each_device")  # the CPU, and CUDA on the GPU
+
 MODES = ["NONE", "PIECEWISE", "FULL"]
 SCALE = 2.0
 CFG = {"act": "tanh", "temperature": 1.0}

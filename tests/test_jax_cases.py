@@ -4,9 +4,12 @@ itself, beside its answers."""
 import gc
 import weakref
 
+import pytest
 import torch
 
 import fgraph
+
+pytestmark = pytest.mark.usefixtures("each_device")  # the CPU, and CUDA on the GPU
 
 
 def test_jit_reference_dropping():

@@ -9,6 +9,8 @@ import torch
 import fgraph
 from fgraph import Batched
 
+pytestmark = pytest.mark.usefixtures("each_device")  # the CPU, and CUDA on the GPU
+
 
 def centred(x):
     return x - x.mean(0)  # the mean of the batch axis: padded rows change it
