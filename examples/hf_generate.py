@@ -35,7 +35,8 @@ def tiny(
     max_positions: int = 256,
     special_tokens: dict = NO_SPECIAL_TOKENS,
 ):
-    """A random Qwen2 or Llama (2 layers by default): hidden 64, 4 heads (2 KV heads), vocab 128, weights ~0.15.
+    """A random Qwen2, Llama or Qwen2-MoE (2 layers by default): hidden 64, 4 heads (2 KV heads), vocab 128, weights
+    ~0.15; the MoE's 4 experts, 2 a token, and a shared expert.
 
     special_tokens: none by default, so generate never stops early ({}: the config's own)."""
     import transformers as tf
@@ -43,8 +44,11 @@ def tiny(
     cfg_cls, model_cls = {
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
     }[arch]
+    moe = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=64)
     cfg = cfg_cls(
+        **(moe if arch == "qwen2_moe" else {}),
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -88,7 +92,7 @@ def generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> torch.Tenso
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m examples.hf_generate", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="a checkpoint directory (default: a tiny random Qwen2)")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen2_moe"])
     p.add_argument("--mode", default="FULL_AND_PIECEWISE")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=2)

@@ -3,7 +3,8 @@
 make_fx with the batch axis traced as a symbol (`trace`), the checks a trace must pass (host syncs, writes into
 arguments not donated: `check`), errors that name the user's line and key paths, `repeated`, the callable and the
 tensors it reads without taking them (`Lifted`, `invoke`), the split at break primitives (`split`, `Program`), and
-`Traced`: one trace, checked and split, shared by the signatures it fits.
+`Traced`: one trace, checked and split, shared by the signatures it fits; other libraries' ops a CUDA graph cannot
+hold, traced as device-only equivalents (`foreign_decompositions`).
 """
 
 from ._callable import Inlined as Inlined
@@ -16,6 +17,8 @@ from ._callable import describe as describe
 from ._callable import invoke as invoke
 from ._callable import plain_signature as plain_signature
 from ._callable import refuse_backward as refuse_backward
+from ._foreign import decompositions as foreign_decompositions
+from ._foreign import grouped_mm_by_expert as grouped_mm_by_expert
 from ._lifted_view import LiftedView as LiftedView
 from ._make import tracing as tracing
 from ._repeated import repeated as repeated

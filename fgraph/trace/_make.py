@@ -25,7 +25,7 @@ from .._errors import FgraphError, TraceError
 from .._state import root_of
 from .._traceback import cause, frames_of
 from . import _errors as E
-from . import _escapes
+from . import _escapes, _foreign
 from ._compiling import compiling_flag
 from ._constants import embed_host_constants
 
@@ -216,6 +216,8 @@ def trace(
         names.keep.extend(tensors)
         return flat_fn(*tensors)
 
+    device = next((str(t.device) for t in example if isinstance(t, torch.Tensor) and not t.is_cpu), "cpu")
+    decompositions = _foreign.decompositions(device)
     tracing.depth += 1
     try:
         with (
@@ -241,10 +243,10 @@ def trace(
                         syms.append((fakes[-1].shape[ax[0]].node.expr, ax[1]))
                         names.symbol(syms[-1][0], paths[len(fakes) - 1])
                     with mode:
-                        gm = make_fx(named_fn, tracing_mode="symbolic")(*fakes)
+                        gm = make_fx(named_fn, decompositions, tracing_mode="symbolic")(*fakes)
                 shapes = Shapes(env, syms)
             else:
-                gm = make_fx(named_fn, tracing_mode="fake")(*example)
+                gm = make_fx(named_fn, decompositions, tracing_mode="fake")(*example)
     except FgraphError:
         raise
     except Exception as e:

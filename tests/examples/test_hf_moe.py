@@ -4,10 +4,13 @@ whose fake kernel takes bfloat16 only, falls back to one matmul per expert in ot
 only while it traces: it is put back after, on errors too, and a jitted call inside torch.compile is still told
 apart from fgraph's own trace."""
 
+import copy
+
 import pytest
 import torch
 
 import fgraph
+from examples import hf_generate as G
 from tests.test_semantics import MODES
 
 transformers = pytest.importorskip("transformers")
@@ -89,3 +92,34 @@ def test_repeated_layers_still_copy_their_traces_under_fgraphs_flag():
     j = fgraph.jit(lambda x: layer(layer(layer(x))))
     assert torch.equal(j(torch.ones(3)), torch.full((3,), 8.0))
     assert len(calls) == 1  # traced once, copied twice: fgraph's trace is not taken for torch.compile's
+
+
+# -- on CUDA: transformers' float32 experts read their row offsets on the host (fgraph/trace/_foreign.py) ----------
+GPU_MODES = [(m, False) for m in MODES] + [("FULL_AND_PIECEWISE", True)]  # (mode, compile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode, compile", GPU_MODES)
+@torch.no_grad()
+def test_hf_moe_models_on_cuda_equal_eager_in_every_mode(moe, dtype, mode, compile):
+    model = copy.deepcopy(moe).to("cuda", dtype)
+    ids = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    want = model(ids).logits
+    f = fgraph.jit(model, mode=mode, compile=compile)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for _ in range(2):  # the trace and capture, then a replay
+        torch.testing.assert_close(f(ids).logits, want, **tol)
+    assert f.stats()["total"]["traces"] == 1
+    assert "grouped_mm_fallback" not in f.lower(ids).as_text()  # no host sync left in the program
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
+def test_hf_moe_static_cache_generate_on_cuda_gives_eagers_tokens(mode):
+    model = G.tiny("qwen2_moe", "cuda")
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    want = G.generate(model, ids, 6)
+    G.jit_forward(model, mode, compile=False)
+    assert torch.equal(G.generate(model, ids, 6), want)
+    assert torch.equal(G.generate(model, ids, 6), want)  # replays
