@@ -57,6 +57,7 @@ def jit(fn, mode):
 
 
 def same(f, g, x):
+    x = x.to(torch.get_default_device())  # (each_device: the CPU, or CUDA)
     with torch.no_grad():
         torch.testing.assert_close(f(x), g(x), rtol=0, atol=0)
 
