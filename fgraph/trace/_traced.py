@@ -155,12 +155,18 @@ class Traced:
 
         What padding can change (logged once per place), the leaves the trace ties to one batch size, and how
         each output is cut back to the unpadded call's shape (symbolic traces only: see fgraph/padding/)."""
-        self.axes = self.mixing = None
-        self.tied = []
+        self.axes = self.mixing = self.flow = None
+        self.tied, self.bounds = [], []
         if self.shapes is None:
             return
         batched = [(self.paths[i], i, call.specs[i].axis, call.specs[i]) for i in self.batched_ix]
         self.axes = padding.BatchAxes(self.shapes, batched)
+        # indices whose padded rows point past what they index: refused here, before any device runs the program
+        specs = {leaf[0]: leaf[3] for leaf in self.axes.leaves}
+        self.flow = padding.Flow(gm, self.axes, {ph: specs[p] for ph, p in ph_paths.items() if p in specs}, ph_paths)
+        self.bounds = padding.index_bounds(gm, self.flow)
+        lifted = set(getattr(jitted.lifted, "names", ()))
+        padding.check_bounds(jitted.name, self.bounds, self.flow, (call.sig.bucket, call.n), ph_paths, lifted)
         self.mixing = padding.find_mixing(gm, self.axes, set(jitted.options.scratch), ph_paths, jitted.options.buckets)
         self.tied = padding.tied_lengths(self.axes)
         padding.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
@@ -173,7 +179,10 @@ class Traced:
             )
 
     def fits(self, bucket: int | None) -> bool:
-        return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
+        if self.shapes is None:
+            return bucket == self.bucket
+        # (a bucket where a followed index leaves its tensor gets a trace of its own, which refuses it)
+        return bucket is not None and self.shapes.fits(bucket) and padding.holds(self.bounds, self.flow, bucket)
 
     def size_outputs(self) -> list[tuple]:
         """(output, size(leaves)) per output that is a size computed from the batch (fgraph/padding/_mixing.py)."""
