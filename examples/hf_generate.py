@@ -34,17 +34,23 @@ def tiny(
     layers: int = 2,
     max_positions: int = 256,
     special_tokens: dict = NO_SPECIAL_TOKENS,
+    sliding_window: int | None = None,
 ):
-    """A random Qwen2 or Llama (2 layers by default): hidden 64, 4 heads (2 KV heads), vocab 128, weights ~0.15.
+    """A random Qwen2, Llama or Mistral (2 layers by default): hidden 64, 4 heads (2 KV heads), vocab 128, weights
+    ~0.15.
 
-    special_tokens: none by default, so generate never stops early ({}: the config's own)."""
+    special_tokens: none by default, so generate never stops early ({}: the config's own); sliding_window: Mistral's
+    (its StaticCache then has sliding-window layers: see full_static_cache)."""
     import transformers as tf
 
     cfg_cls, model_cls = {
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
     }[arch]
+    window = {"sliding_window": sliding_window} if arch == "mistral" else {}
     cfg = cfg_cls(
+        **window,
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -78,10 +84,26 @@ def jit_forward(model, mode: str = "FULL_AND_PIECEWISE", **options):
     return model.forward
 
 
+def full_static_cache(model, max_cache_len: int):
+    """A static cache whose every layer keeps all `max_cache_len` positions, for a model with sliding-window layers.
+
+    transformers' StaticCache gives such layers (Mistral's with `sliding_window`, Gemma 2's) a Python int counting
+    their tokens, which a captured graph cannot update (fgraph refuses it at trace time). In these layers the model's
+    sliding-window mask, built from its config, still limits each query to its window, so generate gives eager's
+    tokens; the cache holds `max_cache_len` positions (the prompt and the new tokens) instead of the window."""
+    import transformers as tf
+
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return tf.Cache(layers=[tf.StaticLayer(max_cache_len=max_cache_len) for _ in range(layers)])
+
+
 def generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> torch.Tensor:
+    """Greedy generate of `new_tokens`, with a static cache: generate's own, or the one passed (cache=...)."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, disable_compile=True, **kwargs)
+    if not {"cache", "past_key_values"} & kwargs.keys():
+        kw["cache_implementation"] = "static"
     with torch.no_grad():
-        return model.generate(ids, cache_implementation="static", **kw)
+        return model.generate(ids, **kw)
 
 
 def main(argv=None):

@@ -245,6 +245,17 @@ def _fold_arguments(out, held: dict[int, str], passed: dict):
     return recipe, spec
 
 
+def _sliding_fix(name: str, layers: int) -> str:
+    """The fix for transformers' sliding-window cache layers: a static cache of full-length layers, which keeps the
+    cache (the model's sliding-window mask still limits each query to its window: eager's tokens)."""
+    return (
+        "pass a static cache whose layers keep every position: cache = transformers.Cache(layers=["
+        f"transformers.StaticLayer(max_cache_len=L) for _ in range({layers})]) with L the prompt plus the new tokens, "
+        f"then generate(..., {name}=cache) or forward(..., {name}=cache); the model's sliding-window mask still limits "
+        "each query to its window, so the tokens are eager's (examples/hf_generate.py: full_static_cache)"
+    )
+
+
 def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> InitialisesState | None:
     """How the call changed what its donated arguments hold, beyond writing their tensors in place.
 
@@ -269,11 +280,14 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
         if changed and not made:
             k = changed[0]
             library = type(dyn[name]).__module__.split(".")[0] == "transformers"  # code the user cannot change
+            sliding = library and any(getattr(x, "is_sliding", False) for x in getattr(dyn[name], "layers", ()))
             raise TraceError(
                 f"fgraph.jit({fname}): the function changes `{name}{k}` of donated state from "
                 f"{was_static[k]!r} to {now_static[k]!r}: a Python value, which a captured graph cannot update"
-                + (" (transformers' sliding-window cache layers count tokens in a Python int)" if library else ""),
-                "call it with use_cache=False, or jit a model without sliding-window layers"
+                + (" (transformers' sliding-window cache layers count tokens in a Python int)" if sliding else ""),
+                _sliding_fix(name, len(dyn[name].layers))
+                if sliding
+                else "call it with use_cache=False"
                 if library
                 else f"keep `{name}{k}` in a tensor updated in place (or pass it as an argument)",
             )
