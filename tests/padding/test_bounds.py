@@ -39,7 +39,7 @@ def runs(monkeypatch):
 
 
 def rows_of(x, m):  # m's rows read by the batch axis's row numbers, as transformers reads an attention mask
-    return x * m[torch.arange(x.shape[0])]
+    return x * m[torch.arange(x.shape[0], device=x.device)]
 
 
 def test_an_undeclared_input_read_by_the_padded_axis_is_refused_before_anything_runs(runs):
@@ -73,7 +73,7 @@ def test_an_hf_attention_mask_left_out_of_batch_is_refused_by_the_trace(runs):
 
 
 def position_table(x, pe):  # a table of positions read by row number: fine while the bucket fits in it
-    return x + pe[torch.arange(x.shape[0])]
+    return x + pe[torch.arange(x.shape[0], device=x.device)]
 
 
 def test_a_table_serves_the_buckets_within_its_rows_and_refuses_a_larger_one(runs):
