@@ -34,21 +34,26 @@ def tiny(
     layers: int = 2,
     max_positions: int = 256,
     special_tokens: dict = NO_SPECIAL_TOKENS,
+    sliding_window: int | None = None,
 ):
-    """A random Qwen2, Llama or Qwen2-MoE (2 layers by default): hidden 64, 4 heads (2 KV heads), vocab 128, weights
-    ~0.15; the MoE's 4 experts, 2 a token, and a shared expert.
+    """A random Qwen2, Llama, Mistral or Qwen2-MoE (2 layers by default): hidden 64, 4 heads (2 KV heads), vocab 128,
+    weights ~0.15; the MoE's 4 experts, 2 a token, and a shared expert.
 
-    special_tokens: none by default, so generate never stops early ({}: the config's own)."""
+    special_tokens: none by default, so generate never stops early ({}: the config's own); sliding_window: Mistral's
+    (its StaticCache then has sliding-window layers: see full_static_cache)."""
     import transformers as tf
 
     cfg_cls, model_cls = {
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
     }[arch]
-    moe = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=64)
+    extra = {"sliding_window": sliding_window} if arch == "mistral" else {}
+    if arch == "qwen2_moe":
+        extra = dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=64)
     cfg = cfg_cls(
-        **(moe if arch == "qwen2_moe" else {}),
+        **extra,
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -82,17 +87,33 @@ def jit_forward(model, mode: str = "FULL_AND_PIECEWISE", **options):
     return model.forward
 
 
+def full_static_cache(model, max_cache_len: int):
+    """A static cache whose every layer keeps all `max_cache_len` positions, for a model with sliding-window layers.
+
+    transformers' StaticCache gives such layers (Mistral's with `sliding_window`, Gemma 2's) a Python int counting
+    their tokens, which a captured graph cannot update (fgraph refuses it at trace time). In these layers the model's
+    sliding-window mask, built from its config, still limits each query to its window, so generate gives eager's
+    tokens; the cache holds `max_cache_len` positions (the prompt and the new tokens) instead of the window."""
+    import transformers as tf
+
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return tf.Cache(layers=[tf.StaticLayer(max_cache_len=max_cache_len) for _ in range(layers)])
+
+
 def generate(model, ids: torch.Tensor, new_tokens: int, **kwargs) -> torch.Tensor:
+    """Greedy generate of `new_tokens`, with a static cache: generate's own, or the one passed (cache=...)."""
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, disable_compile=True)
     kw.update(kwargs)
+    if not {"cache", "past_key_values"} & kwargs.keys():
+        kw["cache_implementation"] = "static"
     with torch.no_grad():
-        return model.generate(ids, cache_implementation="static", **kw)
+        return model.generate(ids, **kw)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m examples.hf_generate", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="a checkpoint directory (default: a tiny random Qwen2)")
-    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen2_moe"])
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "mistral", "qwen2_moe"])
     p.add_argument("--mode", default="FULL_AND_PIECEWISE")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=2)

@@ -30,7 +30,7 @@ from .._config import config
 from .._errors import EscapeError, FgraphError, SignatureError
 from .._pytree import is_seen_into, see_into
 from .._signature import Call, device_of, static_key, undeclared_batched
-from ..padding import check_aliases, check_lengths
+from ..padding import check_aliases, check_lengths, declare_fix
 from ._cache import Cache
 from ._fastpath import FastPath, layout_key
 
@@ -203,12 +203,7 @@ class FunctionState:
                 "meet, the padded rows have no row of it"
                 + (f" (so do {', '.join(f'{p} {s} dim {a}' for p, s, a in more)})" if more else "")
             )
-            top = path.split(".")[0].split("[")[0]
-            fix = (
-                f"declare it Batched(axis={axis}): batch={{..., {top!r}: fgraph.Batched(axis={axis})}}"
-                + ("" if top == path else f" (or a prefix tree whose leaf at {path} is Batched(axis={axis}))")
-                + "; its padded rows then hold the pad value (0 by default)"
-            )
+            fix = declare_fix(path, axis)
             if tracing and not isinstance(e, FgraphError):
                 e.add_note(f"{what}\nFix: {fix}")
                 raise

@@ -5,6 +5,11 @@ real ones), the index flow they follow, random draws, the lengths a trace ties t
 cut back to the unpadded call's size.
 """
 
+from ._bounds import check_bounds as check_bounds
+from ._bounds import declare_fix as declare_fix
+from ._bounds import holds as holds
+from ._bounds import index_bounds as index_bounds
+from ._index_flow import Flow as Flow
 from ._mixing import BatchAxes as BatchAxes
 from ._mixing import Finding as Finding
 from ._mixing import check_aliases as check_aliases

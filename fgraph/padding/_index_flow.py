@@ -43,6 +43,7 @@ class Pad(NamedTuple):
     # B the bucket), shifted by `shift`: its padded rows hold the ramp from i = `first` on. 1 for the leaf and its
     # suffixes (`offsets[1:]`); 0 once a slice one row short (`offsets[:-1]`) made the row holding R a padded one
     first: int = 1
+    src: str | None = None  # the key path of the Batched leaf whose padding this is (None: the trace's own)
 
 
 class Fact(NamedTuple):
@@ -75,10 +76,11 @@ _FILLS["fill"] = "value"
 class Flow:
     """Facts of the tensors of one trace, computed on demand (most of a model's trace is never an index).
 
-    specs: placeholder -> its Batched spec (batched leaves only)."""
+    specs: placeholder -> its Batched spec (batched leaves only); paths: placeholder -> its key path."""
 
-    def __init__(self, gm: fx.GraphModule, axes, specs: dict):
+    def __init__(self, gm: fx.GraphModule, axes, specs: dict, paths: dict | None = None):
         self.gm, self.axes, self.specs, self._facts = gm, axes, specs, {}
+        self.paths = paths or {}
         self._written: set | None = None  # the tensors written in place anywhere (found at the first question)
 
     def fact(self, node) -> Fact:
@@ -107,9 +109,10 @@ class Flow:
             spec, v = self.specs.get(n), _fx.val(n)
             if spec is None or not isinstance(v, torch.Tensor):
                 return Fact(INF, None)
+            src = self.paths.get(n)
             if isinstance(spec.pad, str):  # "ramp"
-                return Fact(INF, Pad("ramp", spec.axis))
-            return Fact(INF, Pad("fill", spec.axis, _num(spec.pad)) if _num(spec.pad) is not None else None)
+                return Fact(INF, Pad("ramp", spec.axis, src=src))
+            return Fact(INF, Pad("fill", spec.axis, _num(spec.pad), src=src) if _num(spec.pad) is not None else None)
         if n.op == "get_attr":  # a constant the function made (`torch.tensor([-1])`): its values are known
             t = getattr(self.gm, n.target, None)
             if isinstance(t, torch.Tensor) and t.numel() and not t.is_complex():

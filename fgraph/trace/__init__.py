@@ -17,7 +17,7 @@ from ._callable import describe as describe
 from ._callable import invoke as invoke
 from ._callable import plain_signature as plain_signature
 from ._callable import refuse_backward as refuse_backward
-from ._foreign import decompositions as foreign_decompositions
+from ._foreign import foreign_decompositions as foreign_decompositions
 from ._foreign import grouped_mm_by_expert as grouped_mm_by_expert
 from ._lifted_view import LiftedView as LiftedView
 from ._make import tracing as tracing

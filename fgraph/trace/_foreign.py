@@ -33,7 +33,7 @@ EQUIVALENTS: dict[tuple[str, str], Callable] = {
 }
 
 
-def decompositions(device: str) -> dict:
+def foreign_decompositions(device: str) -> dict:
     """The decomposition table of a trace on `device`: the EQUIVALENTS whose library has registered its op."""
     if device == "cpu":
         return {}

@@ -217,7 +217,7 @@ def trace(
         return flat_fn(*tensors)
 
     device = next((str(t.device) for t in example if isinstance(t, torch.Tensor) and not t.is_cpu), "cpu")
-    decompositions = _foreign.decompositions(device)
+    decompositions = _foreign.foreign_decompositions(device)
     tracing.depth += 1
     try:
         with (

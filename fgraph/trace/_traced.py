@@ -155,12 +155,18 @@ class Traced:
 
         What padding can change (logged once per place), the leaves the trace ties to one batch size, and how
         each output is cut back to the unpadded call's shape (symbolic traces only: see fgraph/padding/)."""
-        self.axes = self.mixing = None
-        self.tied = []
+        self.axes = self.mixing = self.flow = None
+        self.tied, self.bounds = [], []
         if self.shapes is None:
             return
         batched = [(self.paths[i], i, call.specs[i].axis, call.specs[i]) for i in self.batched_ix]
         self.axes = padding.BatchAxes(self.shapes, batched)
+        # indices whose padded rows point past what they index: refused here, before any device runs the program
+        specs = {leaf[0]: leaf[3] for leaf in self.axes.leaves}
+        self.flow = padding.Flow(gm, self.axes, {ph: specs[p] for ph, p in ph_paths.items() if p in specs}, ph_paths)
+        self.bounds = padding.index_bounds(gm, self.flow)
+        lifted = set(getattr(jitted.lifted, "names", ()))
+        padding.check_bounds(jitted.name, self.bounds, self.flow, (call.sig.bucket, call.n), ph_paths, lifted)
         self.mixing = padding.find_mixing(gm, self.axes, set(jitted.options.scratch), ph_paths, jitted.options.buckets)
         self.tied = padding.tied_lengths(self.axes)
         padding.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
@@ -173,7 +179,10 @@ class Traced:
             )
 
     def fits(self, bucket: int | None) -> bool:
-        return bucket == self.bucket if self.shapes is None else bucket is not None and self.shapes.fits(bucket)
+        if self.shapes is None:
+            return bucket == self.bucket
+        # (a bucket where a followed index leaves its tensor gets a trace of its own, which refuses it)
+        return bucket is not None and self.shapes.fits(bucket) and padding.holds(self.bounds, self.flow, bucket)
 
     def size_outputs(self) -> list[tuple]:
         """(output, size(leaves)) per output that is a size computed from the batch (fgraph/padding/_mixing.py)."""
@@ -236,6 +245,17 @@ def _fold_arguments(out, held: dict[int, str], passed: dict):
     return recipe, spec
 
 
+def _sliding_fix(name: str, layers: int) -> str:
+    """The fix for transformers' sliding-window cache layers: a static cache of full-length layers, which keeps the
+    cache (the model's sliding-window mask still limits each query to its window: eager's tokens)."""
+    return (
+        "pass a static cache whose layers keep every position: cache = transformers.Cache(layers=["
+        f"transformers.StaticLayer(max_cache_len=L) for _ in range({layers})]) with L the prompt plus the new tokens, "
+        f"then generate(..., {name}=cache) or forward(..., {name}=cache); the model's sliding-window mask still limits "
+        "each query to its window, so the tokens are eager's (examples/hf_generate.py: full_static_cache)"
+    )
+
+
 def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> InitialisesState | None:
     """How the call changed what its donated arguments hold, beyond writing their tensors in place.
 
@@ -260,11 +280,14 @@ def _state_change(fname: str, donated: list, dyn: dict, before: dict) -> Initial
         if changed and not made:
             k = changed[0]
             library = type(dyn[name]).__module__.split(".")[0] == "transformers"  # code the user cannot change
+            sliding = library and any(getattr(x, "is_sliding", False) for x in getattr(dyn[name], "layers", ()))
             raise TraceError(
                 f"fgraph.jit({fname}): the function changes `{name}{k}` of donated state from "
                 f"{was_static[k]!r} to {now_static[k]!r}: a Python value, which a captured graph cannot update"
-                + (" (transformers' sliding-window cache layers count tokens in a Python int)" if library else ""),
-                "call it with use_cache=False, or jit a model without sliding-window layers"
+                + (" (transformers' sliding-window cache layers count tokens in a Python int)" if sliding else ""),
+                _sliding_fix(name, len(dyn[name].layers))
+                if sliding
+                else "call it with use_cache=False"
                 if library
                 else f"keep `{name}{k}` in a tensor updated in place (or pass it as an argument)",
             )

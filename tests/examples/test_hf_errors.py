@@ -33,7 +33,7 @@ def test_an_undeclared_batch_input_names_itself_and_the_fix(llama, mode):
     f = fgraph.jit(llama, batch={"input_ids": Batched(0)}, buckets=[4, 8], mode=mode)
     with pytest.raises(SignatureError) as e:
         f(input_ids=x, attention_mask=mask, use_cache=False)  # padded to 4 rows; the mask has 3
-    assert "attention_mask [3, 5] is not declared Batched, but its dim 0 has this call's N=3 rows" in e.value.what
+    assert "attention_mask [3, 5] is not declared Batched, but its dim 0 has 3 rows" in e.value.what
     assert "padded to the bucket 4" in e.value.what
     assert e.value.fix.startswith("declare it Batched(axis=0): batch={..., 'attention_mask': fgraph.Batched(axis=0)}")
     # the fix works: declared, the mask is padded with the ids and the call equals eager
