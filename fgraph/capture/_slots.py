@@ -76,8 +76,7 @@ class Slots:
     def diverged(self, leaves: list, positions: list[int] | None = None) -> list[int]:
         """Positions whose tensor is neither at its captured address nor copied already.
 
-        Positions (of `positions`, default all) whose tensor is neither at its captured address nor copied
-        already: the graphs would read another tensor's memory."""
+        Of `positions` (default all). At those, the graphs would read another tensor's memory."""
         copied = set(self.copied)
         return [
             k
@@ -88,8 +87,8 @@ class Slots:
     def move(self, positions: list[int], store: dict, leaves: list) -> None:
         """Take new tensors at these positions: read in place the first time, copied into fgraph's buffers after.
 
-        New tensors at these positions: read the caller's in place the first time a position moves, copy into
-        fgraph's buffers (from `store`, shared by the function's signatures: one per key path and aval) after."""
+        The first time a position moves, the graphs read the caller's tensor; after, fgraph's buffer from `store`
+        (shared by the function's signatures: one per key path and aval)."""
         own = []
         for k in positions:
             self.moved[k] += 1

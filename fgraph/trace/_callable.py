@@ -1,8 +1,8 @@
 """Research code as it is written: what a jitted callable is and the tensors it reads.
 
-Research code as it is written: what a jitted callable is (a function, a method, a module, a bound method, a function
-with positional-only parameters, *args or **kwargs) and the tensors it reads without taking them as arguments (module
-parameters and buffers, closed-over and global tensors).
+A callable is a function, a method, a module, a bound method, a function with positional-only parameters, *args or
+**kwargs. The tensors it reads without taking them as arguments are module parameters and buffers, closed-over and
+global tensors.
 
 Those tensors are lifted into extra inputs of the traced function (torch.compile lifts constants the same way):
 each call reads their current values and they become non-static leaves named by where they live (`self.lin.weight`,
@@ -352,8 +352,8 @@ def _global_names(code) -> list[str]:
 def invoke(jitted, dynamic: dict, statics: dict):
     """Call the jitted callable with its arguments by name and its lifted tensors installed.
 
-    Call the jitted callable with its arguments by name (positional-only, *args and **kwargs spread back) and its
-    lifted tensors installed from `dynamic` (the leaves named in Lifted.values)."""
+    Positional-only parameters, *args and **kwargs are spread back; the lifted tensors come from `dynamic` (the leaves
+    named in Lifted.values)."""
     lifted = jitted.lifted
     swap = {k: dynamic[k] for k in lifted.names if k in dynamic} if lifted else {}
     merged = {**{k: v for k, v in dynamic.items() if k not in swap}, **statics}
@@ -461,8 +461,7 @@ def refuse_backward(fname: str, lifted: Lifted, out, keep: tuple = ()):
 def check_transforms(fname: str) -> None:
     """Refuse vmap / grad / jacrev (torch.func) over a jitted call.
 
-    vmap / grad / jacrev (torch.func) over a jitted call: its inputs are functorch wrappers that a captured graph
-    cannot see through."""
+    Its inputs would be functorch wrappers, which a captured graph cannot see through."""
     if _functorch.peek_interpreter_stack() is not None:  # (torch.compile never gets here: Jitted.__call__)
         raise FgraphError(
             f"fgraph.jit({fname}): called under a torch.func transform (vmap, grad, jacrev, ...); a jitted "
