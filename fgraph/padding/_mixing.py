@@ -6,9 +6,9 @@ softmax/sort along the axis, matmuls contracting it, negative indexing and indic
 concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
 without it, layouts that put padded rows before real ones, windows sliding along it, Python branches on its size
 that some call padded to a bucket would take differently; index tensors holding negative values along it, and
-scatters into it by index rows the padding points at real rows: fgraph/_index_rules.py), and the per-call checks
+scatters into it by index rows the padding points at real rows: fgraph/padding/_index_rules.py), and the per-call checks
 of batched leaves (tied lengths, memory shared with written state). Outputs are cut back to the unpadded call's in
-fgraph/_outputs.py.
+fgraph/padding/_outputs.py.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
