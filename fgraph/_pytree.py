@@ -263,8 +263,8 @@ def holds(tree: Any, leaves: list, spec: pytree.TreeSpec) -> bool:
 def flattener(spec: pytree.TreeSpec):
     """A generated `tree -> its leaves` for one structure, or None when `tree` does not have it.
 
-    `tree -> its leaves`, or None when `tree` does not have the structure `spec` describes (node types and contexts:
-    dict keys, attrs static fields, sequence lengths). torch's tree_flatten minus building a TreeSpec: the replay
+    The structure is what `spec` describes: node types and contexts (dict keys, attrs static fields, sequence
+    lengths). torch's tree_flatten minus building a TreeSpec: the replay
     path flattens the batch argument on every call. Generated as straight-line Python per structure (one attribute
     or item read and one type check per node, no recursion), much cheaper than a recursive walk
     (docs/performance.md)."""

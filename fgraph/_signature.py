@@ -1,11 +1,9 @@
 """Signatures, and the batch padding that maps a call with N tokens onto its bucket.
 
-Signatures: what one trace and one graph set are specialised to, and the batch padding that maps a call with N tokens
-onto its bucket.
-
-A signature is  static values (by type and value) × bucket × tree structure × (shape, dtype, device) of every leaf,
-where batched leaves are counted at their padded size, so every N in a bucket shares one signature, and the
-others by their strides too where they are not contiguous (a trace can depend on them).
+A signature is what one trace and one graph set are specialised to: static values (by type and value) × bucket × tree
+structure × (shape, dtype, device) of every leaf, where batched leaves are counted at their padded size, so every N
+in a bucket shares one signature, and the others by their strides too where they are not contiguous (a trace can
+depend on them).
 """
 
 from __future__ import annotations
@@ -348,8 +346,8 @@ def path_str(path) -> str:
 def check_leaves(fname: str, flat: list) -> None:
     """Check that a call's leaves are what a signature can be made of.
 
-    What a signature can be made of: dense tensors (graphs read them by address and strides), and Python values,
-    which are keyed by value, so hashable."""
+    Dense tensors (graphs read them by address and strides), and Python values, which are keyed by value, so
+    hashable."""
     for p, x in flat:
         if isinstance(x, torch.Tensor):
             if isinstance(x, FakeTensor):  # the first use of a value that escaped a trace

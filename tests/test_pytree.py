@@ -94,7 +94,8 @@ def test_flattener_is_tree_flatten_or_none_on_another_structure():
 
     import torch.utils._pytree as pt
 
-    from fgraph._pytree import flattener, register, unflattener
+    from fgraph import register
+    from fgraph._pytree import flattener, unflattener
 
     @register
     @attrs.define

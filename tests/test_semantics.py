@@ -378,7 +378,7 @@ def test_a_mutable_container_inside_a_frozen_one_is_seen():
 
 def test_guards_skip_immutable_trees():
     from fgraph._pytree import flatten_with_paths
-    from fgraph.function._fastpath import guard_for
+    from fgraph.function import guard_for
 
     frozen = (torch.ones(1), (torch.ones(1),))
     assert guard_for(frozen, flatten_with_paths(frozen)[1]) is None  # identity is the proof: no per-call work

@@ -13,4 +13,5 @@ from ._graphs import CudaGraph as CudaGraph
 from ._graphs import capture_session as capture_session
 from ._graphs import new_pool as new_pool
 from ._graphs import ran as ran
+from ._graphs import refiller as refiller
 from ._slots import Slots as Slots

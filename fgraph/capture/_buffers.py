@@ -1,7 +1,7 @@
 """Input buffers: where a signature's graphs read their per-call (batched) inputs from.
 
-Input buffers: the static device memory a signature's graphs read their per-call (batched) inputs from, the pinned host
-mirrors a call pads its inputs into, and the padding writes themselves."""
+The static device memory the graphs read, the pinned host mirrors a call pads its inputs into, and the padding writes
+themselves."""
 
 from __future__ import annotations
 

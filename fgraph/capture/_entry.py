@@ -1,7 +1,7 @@
 """Entry: what fgraph keeps per signature, and how a call runs through it.
 
-Entry: what fgraph keeps per signature (trace, program, mode, graphs, input buffers, counters), and how a call runs
-through it: copy inputs in, plan, replay (or run the program), hand outputs back."""
+It keeps the trace, program, mode, graphs, input buffers and counters. A call copies its inputs in, plans, replays (or
+runs the program) and hands its outputs back."""
 
 from __future__ import annotations
 
@@ -322,8 +322,7 @@ def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
 class PieceRunner(torch.nn.Module):
     """Stands in for one piece of the program: captures it on its first call and replays it after.
 
-    Stands in for one piece of the program: captures a graph piece on its first call and replays it after; a break
-    piece runs eagerly every time and copies any tensors it returns into stable buffers."""
+    A break piece is not captured: it runs eagerly every time and copies any tensors it returns into stable buffers."""
 
     def __init__(self, piece, module, Graph, pool):
         super().__init__()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 
+import attrs
 import torch
 
 from .._state import root_of
@@ -27,6 +28,17 @@ COPY_LOG_BYTES = 4 << 20  # a call copying more than this logs one line per func
 
 def _same_memory(x, t) -> bool:
     return x is t or (x.data_ptr() == t.data_ptr() and x.stride() == t.stride())
+
+
+@attrs.frozen(eq=False)
+class CopyPlan:
+    """How a call copies (Slots._plan): the copied positions (back: the donated ones), their targets, a reader of their
+    leaves from a call's leaves, and per device and dtype (copy_groups) its targets and a reader of its leaves."""
+
+    positions: tuple
+    targets: tuple
+    read: object
+    groups: list
 
 
 class Slots:
@@ -48,7 +60,7 @@ class Slots:
         # are flattened afresh every call, so no container identity vouches for these tensors (FastPath.find)
         self.loose = [k for k, r in enumerate(root) if r in batched]
         self._loose_with: dict[tuple, list[int]] = {}
-        self._plans: dict[bool, tuple] = {}  # copy in (False) and back (True): _plan; move() drops them
+        self._plans: dict[bool, CopyPlan] = {}  # copy in (False) and back (True): _plan; move() drops them
         self._bytes: dict[tuple, int] = {}  # copied-in positions -> the bytes their targets hold (move() resets it)
         self.logged = False
 
@@ -64,8 +76,7 @@ class Slots:
     def diverged(self, leaves: list, positions: list[int] | None = None) -> list[int]:
         """Positions whose tensor is neither at its captured address nor copied already.
 
-        Positions (of `positions`, default all) whose tensor is neither at its captured address nor copied
-        already: the graphs would read another tensor's memory."""
+        Of `positions` (default all). At those, the graphs would read another tensor's memory."""
         copied = set(self.copied)
         return [
             k
@@ -76,8 +87,8 @@ class Slots:
     def move(self, positions: list[int], store: dict, leaves: list) -> None:
         """Take new tensors at these positions: read in place the first time, copied into fgraph's buffers after.
 
-        New tensors at these positions: read the caller's in place the first time a position moves, copy into
-        fgraph's buffers (from `store`, shared by the function's signatures: one per key path and aval) after."""
+        The first time a position moves, the graphs read the caller's tensor; after, fgraph's buffer from `store`
+        (shared by the function's signatures: one per key path and aval)."""
         own = []
         for k in positions:
             self.moved[k] += 1
@@ -105,9 +116,8 @@ class Slots:
             leaves[self.ix[k]] = self.targets[k]
         return leaves
 
-    def _plan(self, back: bool) -> tuple:
-        """How a call copies: the copied positions (back: the donated ones), their targets, a reader of their leaves
-        from a call's leaves, and per device and dtype (copy_groups) its targets and a reader of its leaves.
+    def _plan(self, back: bool) -> CopyPlan:
+        """How a call copies in (back: back out).
 
         Made once per copied set (move() drops it): a call then copies with one C call per group and builds no
         lists (a cache made anew per generate is ~75 tensors each way per decode step)."""
@@ -117,16 +127,17 @@ class Slots:
             ts = tuple(self.targets[k] for k in ks)
             ix = [self.ix[k] for k in ks]
             groups = [(tuple(ts[i] for i in g), _reader([ix[i] for i in g])) for g in copy_groups(list(ts))]
-            got = self._plans[back] = (ks, ts, _reader(ix), groups)
+            got = self._plans[back] = CopyPlan(ks, ts, _reader(ix), groups)
         return got
 
     def _copy(self, leaves: list, back: bool) -> tuple:
         """Each copied position's leaf into its target (back: the target into its leaf), one foreach copy per dtype.
         Returns the positions copied: a leaf that is its target already (fgraph's buffer passed in) is not."""
-        ks, ts, read, groups = self._plan(back)
+        plan = self._plan(back)
+        ks, ts, groups = plan.positions, plan.targets, plan.groups
         if not ks:
             return ()
-        xs = read(leaves)
+        xs = plan.read(leaves)
         if any(map(operator.is_, xs, ts)):  # (rare: only the others, grouped afresh)
             pairs = [(k, t, x) for k, t, x in zip(ks, ts, xs) if x is not t]
             if not pairs:

@@ -6,6 +6,8 @@ piece is the same graph (`compiler`, `Compiled`), checked against each call's si
 jit's compile= options checked (`inductor_options`).
 """
 
+from ._assumed import Compilation as Compilation
+from ._assumed import restored as restored
 from ._inductor import Compiled as Compiled
 from ._inductor import CompileFailed as CompileFailed
 from ._inductor import compiler as compiler

@@ -10,10 +10,10 @@ the piece's device, w 2-D with contiguous rows and at most SMALL_WEIGHT bytes (o
 SPLIT_WEIGHT), a bias 1-D, rows that may be few (a symbolic M, or M <= 16), and addmm's scalars at their defaults.
 Anything else stays as traced.
 
-SMALL_WEIGHT: the unsplit kernel beats cuBLAS by 30-40 % alone only on the small, latency-bound matrices (0.5B's qkv
-and o, 2 MB and 1.6 MB, where cuBLAS reaches 8-12 % of copy bandwidth); on the larger ones cuBLAS is within 15 % of
-the best config or ahead, and a rewritten matmul that the tuner hands back to cuBLAS made the 8B step 0.4-0.8 %
-slower (docs/performance.md), so those are not rewritten. SPLIT_WEIGHT / SPLIT_COLUMNS: a few output columns over a
+SMALL_WEIGHT: the unsplit kernel beats cuBLAS alone only on the small, latency-bound matrices (0.5B's qkv and o, 2 MB
+and 1.6 MB, where cuBLAS reaches a small part of copy bandwidth); on the larger ones cuBLAS is close to the best config
+or ahead, and a rewritten matmul that the tuner hands back to cuBLAS made the 8B step slower (docs/performance.md), so
+those are not rewritten. SPLIT_WEIGHT / SPLIT_COLUMNS: a few output columns over a
 long K (0.5B's down, 896 x 4864, 8.7 MB), where cuBLAS splits K into a GEMM and a reduction kernel and the kernel's
 in-kernel split-K (`fgraph.kernels`) may serve it in one.
 

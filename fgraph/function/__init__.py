@@ -3,7 +3,9 @@ the call path that binds a call, finds or makes its signature and runs it; `expl
 """
 
 from ._explain import explain as explain
+from ._fastpath import guard_for as guard_for
 from ._jit import Jitted as Jitted
 from ._jit import disable_jit as disable_jit
 from ._jit import jit as jit
+from ._options import Options as Options
 from ._shared import forget_all as forget_all

@@ -52,6 +52,16 @@ class Hit(NamedTuple):
     held: list
 
 
+@attrs.frozen(eq=False)
+class Written:
+    """The leaves an entry's program writes, as a call passed them: weak references to them, their storages' addresses,
+    and a reader of them from a call's leaves (FastPath._over_written)."""
+
+    refs: list
+    storages: set
+    read: Callable[[list], tuple]
+
+
 class FastPath:
     """The replay path's state for one jitted function.
 
@@ -77,7 +87,7 @@ class FastPath:
         self.layouts: dict[str, Layout] = {}
         self.readers: dict[str, list[Callable]] = {}
         self.entries: dict[tuple, Any] = {}
-        self.written_storages: dict = {}  # entry -> (weak refs to the leaves it writes, their storages, reader)
+        self.written_storages: dict[Any, Written] = {}  # entry -> the leaves it writes, as last passed
         # per argument read afresh: the id of the object the last call it served read (a cache generate makes passed
         # again on its next step is then proven by identity, _learn)
         self.last_read: dict[str, int] = {}
@@ -268,16 +278,17 @@ class FastPath:
             return False
         known = self.written_storages.get(entry)
         # (the written leaves now against the ones the storages were read from: one C loop, `_deref` and `is`)
-        if known is None or not all(map(operator.is_, map(_deref, known[0]), known[2](leaves))):
+        if known is None or not all(map(operator.is_, map(_deref, known.refs), known.read(leaves))):
             refs = [weakref.ref(leaves[w]) for w in written]
             get = operator.itemgetter(*written) if len(written) > 1 else (lambda lv, w=written[0]: (lv[w],))
             storages = {leaves[w].untyped_storage().data_ptr() for w in written}
-            known = self.written_storages[entry] = (refs, storages, get)
+            known = self.written_storages[entry] = Written(refs, storages, get)
+        storages = known.storages
         near = [
             i
             for a, b in fresh
             for i in range(a, b)
-            if isinstance(x := leaves[i], torch.Tensor) and x.untyped_storage().data_ptr() in known[1]
+            if isinstance(x := leaves[i], torch.Tensor) and x.untyped_storage().data_ptr() in storages
         ]
         if not near:
             return False

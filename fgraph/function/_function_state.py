@@ -58,7 +58,7 @@ class FunctionState:
         self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0, "init": 0}
         self.logged: set = set()  # warnings already logged once
         self.initialising: set = set()  # signatures whose calls make donated state's tensors: run eagerly
-        # the same calls by `_call_key`: found again without binding (which reads every lifted tensor: ~5 ms for an
+        # the same calls by `_call_key`: found again without binding (which reads every lifted tensor: costly for an
         # HF model's prefill, where generate makes a new cache each call)
         self.initialising_calls: set = set()
         self.lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function

@@ -127,8 +127,8 @@ def bucket_sizes(where: str, buckets) -> tuple[int, ...]:
 def capture_plan(jitted, args: tuple, kwargs: dict, buckets) -> tuple[dict, dict, list[int]]:
     """What capture(...) captures: its static choices, the other keyword arguments, and the buckets.
 
-    capture(...)'s static choices (a list per static keyword: each of its values), the other keyword arguments, and
-    the buckets to capture, largest first: ones calls are padded to (a capture of any other would be unused)."""
+    The static choices are a list per static keyword (each of its values); the buckets are the ones calls are padded
+    to (a capture of any other would be unused), largest first."""
     where = f"fgraph.jit({jitted.name}).capture"
     try:
         positional = jitted.signature.bind_partial(*args).arguments

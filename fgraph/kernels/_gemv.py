@@ -7,7 +7,7 @@ serve (CPU, float32, more rows, a config that lost to cuBLAS) it is torch.mm / t
 bit for bit.
 
 At decode, M is the batch: cuBLAS then picks tiles meant for large M and, for long K, a split-K with a second
-reduction kernel, and runs the small projections of a 0.5B model at 9-31 % of copy bandwidth. Here each program
+reduction kernel, and runs the small projections of a 0.5B model far below copy bandwidth. Here each program
 owns BLOCK_N output columns for all M rows: it streams its [BLOCK_N, K] slab of w once (the bytes that matter),
 accumulates in float32 and adds the bias in the same kernel: up to 4 rows multiply-and-reduce in registers, or (any
 row count up to 16) use tl.dot with the rows padded to 16.
@@ -61,7 +61,7 @@ _DOT = [(16, 128, 4, 3, True), (16, 256, 4, 4, True), (32, 128, 4, 3, True), (32
         (64, 128, 4, 3, True), (16, 512, 8, 3, True)]  # fmt: skip
 # a config replaces cuBLAS only when it is this much faster alone: cuBLAS's kernels start while the kernel before
 # them drains, so a kernel's time alone overstates what replacing cuBLAS saves inside a decode graph
-# (docs/performance.md: 5-10 % faster alone was 1 % slower in the step)
+# (docs/performance.md: configs faster alone were slower in the step)
 MARGIN = 0.85
 # the fused gate_up + activation against cuBLAS and the activation's launch: the launch it saves is saved in the step
 GLU_MARGIN = 0.95

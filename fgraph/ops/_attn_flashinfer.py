@@ -178,7 +178,7 @@ class _Wrapper:
     def _plan_decode_api(self, host: HostPlan) -> None:
         """Plan through flashinfer's own entry points.
 
-        flashinfer's own entry points: plan() the first time (it sets the wrapper up), fast_decode_plan after,
+        plan() the first time (it sets the wrapper up), fast_decode_plan after,
         whose module call the second plan records for _ModulePlan (kept on fast_decode_plan if that fails).
         `indices` is the uploaded page-id slice: it makes plan()'s own copy of them a no-op (same memory)."""
         args = self._api_args(host, self.bufs.indices[: host.indices.shape[0]])
@@ -262,10 +262,9 @@ def _buffers(batch: int, max_pages: int, device) -> _PlanBuffers:
 def _config(q, k_cache, scale: float) -> tuple[str, tuple]:
     """(device, _Wrapper.cfg) of an attention call, from its tensors or their avals.
 
-    (device, _Wrapper.cfg) of an attention call, from its tensors (the eager rule) or their avals (the plan hook
-    before a capture): one construction, so the hook makes the very wrapper the graph's capture will look up. q: [B,
-    Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and .device (a tensor's torch.device or an aval's
-    str of one: both name the index, "cuda:0")."""
+    Tensors for the eager rule, avals for the plan hook before a capture: one construction, so the hook makes the very
+    wrapper the graph's capture will look up. q: [B, Hq, D]; k_cache: [P, page, Hkv, D]; each has .shape, .dtype and
+    .device (a tensor's torch.device or an aval's str of one: both name the index, "cuda:0")."""
     _, hq, d = q.shape
     return str(q.device), (hq, k_cache.shape[2], d, k_cache.shape[1], q.dtype, k_cache.dtype, float(scale))
 

@@ -54,7 +54,7 @@ UNSPLIT_WAVES = 2  # a batch of this many programs per SM or more is not split
 MAX_SPLITS = 32  # the merge reads [splits, D] per head; past this the merge costs more than longer splits
 DECODE_STAGES = 3  # software-pipelined key blocks in flight per decode program (Triton's default on sm_90)
 # decode's last split program of a group merges the splits (True), or a merge kernel after it (False): True
-# measured 0.3-1.8 % faster (docs/performance.md); its counters are made outside any capture (_zeros_outside_pools)
+# is faster (docs/performance.md); its counters are made outside any capture (_zeros_outside_pools)
 LAST_MERGES = True
 LOG2E = 1.4426950408889634
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 
+import attrs
 import torch
 
 from fgraph.extend import FgraphError
@@ -58,13 +59,23 @@ def backend_for(name: str, routine: str) -> str:
 
 
 _HALF = (torch.float16, torch.bfloat16)
-# What each backend's kernels take: (q dtypes, head dims as a rule and its words); None: any. flash_attn: its
+
+
+@attrs.frozen
+class HeadDims:
+    """The head dims a backend's kernels take: a rule, and the same in words for an error."""
+
+    ok: object  # head dim -> bool
+    words: str
+
+
+# What each backend's kernels take: (q dtypes, head dims); None: any. flash_attn: its
 # kernels' bound and the multiple of 8 its kvcache entry point needs; triton: tl.arange tiles of D.
 TAKES = {
     "torch": (None, None),
-    "flash_attn": (_HALF, (lambda d: d % 8 == 0 and d <= 256, "a multiple of 8 up to 256")),
+    "flash_attn": (_HALF, HeadDims(lambda d: d % 8 == 0 and d <= 256, "a multiple of 8 up to 256")),
     "flashinfer": (_HALF, None),
-    "triton": (_HALF + (torch.float32,), (lambda d: d >= 16 and not d & (d - 1), "a power of two >= 16")),
+    "triton": (_HALF + (torch.float32,), HeadDims(lambda d: d >= 16 and not d & (d - 1), "a power of two >= 16")),
 }
 
 
@@ -75,8 +86,8 @@ def _refuses(backend: str, head_dim: int | None = None, dtype: torch.dtype | Non
     why = []
     if dtype is not None and dtypes is not None and dtype not in dtypes:
         why.append(f"q in {' or '.join(str(t).removeprefix('torch.') for t in dtypes)}, got {dtype}")
-    if head_dim is not None and dims is not None and not dims[0](head_dim):
-        why.append(f"a head dim that is {dims[1]}, got {head_dim}")
+    if head_dim is not None and dims is not None and not dims.ok(head_dim):
+        why.append(f"a head dim that is {dims.words}, got {head_dim}")
     return " and ".join(why) or None
 
 

@@ -1,8 +1,7 @@
 """flashinfer's paged-KV metadata on the host and the persistent device buffers its CUDA-graph wrappers read.
 
-flashinfer's paged-KV metadata on the host (HostPlan, host_plan) and the persistent device buffers that decode and
-CUDA-graph prefill wrappers and their graphs read (_PlanBuffers): the data half of the flashinfer backend
-(_attn_flashinfer)."""
+The metadata: HostPlan, host_plan; the buffers, which decode and CUDA-graph prefill wrappers and their graphs read:
+_PlanBuffers. The data half of the flashinfer backend (_attn_flashinfer)."""
 
 from __future__ import annotations
 

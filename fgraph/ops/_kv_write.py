@@ -3,7 +3,7 @@
 The reference (`_attn_torch.write_kv`) is one index_copy_ per cache: two kernels a layer. On CUDA with Triton,
 one program per token loads its k row and v row ([Hkv * D] each, contiguous) and stores both at its slot: one
 kernel a layer, the same bytes moved. Elsewhere (CPU, no Triton, rows that are not contiguous, a dtype cast) the
-reference runs. A copy either way, so the caches are bitwise the same (tests/test_kv_write_gpu.py).
+reference runs. A copy either way, so the caches are bitwise the same (tests/ops/test_kv_write.py).
 
 Padded rows share slot 0 of the scratch page; which of them lands there is unspecified, as with index_copy_.
 """

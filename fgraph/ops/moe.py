@@ -232,7 +232,7 @@ def experts(x, ids, w, w13, w2, layout: str | None = None):
 def _world():
     """(rank, world, communicate) for the EP backends.
 
-    (rank, world, communicate): with no process group the EP backends run alone (world 1, no collectives); with one,
+    With no process group the EP backends run alone (world 1, no collectives); with one,
     they always communicate, even at world size 1, so one GPU exercises the NCCL path."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), True

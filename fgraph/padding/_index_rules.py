@@ -43,9 +43,8 @@ def _indices(node: fx.Node, name: str, ndim: int) -> list[tuple[int | None, fx.N
 def index_finding(node: fx.Node, name: str, flow: Flow) -> tuple[set, str] | None:
     """Where an op indexing a tensor along its batch axis lets padding in, or None.
 
-    Where an op indexing a tensor along its batch axis lets padding in: an index that can be negative (it reads or
-    writes from the end of the padded axis: a padded row), or a scatter whose padded index rows point at real rows.
-    (the batch symbols involved, what it does), or None."""
+    An index that can be negative (it reads or writes from the end of the padded axis: a padded row), or a scatter
+    whose padded index rows point at real rows: (the batch symbols involved, what it does)."""
     axes, target = flow.axes, _fx.val(node.args[0])
     tdims = axes.dims(target)
     if not tdims:
@@ -128,8 +127,8 @@ def _lands(flow: Flow, d: int, index: fx.Node, v, target, same: bool, wraps: boo
 def _same_value(node: fx.Node, name: str, axes) -> bool:
     """Whether a scatter writes one value at every index row, and overwrites.
 
-    Whether a scatter writes one value at every index row (a scalar, or values broadcast over the rows), and
-    overwrites: then two index rows pointing at one row write the same thing."""
+    One value: a scalar, or values broadcast over the rows. Then two index rows pointing at one row write the same
+    thing."""
     if name in ("index_fill", "index_fill_"):
         return True
     if name in ("index_put", "index_put_", "_unsafe_index_put"):

@@ -6,9 +6,9 @@ softmax/sort along the axis, matmuls contracting it, negative indexing and indic
 concatenation along it, scatters of its rows into state, writes through a view as long as it into a tensor
 without it, layouts that put padded rows before real ones, windows sliding along it, Python branches on its size
 that some call padded to a bucket would take differently; index tensors holding negative values along it, and
-scatters into it by index rows the padding points at real rows: fgraph/_index_rules.py), and the per-call checks
+scatters into it by index rows the padding points at real rows: fgraph/padding/_index_rules.py), and the per-call checks
 of batched leaves (tied lengths, memory shared with written state). Outputs are cut back to the unpadded call's in
-fgraph/_outputs.py.
+fgraph/padding/_outputs.py.
 
 Traces made at bucket 1 are static (no symbols): nothing here applies to them, and bucket 1 pads nothing unless
 a call has no rows at all. A function first called at bucket 1 is checked at its first trace for a larger bucket.
@@ -20,6 +20,7 @@ import os
 import traceback
 from typing import NamedTuple
 
+import attrs
 import sympy
 import torch
 import torch.fx as fx
@@ -42,6 +43,19 @@ class Finding(NamedTuple):
         return f"{self.op} at {self.line}: {self.what}"
 
 
+@attrs.frozen(eq=False)
+class BatchLeaf:
+    """A batched tensor leaf as a trace sizes it: its key path, leaf index, batch axis and Batched spec, and its size
+    as `sym + off` (sym: its canonical batch symbol; both None where its size is no symbol plus a constant)."""
+
+    path: str
+    index: int
+    axis: int
+    spec: object
+    sym: object
+    off: int | None
+
+
 class BatchAxes:
     """The batch symbols of a symbolic trace: one per batched leaf (its length, as traced: `raw`), and the same
     canonicalised through the trace's replacements (tokens and positions traced as s0 and s1 become one symbol
@@ -51,14 +65,14 @@ class BatchAxes:
         # leaves: per batched tensor leaf, in the order of shapes.syms: (key path, leaf index, axis, Batched)
         self.shapes, self.env, self._syms = shapes, shapes.shape_env, {}
         self.raw = {sym: (i, axis) for (sym, _), (_, i, axis, _) in zip(shapes.syms, leaves)}
-        self.leaves = []  # (path, leaf index, axis, spec, canonical symbol, offset): size = symbol + offset
+        self.leaves: list[BatchLeaf] = []
         for (sym, _), (path, i, axis, spec) in zip(shapes.syms, leaves):
             e = self.canon(sym)
             free = list(e.free_symbols)
             off = e - free[0] if len(free) == 1 else None
             off = int(off) if off is not None and off.is_Integer else None
-            self.leaves.append((path, i, axis, spec, free[0] if off is not None else None, off))
-        self.symbols = {leaf[4] for leaf in self.leaves if leaf[4] is not None}
+            self.leaves.append(BatchLeaf(path, i, axis, spec, free[0] if off is not None else None, off))
+        self.symbols = {leaf.sym for leaf in self.leaves if leaf.sym is not None}
         # a guard fixed a batch size to a constant (`if x.shape[0] == 8`): that trace serves that bucket only
         self.specialized = any(not getattr(self.canon(sym), "free_symbols", None) for sym in self.raw)
 
@@ -88,14 +102,14 @@ class BatchAxes:
         e = expr.node.expr if isinstance(expr, torch.SymInt) else expr
         if not isinstance(e, sympy.Basic):
             return str(expr)
-        names = {sym: sympy.Symbol(f"{leaf[0]}.shape[{leaf[2]}]") for sym, leaf in zip(self.raw, self.leaves)}
-        names.update({leaf[4]: names[sym] for sym, leaf in zip(self.raw, self.leaves) if leaf[4] is not None})
+        names = {sym: sympy.Symbol(f"{leaf.path}.shape[{leaf.axis}]") for sym, leaf in zip(self.raw, self.leaves)}
+        names.update({leaf.sym: names[sym] for sym, leaf in zip(self.raw, self.leaves) if leaf.sym is not None})
         return str(e.xreplace(names))
 
     def at(self, expr, n: int):
         """A traced size or guard (sympy) in a call of n rows: each leaf's symbol at its length, n + its extra."""
         e = expr.node.expr if isinstance(expr, torch.SymInt) else expr
-        sizes = {sym: n + leaf[3].extra for sym, leaf in zip(self.raw, self.leaves)}
+        sizes = {sym: n + leaf.spec.extra for sym, leaf in zip(self.raw, self.leaves)}
         free = e.free_symbols & (set(self.raw) | self.symbols)
         return e.xreplace({sym: sympy.Integer(sizes.get(sym, n)) for sym in free})
 
@@ -109,12 +123,12 @@ class BatchAxes:
 
     def intended(self, syms: set) -> bool:
         """Every symbol involved stands for a leaf declared Batched(mixes=True)."""
-        return bool(syms) and all(any(leaf[3].mixes for leaf in self.leaves if leaf[4] == s) for s in syms)
+        return bool(syms) and all(any(leaf.spec.mixes for leaf in self.leaves if leaf.sym == s) for s in syms)
 
     def intended_raw(self, syms) -> bool:
         """The same for symbols as traced (before a guard replaced one with a number)."""
         raw = [self.raw[s][0] for s in syms if s in self.raw]
-        return bool(raw) and all(leaf[3].mixes for leaf in self.leaves if leaf[1] in raw)
+        return bool(raw) and all(leaf.spec.mixes for leaf in self.leaves if leaf.index in raw)
 
 
 def find_mixing(
@@ -135,7 +149,7 @@ def find_mixing(
         f = Finding(f"aten.{_fx.op_name(node)}", line, what)
         found.setdefault((f.op, f.line), f)
 
-    specs = {leaf[0]: leaf[3] for leaf in axes.leaves}
+    specs = {leaf.path: leaf.spec for leaf in axes.leaves}
     flow = Flow(gm, axes, {ph: specs[p] for ph, p in paths.items() if p in specs})  # what index tensors hold
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -217,9 +231,9 @@ def _guard_line(guard) -> str | None:
 def tied_lengths(axes: BatchAxes) -> list[tuple]:
     """Groups of batched leaves the trace ties to one batch size: [(path, leaf, axis, offset), ...] per symbol."""
     groups: dict = {}
-    for path, i, axis, _, sym, off in axes.leaves:
-        if sym is not None:
-            groups.setdefault(sym, []).append((path, i, axis, off))
+    for leaf in axes.leaves:
+        if leaf.sym is not None:
+            groups.setdefault(leaf.sym, []).append((leaf.path, leaf.index, leaf.axis, leaf.off))
     return [g for g in groups.values() if len(g) > 1]
 
 

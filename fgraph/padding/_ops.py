@@ -52,7 +52,7 @@ _WINDOWS |= {"max_pool2d_with_indices", "max_pool3d_with_indices", "_adaptive_av
 _SCATTERS = {"index_put", "index_put_", "index_copy", "index_copy_", "index_add", "index_add_", "scatter", "scatter_"}
 _SCATTERS |= {"scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_", "_unsafe_index_put"}
 _SCATTERS |= {"index_fill", "index_fill_"}
-# ops indexing a tensor by index tensors, whose values fgraph/_index_rules.py checks along the batch axis
+# ops indexing a tensor by index tensors, whose values fgraph/padding/_index_rules.py checks along the batch axis
 _INDEXES = _SCATTERS | {"index", "_unsafe_index", "take"}
 
 
@@ -88,7 +88,7 @@ class Ctx(NamedTuple):
 
     name: str  # the op's schema name ("mean")
     axes: Any  # the trace's BatchAxes (fgraph/padding/_mixing.py)
-    flow: Flow  # what index tensors hold (fgraph/_index_flow.py)
+    flow: Flow  # what index tensors hold (fgraph/padding/_index_flow.py)
     paths: dict  # placeholder -> its key path
     scratch: set  # the key paths whose scatters from padded rows are declared to land in scratch
     ins: list  # the node's fx inputs: its args, then those inside list args
@@ -333,7 +333,7 @@ def windows(node: fx.Node, ctx: Ctx) -> Hit | None:
 
 
 def _indexed(rule: Rule) -> Rule:
-    """`rule`, after the check of the op's index tensors (fgraph/_index_rules.py), whose hit is the finding.
+    """`rule`, after the check of the op's index tensors (fgraph/padding/_index_rules.py), whose hit is the finding.
 
     That check finds negative indices along the batch axis, and scatters into it by index rows the padding points
     at real rows."""

@@ -1,8 +1,8 @@
 """The outputs of a padded call, cut back to what the unpadded call returns.
 
-The outputs of a padded call: each output dim whose traced size is a batch size cut back to what the unpadded call
-returns (`x[:3]` of N rows: min(3, N)), sizes it returns given as the call's, and the outputs no cut can bring back
-refused (a TraceError, at trace time where the size falls as the batch grows, else at the call)."""
+Each output dim whose traced size is a batch size is cut (`x[:3]` of N rows: min(3, N)), sizes it returns are given
+as the call's, and the outputs no cut can bring back are refused (a TraceError, at trace time where the size falls as
+the batch grows, else at the call)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ _CAST = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}
 def _sizer(axes: BatchAxes, size) -> Callable[[list], int | float | bool] | None:
     """A traced size, or a float or bool computed from one, as `leaves -> its value in a call`.
 
-    A traced size, or a float or bool computed from one (`x.shape[0] / 2`, `x.shape[0] > 2`) -> `leaves -> its value
-    in a call`: the unpadded call's, each leaf's symbol at that leaf's length as passed (leaves tied to one size
-    agree: check_lengths); None for a static one."""
+    `x.shape[0] / 2`, `x.shape[0] > 2`: the value is the unpadded call's, each leaf's symbol at that leaf's length as
+    passed (leaves tied to one size agree: check_lengths); None for a static size."""
     cast = _CAST.get(type(size))
     e = size.node.expr if cast is not None else None
     if e is None or not e.free_symbols or not e.free_symbols <= set(axes.raw):
@@ -60,8 +59,8 @@ def output_rows(axes: BatchAxes, outs: list, skip: set[int]) -> list[tuple]:
 def refuse_shrinking_outputs(fname: str, gm: fx.GraphModule, axes: BatchAxes, skip: set[int]) -> None:
     """Refuse an output dim whose traced size falls as a batch size grows.
 
-    An output dim whose traced size falls as a batch size grows (`w[x.shape[0]:]`) is shorter, padded to a bucket,
-    than in the unpadded call, and holds other rows: no cut can give the call's answer. A TraceError."""
+    Such a dim (`w[x.shape[0]:]`) is shorter, padded to a bucket, than in the unpadded call, and holds other rows: no
+    cut can give the call's answer. A TraceError."""
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for j, o in enumerate(out_node.args[0]):
         v = o.meta.get("val") if isinstance(o, fx.Node) and j not in skip else None
@@ -93,8 +92,8 @@ def cut_error(entry, j: int, d: int):
 def output_sizes(axes: BatchAxes, outs: list) -> list[tuple]:
     """Outputs that are sizes computed from the batch: (output, size).
 
-    Outputs that are sizes computed from the batch (`x.shape[0]`, `n + 1`, `n / 2`, `n > 2`): (output, size),
-    size(leaves) their value in the unpadded call (the graph returns the bucket's)."""
+    `x.shape[0]`, `n + 1`, `n / 2`, `n > 2`: size(leaves) is their value in the unpadded call (the graph returns the
+    bucket's)."""
     return [(j, size) for j, v in enumerate(outs) if type(v) in _CAST and (size := _sizer(axes, v))]
 
 
@@ -117,8 +116,7 @@ def _tensors_in(v, depth: int = 3) -> bool:
 def refuse_opaque_outputs(fname: str, out, leaves: list) -> None:
     """Refuse an output leaf of a class pytrees do not know that holds tensors.
 
-    An output leaf of a class pytrees do not know, holding tensors, would come back as traced (fake tensors that no
-    replay updates): a TraceError naming its key path instead."""
+    It would come back as traced (fake tensors that no replay updates): a TraceError naming its key path instead."""
     for i, v in enumerate(leaves):
         if not isinstance(v, torch.Tensor) and _tensors_in(v):
             p = flatten_with_paths(out)[0][i][0]

@@ -1,8 +1,8 @@
 """Research code as it is written: what a jitted callable is and the tensors it reads.
 
-Research code as it is written: what a jitted callable is (a function, a method, a module, a bound method, a function
-with positional-only parameters, *args or **kwargs) and the tensors it reads without taking them as arguments (module
-parameters and buffers, closed-over and global tensors).
+A callable is a function, a method, a module, a bound method, a function with positional-only parameters, *args or
+**kwargs. The tensors it reads without taking them as arguments are module parameters and buffers, closed-over and
+global tensors.
 
 Those tensors are lifted into extra inputs of the traced function (torch.compile lifts constants the same way):
 each call reads their current values and they become non-static leaves named by where they live (`self.lin.weight`,
@@ -18,6 +18,7 @@ import functools
 import inspect
 import types
 
+import attrs
 import torch
 import torch.utils._pytree as pytree
 from torch._C import _functorch
@@ -58,6 +59,33 @@ def plain_signature(sig: inspect.Signature) -> bool:
     return all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in sig.parameters.values())
 
 
+@attrs.frozen(eq=False)
+class Place:
+    """Where a lifted value lives: its leaf name, how it is held (`cell`, `global`, `item`, `parg` or `attr`), the
+    object holding it and its key there (_read, _write)."""
+
+    name: str
+    kind: str
+    holder: object
+    key: object
+
+
+@attrs.frozen(eq=False)
+class LiftedModule:
+    """A lifted module (its parameters and buffers are lifted leaves) and its name."""
+
+    name: str
+    module: torch.nn.Module
+
+
+@attrs.frozen
+class Origin:
+    """Where a lifted leaf comes from: its index into modules + slots, and its key in its module (None for a slot)."""
+
+    index: int
+    key: str | None
+
+
 class LazyParameters(Exception):
     """A lifted module holds parameters not made yet (torch's lazy modules make them in their first forward)."""
 
@@ -75,16 +103,15 @@ class Lifted:
     def __init__(self, fn, params: set[str]):
         self.fn, self.params, self.rescanned = fn, params, False
         self.scan()
-        # lifted leaf name -> (index in modules + slots, the key in its module), filled by values()
-        self.names: dict[str, tuple[int, str | None]] = {}
+        self.names: dict[str, Origin] = {}  # lifted leaf name -> where it comes from, filled by values()
 
     def scan(self):
         fn = self.fn
-        self.modules: list[tuple[str, torch.nn.Module]] = []  # (name, module): parameters and buffers
-        self.slots: list[tuple[str, str, object, object]] = []  # (name, kind, holder, key): cell / global / attr
+        self.modules: list[LiftedModule] = []  # their parameters and buffers
+        self.slots: list[Place] = []  # tensors held by a cell, global, container item or attribute
         # Python values the trace bakes in (`SCALE = 2.0`, `self.temp`, `CFG["act"]`), where they live, as slots
         # are: each call's signature holds them (`context`), so a changed one is another signature
-        self.guards: list[tuple[str, str, object, object]] = []
+        self.guards: list[Place] = []
         self.unguarded: list[str] = []  # containers too large to guard value by value (explain lists them)
         self._taken, self._seen = set(self.params), set()
         self._callable(fn)
@@ -122,7 +149,7 @@ class Lifted:
 
     def roots(self) -> set[str]:
         """The names that donate= may give for lifted state (`self`: a module's buffers, updated in place)."""
-        return {n.split(".")[0] for n, *_ in [*self.modules, *self.slots]}
+        return {x.name.split(".")[0] for x in [*self.modules, *self.slots]}
 
     def _name(self, name: str) -> str:
         base, k = name, 2
@@ -137,7 +164,8 @@ class Lifted:
         Dropout and batch norm trace differently in training, and `model.eval()` after a call must not replay
         the training trace."""
         names = []
-        for name, m in self.modules:
+        for lm in self.modules:
+            name, m = lm.name, lm.module
             flags = [sub.training for sub in m.modules()]
             if all(flags):
                 names.append(name)
@@ -150,16 +178,16 @@ class Lifted:
             return
         self._seen.add(id(m))
         name = self._name(name)
-        self.modules.append((name, m))
+        self.modules.append(LiftedModule(name, m))
         for sub_name, sub in m.named_modules():  # plain tensor attributes (neither parameter nor buffer)
             # and the Python values its forward names (`self.temp`): a name its code does not hold is not read
             read = set(_global_names(type(sub).forward.__code__)) if hasattr(type(sub).forward, "__code__") else ()
             for k, v in vars(sub).items():
                 at = f"{name}.{sub_name}.{k}" if sub_name else f"{name}.{k}"
                 if isinstance(v, torch.Tensor):
-                    self.slots.append((at, "attr", sub, k))
+                    self.slots.append(Place(at, "attr", sub, k))
                 elif k in read and k != "training" and not k.startswith("_") and guardable(v):
-                    self.guards.append((at, "attr", sub, k))
+                    self.guards.append(Place(at, "attr", sub, k))
 
     def _holder(self, name: str, obj):
         """`self` of a bound method: a module, or an object whose tensor / module attributes the method reads."""
@@ -172,7 +200,7 @@ class Lifted:
 
     def _value(self, name, v, kind, holder, key, depth):
         if isinstance(v, torch.Tensor):
-            self.slots.append((self._name(name), kind, holder, key))
+            self.slots.append(Place(self._name(name), kind, holder, key))
         elif isinstance(v, torch.nn.Module):
             self._module(name, v)
         elif isinstance(v, Inlined):  # called while this traces, it is inlined: what it reads is read here
@@ -183,7 +211,7 @@ class Lifted:
         elif isinstance(v, types.FunctionType) and user_code(v):
             self._function(v, depth + 1)
         elif guardable(v):
-            self.guards.append((name, kind, holder, key))
+            self.guards.append(Place(name, kind, holder, key))
         elif isinstance(v, (dict, list)) and depth <= 3 and len(v) <= 4096:  # CONFIG["w"]: swapped in the container
             items = list(v.items() if isinstance(v, dict) else enumerate(v))
             plain = [(k, x) for k, x in items if guardable(x)]
@@ -217,7 +245,8 @@ class Lifted:
 
         `grads` says afterwards whether any of them requires grad (they are read as data: see refuse_backward)."""
         out, self.names, self.grads = {}, {}, False
-        for i, (name, m) in enumerate(self.modules):
+        for i, lm in enumerate(self.modules):
+            name, m = lm.name, lm.module
             for k, v in [*m.named_parameters(), *m.named_buffers()]:
                 if torch.nn.parameter.is_lazy(v):  # nn.LazyLinear before its first forward: no shape to trace
                     raise LazyParameters(
@@ -227,13 +256,13 @@ class Lifted:
                     )
                 # read as data (same storage): a jitted call is inference, its outputs carry no autograd history
                 out[f"{name}.{k}"] = v.detach() if v.requires_grad else v
-                self.names[f"{name}.{k}"] = (i, k)
+                self.names[f"{name}.{k}"] = Origin(i, k)
                 self.grads = self.grads or v.requires_grad
-        for i, (name, kind, holder, key) in enumerate(self.slots, len(self.modules)):
-            v = _read(kind, holder, key)
+        for i, p in enumerate(self.slots, len(self.modules)):
+            v = _read(p.kind, p.holder, p.key)
             if isinstance(v, torch.Tensor):
-                out[name] = v.detach() if v.requires_grad else v
-                self.names[name] = (i, None)
+                out[p.name] = v.detach() if v.requires_grad else v
+                self.names[p.name] = Origin(i, None)
                 self.grads = self.grads or v.requires_grad
         return out
 
@@ -241,14 +270,15 @@ class Lifted:
     def installed(self, values: dict[str, torch.Tensor]):
         """Swap `values` (fakes, while tracing) in where the lifted tensors live; swap the originals back after."""
         with contextlib.ExitStack() as stack:
-            for i, (_, m) in enumerate(self.modules):
-                mine = {k: values[leaf] for leaf, (j, k) in self.names.items() if j == i and leaf in values}
-                stack.enter_context(_reparametrize_module(m, mine, tie_weights=True))
-            for i, (name, kind, holder, key) in enumerate(self.slots, len(self.modules)):
-                if name in values and self.names.get(name, (None,))[0] == i:
-                    old = _read(kind, holder, key)
-                    _write(kind, holder, key, values[name])
-                    stack.callback(_restore, kind, holder, key, values[name], old)
+            for i, lm in enumerate(self.modules):
+                mine = {o.key: values[leaf] for leaf, o in self.names.items() if o.index == i and leaf in values}
+                stack.enter_context(_reparametrize_module(lm.module, mine, tie_weights=True))
+            for i, p in enumerate(self.slots, len(self.modules)):
+                o = self.names.get(p.name)
+                if p.name in values and o is not None and o.index == i:
+                    old = _read(p.kind, p.holder, p.key)
+                    _write(p.kind, p.holder, p.key, values[p.name])
+                    stack.callback(_restore, p.kind, p.holder, p.key, values[p.name], old)
             yield
 
 
@@ -307,7 +337,7 @@ def guardable(v, depth: int = 0) -> bool:
 
 def guard_values(lifted: Lifted) -> tuple:
     """The guarded Python values as they are now, as signature entries (`Guard`: by type and value)."""
-    return tuple(Guard(name, _read(kind, holder, key)) for name, kind, holder, key in lifted.guards)
+    return tuple(Guard(g.name, _read(g.kind, g.holder, g.key)) for g in lifted.guards)
 
 
 def _global_names(code) -> list[str]:
@@ -322,8 +352,8 @@ def _global_names(code) -> list[str]:
 def invoke(jitted, dynamic: dict, statics: dict):
     """Call the jitted callable with its arguments by name and its lifted tensors installed.
 
-    Call the jitted callable with its arguments by name (positional-only, *args and **kwargs spread back) and its
-    lifted tensors installed from `dynamic` (the leaves named in Lifted.values)."""
+    Positional-only parameters, *args and **kwargs are spread back; the lifted tensors come from `dynamic` (the leaves
+    named in Lifted.values)."""
     lifted = jitted.lifted
     swap = {k: dynamic[k] for k in lifted.names if k in dynamic} if lifted else {}
     merged = {**{k: v for k, v in dynamic.items() if k not in swap}, **statics}
@@ -431,8 +461,7 @@ def refuse_backward(fname: str, lifted: Lifted, out, keep: tuple = ()):
 def check_transforms(fname: str) -> None:
     """Refuse vmap / grad / jacrev (torch.func) over a jitted call.
 
-    vmap / grad / jacrev (torch.func) over a jitted call: its inputs are functorch wrappers that a captured graph
-    cannot see through."""
+    Its inputs would be functorch wrappers, which a captured graph cannot see through."""
     if _functorch.peek_interpreter_stack() is not None:  # (torch.compile never gets here: Jitted.__call__)
         raise FgraphError(
             f"fgraph.jit({fname}): called under a torch.func transform (vmap, grad, jacrev, ...); a jitted "

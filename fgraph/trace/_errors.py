@@ -13,6 +13,7 @@ import os
 import re
 import types
 
+import attrs
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -51,11 +52,21 @@ def quiet():
             lg.setLevel(lv)
 
 
+@attrs.frozen(eq=False)
+class TaggedOp:
+    """The innermost torch call of the user's code an exception came from: the op, its arguments, its source line."""
+
+    func: object
+    args: tuple
+    kwargs: dict
+    line: str
+
+
 def tag(e: BaseException, func, args, kwargs, line: str) -> None:
     """Remember, on the exception, the innermost torch call of the user's code it came from (first tag wins)."""
     if not hasattr(e, "_fgraph_op"):
         with contextlib.suppress(Exception):
-            e._fgraph_op = (func, args, kwargs or {}, line)
+            e._fgraph_op = TaggedOp(func, args, kwargs or {}, line)
 
 
 class Names:
@@ -162,13 +173,13 @@ def translate(fname: str, e: Exception, names: Names) -> TraceError:
     """An fgraph TraceError for an exception raised while tracing `fname` (raise it `from` fgraph._traceback.cause)."""
     op = getattr(e, "_fgraph_op", None)
     frames = list(_user_frames(e.__traceback__))
-    line = op[3] if op else (_where(*frames[-1]) if frames else "<unknown>")
+    line = op.line if op else (_where(*frames[-1]) if frames else "<unknown>")
     msg = names.text(str(e).strip().split("\n\nWhile executing")[0])
     first = msg.splitlines()[0] if msg else type(e).__name__
     if "Please convert all Tensors to FakeTensors" in msg or "allow_non_fake_inputs" in msg:
         real = [
             x
-            for x in (pytree.tree_leaves((op[1], op[2])) if op else [])
+            for x in (pytree.tree_leaves((op.args, op.kwargs)) if op else [])
             if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor)
         ]
         who = (_name_of(real[0], e) if real else None) or "a tensor"
@@ -192,7 +203,7 @@ def translate(fname: str, e: Exception, names: Names) -> TraceError:
         )
     fakes = [
         x
-        for x in (pytree.tree_leaves((op[1], op[2])) if op else [])
+        for x in (pytree.tree_leaves((op.args, op.kwargs)) if op else [])
         if isinstance(x, FakeTensor) and names.mode is not None and x.fake_mode is not names.mode
     ]
     if fakes or "Mixing fake modes" in msg:  # a value that escaped another trace, read where fgraph does not lift
@@ -205,8 +216,8 @@ def translate(fname: str, e: Exception, names: Names) -> TraceError:
         )
     involved = ""
     if op:
-        func, args, kwargs, _ = op
-        ts = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        func = op.func
+        ts = [x for x in pytree.tree_leaves((op.args, op.kwargs)) if isinstance(x, torch.Tensor)]
         fn_name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
         involved = f" in {fn_name}({', '.join(names.tensor(t) for t in ts)})"
     return TraceError(

@@ -16,7 +16,7 @@ import torch
 from torch.nn.modules import module as _module
 
 from .._signature import static_key
-from ._callable import Lifted, _read
+from ._callable import Lifted, Place, _read
 
 _generation = [0]  # bumped whenever a watched module registers a parameter, buffer or submodule
 _watched = weakref.WeakSet()  # every module a LiftedView proves (a lifted module and its submodules)
@@ -51,20 +51,20 @@ class LiftedView:
         self.leaves, self.generation = leaves, _generation[0]
         self.key = None  # the replay path's key part for these leaves' layout (FastPath.remember sets it)
         self.dicts, self.keys = [], []  # per module leaf: the dict holding it, its key there
-        for i, key in lifted.names.values():
-            if key is None:
+        for o in lifted.names.values():
+            if o.key is None:
                 continue
-            owner, _, local = key.rpartition(".")
-            sub = lifted.modules[i][1].get_submodule(owner)
+            owner, _, local = o.key.rpartition(".")
+            sub = lifted.modules[o.index].module.get_submodule(owner)
             self.dicts.append(sub._parameters if local in sub._parameters else sub._buffers)
             self.keys.append(local)
-        self.slots = [(kind, holder, key) for _, kind, holder, key in lifted.slots]
+        self.slots = list(lifted.slots)  # (Place: where each lives)
         # the guarded Python values (Lifted.guards) as the slow call read them, by type and value (static_key)
-        self.guards = [(kind, holder, key) for _, kind, holder, key in lifted.guards]
+        self.guards = list(lifted.guards)
         self.guard_keys = [static_key(_read_slot(g)) for g in self.guards]
         self.tensors = self._tensors()
         self.slot_values = list(map(_read_slot, self.slots))
-        self.modules = [sub for _, m in lifted.modules for sub in m.modules()]
+        self.modules = [sub for lm in lifted.modules for sub in lm.module.modules()]
         _watched.update(self.modules)
         self.training = list(map(_training, self.modules))
         # `del module.sub`, `del layers[i]`, ModuleList.insert: no registration hook; each changes a dict's size
@@ -114,5 +114,5 @@ class LiftedView:
         return any(t.requires_grad for t in self.tensors)
 
 
-def _read_slot(slot):
-    return _read(*slot)
+def _read_slot(p: Place):
+    return _read(p.kind, p.holder, p.key)

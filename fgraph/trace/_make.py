@@ -103,8 +103,8 @@ def _record_source_lines():
 class Shapes:
     """The symbolic batch dims of a trace and the guards the trace assumed.
 
-    The symbolic batch dims of a trace: which leaf's axis became which symbol, and the guards the trace assumed, so
-    a program traced once can be checked against every other bucket before reuse."""
+    Which leaf's axis became which symbol, and the guards, so that a program traced once can be checked against every
+    other bucket before reuse."""
 
     def __init__(self, shape_env: ShapeEnv, syms: list[tuple[Any, int]]):
         self.shape_env, self.syms = shape_env, syms  # [(symbol, extra)] per batched leaf

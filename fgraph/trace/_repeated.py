@@ -56,7 +56,7 @@ def _signature(leaves: list) -> tuple:
 class _Template:
     """What one traced call added to the graph.
 
-    The FX nodes one traced call added, its inputs' and outputs' nodes (None / the value for non-tensors), and its
+    Its FX nodes, its inputs' and outputs' nodes (None / the value for non-tensors), and its
     outputs' fake tensors (the layout of every copy's outputs)."""
 
     def __init__(self, fn: Callable, inputs: list, nodes: list[fx.Node], outputs: list, out_spec, fakes: list):

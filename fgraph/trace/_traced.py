@@ -1,7 +1,7 @@
 """Traced: one trace of a function, checked and split, shared by every signature its batch dims fit.
 
-Traced: one trace of a function, checked and split, shared by every signature (bucket) its symbolic batch dims fit: its
-program, its mode and why, what padding changes in it, how its outputs are cut back and handed out."""
+It holds its program, its mode and why, what padding changes in it, and how its outputs are cut back and handed out;
+every signature (bucket) its symbolic batch dims fit shares it."""
 
 from __future__ import annotations
 
@@ -153,8 +153,8 @@ class Traced:
     def _padding(self, jitted, call: Call, gm: fx.GraphModule, ph_paths: dict) -> None:
         """What padding can change, and how the outputs are cut back to the unpadded call's shape.
 
-        What padding can change (logged once per place), the leaves the trace ties to one batch size, and how
-        each output is cut back to the unpadded call's shape (symbolic traces only: see fgraph/padding/)."""
+        Symbolic traces only (see fgraph/padding/): each place padding can change is logged once; also sets the leaves
+        the trace ties to one batch size and the indexes padded rows take (checked per bucket: `bounds`)."""
         self.axes = self.mixing = self.flow = None
         self.tied, self.bounds = [], []
         if self.shapes is None:

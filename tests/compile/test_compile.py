@@ -154,7 +154,7 @@ def test_a_compilations_assumptions_leave_the_traces_shape_env_as_it_was():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    from fgraph.compile._assumed import restored
+    from fgraph.compile import restored
 
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
@@ -172,7 +172,7 @@ def test_a_compilation_serves_only_inputs_of_the_layout_it_asserts():
     each int input, the guards and the ranges, before a bucket runs the code."""
     import sympy
 
-    from fgraph.compile._assumed import Compilation
+    from fgraph.compile import Compilation
 
     s = sympy.Symbol("s0", integer=True, positive=True)
     n = sympy.Integer

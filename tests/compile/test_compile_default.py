@@ -7,7 +7,7 @@ import torch
 
 import fgraph
 from fgraph.compile import compiler
-from fgraph.function._options import Options
+from fgraph.function import Options
 
 W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
 

@@ -154,7 +154,7 @@ def test_a_guard_holds_exactly_while_every_node_holds_the_same_objects(shape, ed
     holds the same objects in the same places: an item moved from one node to the next, which keeps the walk's total
     size, is seen as well."""
     from fgraph._pytree import flatten_with_paths, see_into
-    from fgraph.function._fastpath import guard_for
+    from fgraph.function import guard_for
 
     def build(s):
         if s == "t":

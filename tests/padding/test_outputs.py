@@ -321,7 +321,7 @@ TREES = st.recursive(
 def test_a_cpu_replay_writes_every_output_where_it_was_recorded(tree, seed):
     """The CPU's stand-in for a graph replay writes each fresh output into the recorded one's memory, whatever
     nesting its outputs have (a flat tuple, as a graph module returns, or nested ones of the same length)."""
-    from fgraph.capture._graphs import refiller
+    from fgraph.capture import refiller
 
     g = torch.Generator().manual_seed(seed)
 
