@@ -25,6 +25,7 @@ from .._pytree import _RECORDS, _children, flattener, is_seen_into
 from .._signature import Call, batch_specs, bucket_for, leaf_of, static_key, torch_state
 from ..padding import check_aliases
 from ..trace import LiftedView
+from ._bind import Binder
 
 
 class Layout(NamedTuple):
@@ -72,10 +73,7 @@ class FastPath:
     def __init__(self, fname: str, signature: inspect.Signature, static: tuple, batch: dict, buckets: tuple):
         params = signature.parameters
         self.fname, self.batch, self.buckets = fname, batch, buckets
-        kw = [k for k, p in params.items() if p.kind is p.VAR_KEYWORD]
-        self.varkw = kw[0] if kw else None  # `**kwargs`: the keywords no parameter names, as one dict
-        self.names = [k for k in params if k != self.varkw]
-        self.defaults = {k: params[k].default for k in self.names}
+        self.binder = Binder(signature)  # (the calls Python accepts; None for the rest)
         self.static_sorted = tuple(sorted(static))
         # bound -> the statics tuple, in one C call (itemgetter returns a bare value for a single name)
         get = operator.itemgetter(*self.static_sorted) if self.static_sorted else (lambda b: ())
@@ -98,31 +96,9 @@ class FastPath:
         view: the calling jit object's LiftedView (of the tensors its function reads without taking them), if any.
 
         First sight of anything, errors and fallbacks are the slow path's."""
-        names, defaults = self.names, self.defaults
-        if len(args) > len(names):
+        bound = self.binder.arguments(args, kwargs)
+        if bound is None:
             return None
-        bound = dict(zip(names, args))
-        extra = None
-        for k, v in kwargs.items():
-            if k in bound:
-                return None
-            if k not in defaults:
-                if self.varkw is None:
-                    return None
-                if extra is None:
-                    extra = {}
-                extra[k] = v
-                continue
-            bound[k] = v
-        if len(bound) < len(names):
-            for k in names:
-                if k not in bound:
-                    d = defaults[k]
-                    if d is inspect.Parameter.empty:
-                        return None
-                    bound[k] = d
-        if self.varkw is not None:
-            bound[self.varkw] = {} if extra is None else extra
         try:
             statics = self.statics_of(bound)
             statics = tuple(map(static_key, statics))  # by type and value, as signatures key them (Static)

@@ -91,14 +91,12 @@ class FunctionState:
         """A key of a call cheaper than its signature: the statics by type and value, each other argument's
         structure and leaves' abstract values, torch's settings and the lifted modules' training flags; not the
         lifted tensors themselves. Two calls of one key make donated state alike. None where a part is unhashable."""
-        try:
-            bound = jitted.signature.bind(*args, **kwargs)
-        except TypeError:
+        bound = self.fastpath.binder.arguments(args, kwargs)
+        if bound is None:
             return None
-        bound.apply_defaults()
         parts = []
         try:
-            for k, v in bound.arguments.items():
+            for k, v in sorted(bound.items()):  # (by name: however the call passed them)
                 if k in self.options.static:
                     parts.append((k, static_key(v)))
                     continue

@@ -162,7 +162,7 @@ class Traced:
         batched = [(self.paths[i], i, call.specs[i].axis, call.specs[i]) for i in self.batched_ix]
         self.axes = padding.BatchAxes(self.shapes, batched)
         # indices whose padded rows point past what they index: refused here, before any device runs the program
-        specs = {leaf[0]: leaf[3] for leaf in self.axes.leaves}
+        specs = {leaf.path: leaf.spec for leaf in self.axes.leaves}
         self.flow = padding.Flow(gm, self.axes, {ph: specs[p] for ph, p in ph_paths.items() if p in specs}, ph_paths)
         self.bounds = padding.index_bounds(gm, self.flow)
         lifted = set(getattr(jitted.lifted, "names", ()))

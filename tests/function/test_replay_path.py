@@ -383,3 +383,21 @@ def test_a_lazy_module_under_strict_is_a_signature_error():
     f = fgraph.jit(nn.LazyLinear(2), strict=True)
     with pytest.raises(fgraph.SignatureError, match="lazy module's parameter.*\n.*run the module once"):
         f(torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("mode", ["NONE", "FULL"])
+def test_the_replay_path_refuses_what_python_refuses(mode):
+    """A keyword-only parameter passed by position, one passed twice, an unknown keyword, a missing one: each is
+    Python's TypeError (as a SignatureError), never served by the signature an earlier, valid call made."""
+
+    def f(x, w, *, s=1.0):
+        return x * w * s
+
+    j = fgraph.jit(f, mode=mode)
+    x, w = torch.ones(3), torch.full((3,), 2.0)
+    for _ in range(3):  # the replay path learns the valid call
+        torch.testing.assert_close(j(x, w, s=3.0), f(x, w, s=3.0))
+    assert j.stats()["total"]["fast"] > 0
+    for bad in [lambda: j(x, w, 3.0), lambda: j(x, w, w=w), lambda: j(x, w, t=1), lambda: j(x, s=3.0)]:
+        with pytest.raises(fgraph.SignatureError, match="call it as f"):
+            bad()
