@@ -122,6 +122,8 @@ def main(argv=None):
         contenders["hf_fgraph_generate_default"] = m
     for name in args.skip:
         contenders.pop(name)
+    # the contenders generate runs as by default, compiling the decode call itself (of its jitted forward for fgraph's)
+    own_compile = {"hf_fgraph_generate_default"} | ({"hf_compile_static"} if args.compile == "generate" else set())
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     rows = []
@@ -150,10 +152,8 @@ def main(argv=None):
                 kw = {cache_param: caches[name]}
             else:
                 kw = {"cache_implementation": "static"}  # the cache generate makes
-            # transformers compiles the decode call itself only for this contender, when asked to
-            kw["disable_compile"] = not (
-                (name == "hf_compile_static" and args.compile == "generate") or name == "hf_fgraph_generate_default"
-            )
+            # transformers compiles the decode call itself only for these contenders
+            kw["disable_compile"] = name not in own_compile
             with torch.no_grad():
                 # (the eager references run from `base` also when --skip leaves their rows out)
                 model = contenders.get(name, base) if name in ("hf_eager", "hf_eager_static") else contenders[name]
@@ -203,7 +203,7 @@ def main(argv=None):
                 row["host_us"]["find_in_generate"] = find_in_generate_us(
                     contenders[name], lambda: gen(name, LOOP_TOKENS)
                 )
-            compiled_here = (name == "hf_compile_static" and args.compile == "generate") or name == "hf_fgraph_generate_default"
+            compiled_here = name in own_compile
             row["call_us"] = call_us(
                 contenders[name], "_compiled_call" if compiled_here else "forward", lambda: gen(name, 8)
             )
