@@ -278,18 +278,23 @@ def test_cpu_constants_made_inside_are_part_of_the_program(mode, fn, device):
     assert j.stats()["total"]["traces"] == 1
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_cpu_scalar_constants_are_embedded_in_a_device_program(mode, monkeypatch):
-    """The meta device stands in for CUDA (no values: shapes, dtypes and devices are eager's; the program makes each
-    constant on the device). Other CPU tensors stay refused (tests/test_errors.py)."""
+def on_meta(fn, mode, monkeypatch):
+    """fn jitted and called on a meta [3, 4] (shapes, dtypes and devices checked against eager's); its lowering."""
     monkeypatch.setattr(fgraph.config, "inputs_in_graph", False)  # (FULL graphs cannot copy meta memory in)
-    j = fgraph.jit(host_constants, mode=mode)
+    j = fgraph.jit(fn, mode=mode)
     x = torch.ones(3, 4, device="meta")
     got = j(x)
     with fgraph.disable_jit():
         want = j(x)
     assert [(g.shape, g.dtype, g.device) for g in got] == [(w.shape, w.dtype, w.device) for w in want]
-    text = j.lower(x).as_text()
+    return j.lower(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_scalar_constants_are_embedded_in_a_device_program(mode, monkeypatch):
+    """The meta device stands in for CUDA (no values: shapes, dtypes and devices are eager's; the program makes each
+    constant on the device). Other CPU tensors stay refused (tests/test_errors.py)."""
+    text = on_meta(host_constants, mode, monkeypatch).as_text()
     for made in ("[], 2.0, dtype = torch.float32", "[], 0.5, device", "[], 3, dtype = torch.int64", "[], True"):
         assert f"aten.full.default({made}" in text, made
     assert "device(type='meta')" in text and "get_attr" not in text and "_tensor_constant" not in text
@@ -299,17 +304,11 @@ def test_cpu_scalar_constants_are_embedded_in_a_device_program(mode, monkeypatch
 def test_cpu_constants_of_any_size_are_embedded_in_a_device_program(mode, monkeypatch):
     """The same for tensors of any size: each constant's values are moved to the device once, at trace time, and
     factories and ops on constants alone run there, so no host tensor is left in the program."""
-    monkeypatch.setattr(fgraph.config, "inputs_in_graph", False)  # (FULL graphs cannot copy meta memory in)
-    j = fgraph.jit(host_arrays, mode=mode)
-    x = torch.ones(3, 4, device="meta")
-    got = j(x)
-    with fgraph.disable_jit():
-        want = j(x)
-    assert [(g.shape, g.dtype, g.device) for g in got] == [(w.shape, w.dtype, w.device) for w in want]
-    gm = j.lower(x).graph_module
+    lowered = on_meta(host_arrays, mode, monkeypatch)
+    gm = lowered.graph_module
     consts = [getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"]
     assert consts and all(c.device.type == "meta" for c in consts if isinstance(c, torch.Tensor))
-    assert "device(type='cpu')" not in j.lower(x).as_text()
+    assert "device(type='cpu')" not in lowered.as_text()
 
 
 # -- retraces are bounded and loud -----------------------------------------------------------------------------
