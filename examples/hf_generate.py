@@ -3,12 +3,13 @@
 The static-cache recipe: the model's forward is jitted with its cache donated, and `generate` runs as it is.
 
     model.forward = fgraph.jit(model.forward, donate=["cache"])   # `past_key_values` on transformers <= 5.17
-    model.generate(ids, cache_implementation="static", disable_compile=True, max_new_tokens=...)
+    model.generate(ids, cache_implementation="static", max_new_tokens=...)
 
 The StaticCache generate makes is seen into as a pytree of its tensors (keys, values, cumulative_length of every
 layer): donated state, written in place. Its layers are made lazily by the first forward (prefill), which runs
-eagerly; every decode step then replays one signature's graphs. `disable_compile=True` keeps generate from wrapping
-the call in torch.compile on the GPU (without it the jitted call is opaque to that compile: the same graphs run).
+eagerly; every decode step then replays one signature's graphs. On the GPU generate wraps the call in torch.compile,
+to which the jitted call is opaque: the same graphs run (`generate` below passes `disable_compile=True`, which only
+saves that compile).
 By default a tiny random-weight Qwen2 (no network, runs on CPU in seconds);
 `--model DIR` loads a checkpoint; `--compile` compiles the pieces with Inductor (the speed: docs/performance.md).
 Prints the tokens, whether they equal eager generate's, and fgraph's stats.
