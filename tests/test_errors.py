@@ -294,6 +294,20 @@ def test_host_tensor_inside_a_device_signature():
             g(torch.ones(3, 2), torch.ones(2, 2, device="meta"))
 
 
+def test_a_returned_host_constant_is_named_and_the_others_still_move():
+    """Only the constant the function returns stays on the host (eager returns it there): the error names its line,
+    not one the program could have moved."""
+
+    def fn(x, w):
+        y = (x @ w) * torch.tensor([2.0, 3.0]).to(w.device)  # moved to the device
+        return y, torch.tensor([1.0])  # returned: on the host, as eager
+
+    line = fn.__code__.co_firstlineno + 2
+    g = fgraph.jit(fn, batch={"x": Batched()}, buckets=[4])
+    with pytest.raises(TraceError, match=rf"a CPU tensor \(a constant, .*\) at tests/test_errors.py:{line} in a meta"):
+        g(torch.ones(3, 2), torch.ones(2, 2, device="meta"))
+
+
 def padded(spec, x, y=None, params=None):
     """A call of a jitted function of the batched leaves x and y (and unbatched params)."""
     batch = {"x": spec} if y is None else {"x": spec, "y": spec}

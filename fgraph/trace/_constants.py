@@ -40,6 +40,7 @@ def _constant(gm: fx.GraphModule, node: fx.Node) -> bool:
 def _host_ops(gm: fx.GraphModule) -> list[fx.Node]:
     """The host constants and the host ops on them alone (factories too), in program order."""
     host: list[fx.Node] = []
+    on_host: set[fx.Node] = set()
     for node in gm.graph.nodes:
         val, op = node.meta.get("val"), node.target
         if not (isinstance(val, FakeTensor) and val.device.type == "cpu"):
@@ -50,10 +51,24 @@ def _host_ops(gm: fx.GraphModule) -> list[fx.Node]:
             node.op == "call_function"
             and isinstance(op, torch._ops.OpOverload)
             and torch.Tag.nondeterministic_seeded not in op.tags
-            and all(n in host for n in node.all_input_nodes)
+            and all(n in on_host for n in node.all_input_nodes)
         ):
             host.append(node)
+        else:
+            continue
+        on_host.add(node)
     return host
+
+
+def _movable(host: list[fx.Node]) -> list[fx.Node]:
+    """The host nodes that may move: not one that a use outside them needs on the host (the output; a primitive,
+    which may read it on the host), nor any host node such a one is made from (`check` then refuses those)."""
+    on_host = set(host)
+    stays = {n for n in host if any(u not in on_host and not _is_aten(u) for u in n.users)}
+    for node in reversed(host):  # (program order: a node's host inputs come before it)
+        if node in stays:
+            stays.update(i for i in node.all_input_nodes if i in on_host)
+    return [n for n in host if n not in stays]
 
 
 def embed_host_constants(gm: fx.GraphModule, device: str) -> None:
@@ -67,9 +82,8 @@ def embed_host_constants(gm: fx.GraphModule, device: str) -> None:
     host), and the caller's tensors (see _constant)."""
     if device == "cpu":
         return
-    host = _host_ops(gm)
-    # each use outside them an aten op (a primitive may read a host tensor on the host), none the output
-    if not host or any(u not in host and not _is_aten(u) for n in host for u in n.users):
+    host = _movable(_host_ops(gm))
+    if not host:
         return
     dev = torch.device(device)
     for node in host:
