@@ -30,7 +30,7 @@ _BY_DIM |= {"index_add": "index", "index_add_": "index", "index_fill": "index", 
 _BY_DIM |= {"scatter": "index", "scatter_": "index", "scatter_add": "index", "scatter_add_": "index"}
 _BY_DIM |= {"scatter_reduce": "index", "scatter_reduce_": "index", "take_along_dim": "indices"}
 _ADVANCED = {"index", "_unsafe_index", "index_put", "index_put_", "_unsafe_index_put"}
-_WRAPS = {"index", "_unsafe_index", "index_put", "index_put_", "_unsafe_index_put", "take"}  # -k counts from the end
+_WRAPS = _ADVANCED | {"take"}  # -k counts from the end
 _DEVICE = "on CUDA a device-side assert, which ends the process's CUDA context; found on the trace, before anything ran"
 
 
@@ -93,11 +93,7 @@ def _at(axes, size, bucket: int):
 def _out_of_bounds(b: Bound, flow: Flow, bucket: int) -> tuple | None:
     """(the index the padded rows hold that is out of bounds, the indexed dim's size) at `bucket`, or None."""
     target, pad = _fx.val(b.node.args[0]), flow.fact(b.index).pad
-    if b.dim is None:
-        size = target.numel()
-        size = _at(flow.axes, size, bucket) if isinstance(size, torch.SymInt) else size
-    else:
-        size = _at(flow.axes, target.shape[b.dim], bucket)
+    size = _at(flow.axes, target.numel() if b.dim is None else target.shape[b.dim], bucket)
     if size is None:
         return None
     if pad.kind == "rows":  # padded row j holds j + shift: the last one the most
@@ -105,8 +101,12 @@ def _out_of_bounds(b: Bound, flow: Flow, bucket: int) -> tuple | None:
         high = None if rows is None else rows - 1 + pad.shift
         return (int(high), size) if high is not None and high >= size else None
     v = pad.shift
-    low = -size if _fx.op_name(b.node) in _WRAPS else 0
-    return (v, size) if not (low <= v < size) else None
+    return (v, size) if not (_lowest(b, size) <= v < size) else None
+
+
+def _lowest(b: Bound, size: int) -> int:
+    """The lowest valid index of a dim of `size` rows: ops that count -k from the end take down to -size."""
+    return -size if _fx.op_name(b.node) in _WRAPS else 0
 
 
 def holds(bounds: list[Bound], flow: Flow, bucket: int) -> bool:
@@ -153,7 +153,7 @@ def check_bounds(
                 + (f"; if its rows are the batch's, declare {path} Batched" if path and path not in lifted else ""),
             )
         rows = f"{op} at {line} uses as indices into {dim} {what_t} ({size} rows)"
-        valid = f"[{-size if _fx.op_name(b.node) in _WRAPS else 0}, {size})"
+        valid = f"[{_lowest(b, size)}, {size})"
         if pad.src is None:
             raise TraceError(
                 f"fgraph.jit({fname}): the function fills the padded rows of an index with {value:g}, which {rows}: "

@@ -103,7 +103,7 @@ def embed_host_constants(gm: fx.GraphModule, device: str) -> None:
         elif "device" in node.kwargs:  # a factory: torch.arange(4), torch.zeros(()), .to("cpu")
             node.kwargs = {**node.kwargs, "device": dev}
         node.meta["val"] = _on_device(node.meta["val"], dev)
-    for name in {n.target for n in host if n.op == "get_attr"}:
-        if not any(n.op == "get_attr" and n.target == name for n in gm.graph.nodes):
-            delattr(gm, name)
+    kept = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in {n.target for n in host if n.op == "get_attr"} - kept:  # (scalars now made by a fill)
+        delattr(gm, name)
     gm.recompile()

@@ -194,12 +194,14 @@ def trace(
     batch_axes: list[tuple[int, int] | None],
     paths: list[str] | None = None,
     reach: tuple[Any, dict] | None = None,
+    device: str = "cpu",
 ) -> tuple[fx.GraphModule, Shapes | None]:
     """make_fx over fake tensors: nothing runs and donated state is not touched.
 
     The batch axes are traced as symbols (every other dim static), so the program serves every bucket whose size
     satisfies its guards. paths: each input's key path, for errors. reach: (the traced callable, the caller's own
     arguments by name): where a value made while tracing must not be left (EscapeError, fgraph/trace/_escapes.py).
+    device: the signature's (a device trace records fgraph/trace/_foreign.py's equivalents of other libraries' ops).
     gm.meta["grad_mode"]: the grad mode the function read, else None."""
     shapes, names = None, E.Names()
     names.args = reach[1] if reach is not None else {}
@@ -216,7 +218,6 @@ def trace(
         names.keep.extend(tensors)
         return flat_fn(*tensors)
 
-    device = next((str(t.device) for t in example if isinstance(t, torch.Tensor) and not t.is_cpu), "cpu")
     decompositions = _foreign.foreign_decompositions(device)
     tracing.depth += 1
     try:

@@ -85,7 +85,7 @@ class Traced:
         ]
         reach = (jitted.fn, call.bound)  # where a traced value must not be left: its reach, the caller's args
         self.state_change = None
-        gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix], reach)
+        gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix], reach, device)
         if self.state_change is not None:  # a lazily made cache: its first call runs eagerly
             raise self.state_change
         self.gm = gm  # the whole program, unsplit (Jitted.lower)
