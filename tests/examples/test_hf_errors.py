@@ -2,8 +2,11 @@
 undeclared batch input names itself and the fix, CaptureError is raised for captures only, the retrace warning for
 a shape axis suggests Batched(axis=...) with buckets, and the padding warnings of sequence buckets are explained."""
 
+import json
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,14 +106,19 @@ def test_sequence_buckets_warn_only_where_causal_attention_under_a_mask_is_harml
         assert ops == (set() if mixes else {"aten.view", "aten._softmax", "aten.bmm"}), ops
 
 
+def in_a_fresh_process(script: str) -> dict:
+    """The JSON object the script prints last, run in a new interpreter from the repository root (what fgraph sees
+    into is process-wide: these errors are a first call's)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root)
+    assert run.stdout.strip(), run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @torch.no_grad()
 def test_a_dynamic_cache_returned_by_a_plain_call_names_the_way_out_generate_does():
     """`model(ids)` leaves use_cache at its default: the model makes a DynamicCache and returns it. The class is
     transformers', so the fix is how the model is called, the same as for a DynamicCache under generate."""
-    import json
-    import subprocess
-    import sys
-
     from examples import hf_generate as G
 
     # (in a fresh process: once any call has donated a DynamicCache, fgraph sees into the class process-wide, and a
@@ -123,10 +131,7 @@ def test_a_dynamic_cache_returned_by_a_plain_call_names_the_way_out_generate_doe
         "except fgraph.TraceError as e:\n"
         "    print(json.dumps({'what': e.what, 'fix': e.fix}))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root)
-    assert run.stdout.strip(), run.stderr[-3000:]
-    plain = json.loads(run.stdout.strip().splitlines()[-1])
+    plain = in_a_fresh_process(script)
     assert "output cache is transformers' DynamicCache (use_cache=True, the default)" in plain["what"]
     assert "use_cache=False" in plain["fix"] and "StaticCache" in plain["fix"]
     assert "register" not in plain["fix"] and "dataclass" not in plain["fix"]
@@ -144,10 +149,6 @@ def test_an_undonated_cache_error_shows_the_models_lines_not_torchs():
     message: no raw AssertionError of fake tensors chained before it, no torch.fx or fgraph frame (235 lines, ~80).
     (In a fresh process: once any call has donated a StaticCache, fgraph sees into the class process-wide, and the
     error is then the write in place into it, raised at the end of the trace.)"""
-    import json
-    import subprocess
-    import sys
-
     script = (
         "import json, os, traceback, torch, fgraph\n"
         "from examples import hf_generate as G\n"
@@ -161,10 +162,7 @@ def test_an_undonated_cache_error_shows_the_models_lines_not_torchs():
         "        'frames': [f.filename for f in traceback.extract_tb(e.__traceback__)],\n"
         "        'internal': [os.path.dirname(fgraph.__file__), os.path.dirname(torch.fx.__file__)]}))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root)
-    assert run.stdout.strip(), run.stderr[-3000:]
-    e = json.loads(run.stdout.strip().splitlines()[-1])
+    e = in_a_fresh_process(script)
     text, frames = e["text"], e["frames"]
     assert "is read by the function but is not one of its inputs" in e["what"] and "donate" in e["fix"]
     assert not e["cause"] and "AssertionError" not in text and "FakeTensor" not in text
