@@ -10,6 +10,7 @@ from ._buffers import DoneEvent as DoneEvent
 from ._entry import Entry as Entry
 from ._entry import Stats as Stats
 from ._graphs import CudaGraph as CudaGraph
+from ._graphs import abandoned as abandoned
 from ._graphs import capture_session as capture_session
 from ._graphs import new_pool as new_pool
 from ._graphs import ran as ran

@@ -18,6 +18,14 @@ import torch
 import torch.utils._pytree as pytree
 
 
+ABANDONED: list = []  # CUDAGraphs whose capture failed (CudaGraph.capture): kept, never destroyed
+
+
+def abandoned() -> int:
+    """How many CUDA graphs of this process failed their capture (kept alive, see CudaGraph.capture)."""
+    return len(ABANDONED)
+
+
 class CudaGraph:
     """One torch.cuda.CUDAGraph in a pool shared by every graph of a jitted function."""
 
@@ -49,8 +57,17 @@ class CudaGraph:
         # No automatic collection during the stream capture: it may destroy CUDA objects that unrelated garbage
         # holds (another function's graphs, their memory), which is illegal while capturing and aborts the
         # process. torch.cuda.graph collects once on entry, before the capture begins.
-        with _no_gc(), _own_workspaces(), torch.cuda.graph(self.graph, pool=self.pool):
-            self.out = fn(*args)
+        try:
+            with _no_gc(), _own_workspaces(), torch.cuda.graph(self.graph, pool=self.pool):
+                self.out = fn(*args)
+        except BaseException:
+            # A CUDAGraph whose capture failed midway is never destroyed: torch's reset assumes a capture that
+            # ended, and destroying one that did not can abort the process inside the destructor, before the
+            # error reaches the caller (pytorch/pytorch#180395, #190348). It is kept for the life of the process
+            # (its pool blocks stay reserved: the price of an error path) and a fresh graph takes its place.
+            ABANDONED.append(self.graph)
+            self.graph, self.out = torch.cuda.CUDAGraph(), None
+            raise
         return self.out
 
     def replay(self) -> Any:
