@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-
 ABANDONED: list = []  # CUDAGraphs whose capture failed (CudaGraph.capture): kept, never destroyed
 
 
