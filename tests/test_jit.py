@@ -372,7 +372,7 @@ def test_compiled_pieces_keep_residual_adds_out_of_the_gemms():
     into mm + add; a bias (a 1-D addend) keeps its addmm (a GEMM epilogue, no copy)."""
     import torch.fx as fx
 
-    from fgraph.compile._inductor import _residual_adds_out_of_gemms
+    from fgraph.compile import residual_adds_out_of_gemms
 
     aten = torch.ops.aten
     x, a, b, bias = torch.randn(4, 8), torch.randn(4, 16), torch.randn(16, 8), torch.randn(8)
@@ -383,7 +383,7 @@ def test_compiled_pieces_keep_residual_adds_out_of_the_gemms():
     for node, val in ((px, x), (pa, a), (pb, b), (pbias, bias), (res, x + a @ b), (biased, bias + a @ b)):
         node.meta["val"] = val
     g.output((res, biased))
-    _residual_adds_out_of_gemms()(g)
+    residual_adds_out_of_gemms()(g)
     targets = [n.target for n in g.nodes if n.op == "call_function"]
     assert targets.count(aten.addmm.default) == 1 and aten.mm.default in targets and aten.add.Tensor in targets
     got = fx.GraphModule(torch.nn.Module(), g)(x, a, b, bias)

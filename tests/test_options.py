@@ -98,7 +98,7 @@ JUNK = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(fgraph.function._jit._OPTIONS + ("statics",)), JUNK, max_size=4))
+@given(st.dictionaries(st.sampled_from(fgraph.function.OPTIONS + ("statics",)), JUNK, max_size=4))
 def test_any_declaration_makes_a_function_or_a_signature_error(options):
     try:
         fgraph.jit(toys.step, **options)

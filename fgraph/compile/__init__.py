@@ -12,4 +12,5 @@ from ._inductor import Compiled as Compiled
 from ._inductor import CompileFailed as CompileFailed
 from ._inductor import compiler as compiler
 from ._inductor import inductor_options as inductor_options
+from ._inductor import residual_adds_out_of_gemms as residual_adds_out_of_gemms
 from ._small_m import kernels_made as kernels_made

@@ -255,7 +255,7 @@ class Compiler:
         module = fx.GraphModule(module, copy.deepcopy(module.graph))
         with (
             tracing(TracingContext(mode)),
-            config.patch({**options, "post_grad_custom_post_pass": _residual_adds_out_of_gemms()}),
+            config.patch({**options, "post_grad_custom_post_pass": residual_adds_out_of_gemms()}),
         ):
             fn = compile_fx(module, inputs)
         loaded = counters["inductor"]["fxgraph_cache_hit"] > hits
@@ -298,7 +298,7 @@ def _same_shape(a, b) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and dims(a) == dims(b)
 
 
-def _residual_adds_out_of_gemms():
+def residual_adds_out_of_gemms():
     """An Inductor post-grad pass for the pieces.
 
     Inductor folds `x + a @ b` into addmm(x, a, b) when the sum has a non-pointwise user, and a piece's residual

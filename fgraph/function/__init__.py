@@ -2,8 +2,10 @@
 the call path that binds a call, finds or makes its signature and runs it; `explain` and `lower` read that state.
 """
 
+from ._cache import Cache as Cache
 from ._explain import explain as explain
 from ._fastpath import guard_for as guard_for
+from ._jit import OPTIONS as OPTIONS
 from ._jit import Jitted as Jitted
 from ._jit import disable_jit as disable_jit
 from ._jit import jit as jit

@@ -361,7 +361,7 @@ class _Methods(dict):
         return _Methods, ()
 
 
-_OPTIONS = tuple(inspect.signature(Jitted.__init__).parameters)[2:]  # what jit(fn, **options) takes
+OPTIONS = tuple(inspect.signature(Jitted.__init__).parameters)[2:]  # what jit(fn, **options) takes
 
 
 @overload
@@ -394,7 +394,7 @@ def jit(fn: Callable | None = None, **options) -> Jitted | Callable[[Callable], 
       on CUDA (fgraph.config.compile_cuda), uncompiled graphs elsewhere; a piece Inductor fails on runs uncompiled,
       logged. False: uncompiled graphs, eager's own kernels (bit for bit). True, or a dict of Inductor options.
     """
-    _options.check_names(options, _OPTIONS)
+    _options.check_names(options, OPTIONS)
     if fn is None:
         return lambda f: Jitted(f, **options)
     return Jitted(fn, **options)

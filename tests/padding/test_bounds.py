@@ -16,7 +16,7 @@ import torch
 
 import fgraph
 from fgraph import Batched, SignatureError, TraceError
-from fgraph.function._cache import Cache
+from fgraph.function import Cache
 
 
 def eager(fn, *args, **kw):
