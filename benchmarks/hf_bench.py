@@ -2,6 +2,7 @@
 
     python3 -m benchmarks.hf_bench            # GPU: a Qwen2.5-0.5B-shaped random-weight model, bf16, ctx 1024
     python3 -m benchmarks.hf_bench --smoke    # CPU: a tiny model, a few seconds
+    python3 -m benchmarks.hf_bench --arch qwen2_moe   # a Qwen2-MoE (Qwen1.5-MoE-A2.7B's layers, 8 of them)
 
 B=1 and B=8. Contenders: HF eager (its default DynamicCache, and the static cache), HF + torch.compile and HF +
 fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=[<the cache parameter>])`, the static cache).
@@ -40,21 +41,36 @@ from examples import hf_generate
 from fgraph.kernels import linear_counts
 
 
-def make_model(smoke: bool, device: str, dtype, layers: int = 2):
-    """A random-weight Qwen2: tiny dims (`smoke`, `layers` of them), or Qwen2.5-0.5B's shapes."""
+def make_model(smoke: bool, device: str, dtype, layers: int = 2, arch: str = "qwen2"):
+    """A random-weight Qwen2 (`arch` "qwen2") or Qwen2-MoE ("qwen2_moe"): tiny dims (`smoke`, `layers` of them), or a
+    real model's shapes: Qwen2.5-0.5B's; for the MoE, Qwen1.5-MoE-A2.7B's layer (60 experts, 4 per token, a shared
+    expert) in 8 of its 24 layers."""
     import transformers as tf
 
-    if smoke:
-        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=256)  # fmt: skip
-    else:  # Qwen2.5-0.5B's shapes
-        cfg = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
     none = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    config = tf.Qwen2Config(**cfg, max_position_embeddings=4096, attn_implementation="sdpa", **none)
+    if arch == "qwen2_moe":
+        if smoke:
+            cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, moe_intermediate_size=32, num_experts=4,
+                       num_experts_per_tok=2, shared_expert_intermediate_size=64)  # fmt: skip
+        else:
+            cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
+                       num_key_value_heads=16, vocab_size=151936, moe_intermediate_size=1408, num_experts=60,
+                       num_experts_per_tok=4, shared_expert_intermediate_size=5632)  # fmt: skip
+        config = tf.Qwen2MoeConfig(**cfg, max_position_embeddings=4096, attn_implementation="sdpa", **none)
+        cls = tf.Qwen2MoeForCausalLM
+    else:
+        if smoke:
+            cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256)  # fmt: skip
+        else:  # Qwen2.5-0.5B's shapes
+            cfg = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+        config = tf.Qwen2Config(**cfg, max_position_embeddings=4096, attn_implementation="sdpa", **none)
+        cls = tf.Qwen2ForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        model = tf.Qwen2ForCausalLM(config).to(dtype).eval()
+        model = cls(config).to(dtype).eval()
     model.generation_config.update(**none)
     return model
 
@@ -68,6 +84,12 @@ def decode_rates(batch: int, new: int, pairs: list[tuple[float, float]]) -> list
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.hf_bench", description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, no torch.compile")
+    p.add_argument(
+        "--arch",
+        choices=["qwen2", "qwen2_moe"],
+        default="qwen2",
+        help="qwen2: Qwen2.5-0.5B's shapes; qwen2_moe: Qwen1.5-MoE-A2.7B's layer, 8 layers (make_model)",
+    )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--ctx", type=int, default=None, help="prompt tokens (default 1024; smoke 32)")
     p.add_argument("--new", type=int, default=None, help="new tokens per timed generate (default 64; smoke 6)")
@@ -97,26 +119,26 @@ def main(argv=None):
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     ctx, new = args.ctx or (32 if smoke else 1024), args.new or (6 if smoke else 64)
     rounds = args.rounds or (2 if smoke else 5)
-    base = make_model(smoke, device, dtype)
+    base = make_model(smoke, device, dtype, arch=args.arch)
     cache_param = hf_generate.cache_parameter(base)  # `cache` or `past_key_values` (older)
     contenders = {"hf_eager": base, "hf_eager_static": base}  # the reference of the static-cache contenders' math
     if not smoke:
-        m = make_model(smoke, device, dtype)
+        m = make_model(smoke, device, dtype, arch=args.arch)
         m.load_state_dict(base.state_dict())
         if args.compile == "forward":
             m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
         contenders["hf_compile_static"] = m
-    m = make_model(smoke, device, dtype)
+    m = make_model(smoke, device, dtype, arch=args.arch)
     m.load_state_dict(base.state_dict())
     hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=False)  # eager's kernels, graphed
     contenders["hf_fgraph_static"] = m
     if not smoke:  # fgraph.jit's default on CUDA: Inductor-compiled pieces (an HF model has no break: one piece)
-        m = make_model(smoke, device, dtype)
+        m = make_model(smoke, device, dtype, arch=args.arch)
         m.load_state_dict(base.state_dict())
         hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
         contenders["hf_fgraph_static_compiled"] = m
         # the same, through generate as it runs by default: it torch.compiles the call of the jitted forward
-        m = make_model(smoke, device, dtype)
+        m = make_model(smoke, device, dtype, arch=args.arch)
         m.load_state_dict(base.state_dict())
         hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
         contenders["hf_fgraph_generate_default"] = m
@@ -187,7 +209,7 @@ def main(argv=None):
             valid = decode_rates(B, new, pairs)
             rates = valid or [float("nan")]
             row = {
-                "bench": "hf_bench", "device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "ctx": ctx,
+                "bench": "hf_bench", "arch": args.arch, "device": device, "dtype": str(dtype).removeprefix("torch."), "B": B, "ctx": ctx,
                 "new_tokens": new, "cache": args.cache, "compile": args.compile, "contender": name, "tokens_equal_eager": equal[name],
                 "tokens_equal_eager_static": equal_static[name], "first_different_token": differs[name],
                 "decode_tok_s_median": statistics.median(rates), "decode_tok_s_min": min(rates),

@@ -33,10 +33,13 @@ def _importable(backend: str) -> str | None:
     return None
 
 
-# "auto" per routine, best first on CUDA (docs/performance.md, issue #33): triton's decode kernel is the fastest
-# decode measured (no split + combine of another's making, no plan); FA2's mixed kernel is the fastest mixed one and,
-# unlike FlashInfer's, capturable. One cache serves both routines, so a pair shares its page size.
+# "auto" per routine, best first on CUDA (docs/performance.md): triton's decode kernel is the fastest decode measured
+# (no split + combine of another's making, no plan); FA2's mixed kernel is capturable on any metadata. FlashInfer's
+# mixed kernel is faster where the metadata is padded to its bucket (a serving engine's: 32.7k against 27.3k output
+# tok/s), and only there capturable, so it leads for callers that say so (`padded_metadata`). One cache serves both
+# routines, so a pair shares its page size.
 AUTO = {"decode": ("triton", "flashinfer", "flash_attn"), "mixed": ("flash_attn", "flashinfer", "triton")}
+AUTO_PADDED = {**AUTO, "mixed": ("flashinfer", "flash_attn", "triton")}
 
 
 def backend_pair(name: str) -> tuple[str, str]:
@@ -91,16 +94,20 @@ def _refuses(backend: str, head_dim: int | None = None, dtype: torch.dtype | Non
     return " and ".join(why) or None
 
 
-def resolve_backend(name: str = "auto", device="cpu", head_dim: int | None = None, dtype=None) -> str:
-    """ "auto" -> the best available on `device`, per routine (AUTO; "DECODE/MIXED" when they differ), of the backends
-    whose kernels take this head dim and q dtype where they are given (TAKES); a name or pair -> checked."""
+def resolve_backend(
+    name: str = "auto", device="cpu", head_dim: int | None = None, dtype=None, padded_metadata: bool = False
+) -> str:
+    """ "auto" -> the best available on `device`, per routine (AUTO, or AUTO_PADDED for a caller whose mixed metadata
+    is padded to its bucket, as a serving engine's is; "DECODE/MIXED" when they differ), of the backends whose kernels
+    take this head dim and q dtype where they are given (TAKES); a name or pair -> checked."""
     dev = torch.device(device)
     if name == "auto":
         if dev.type != "cuda":
             return "torch"
 
         def best(routine):
-            ok = (b for b in AUTO[routine] if _importable(b) is None and _refuses(b, head_dim, dtype) is None)
+            order = (AUTO_PADDED if padded_metadata else AUTO)[routine]
+            ok = (b for b in order if _importable(b) is None and _refuses(b, head_dim, dtype) is None)
             return next(ok, "torch")
 
         decode, mixed = best("decode"), best("mixed")

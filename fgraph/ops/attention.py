@@ -19,8 +19,9 @@ per layer and step (a much slower decode step: docs/performance.md). The pieces 
               and mixed (the fa2 prefill wrapper over fixed buffers) where the metadata is padded to the bucket,
               as fgraph pads it; both capturable (ALWAYS).
   "auto"      per routine (AUTO): on CUDA, triton's decode and FA2's mixed ("triton/flash_attn"), each falling
-              back to the next importable backend; torch on the CPU. Any "DECODE/MIXED" pair of the above may be
-              named; its cache has the page size both accept.
+              back to the next importable backend; torch on the CPU. A caller whose mixed metadata is padded to
+              its bucket (the serving engine) gets FlashInfer's mixed kernel first (AUTO_PADDED). Any
+              "DECODE/MIXED" pair of the above may be named; its cache has the page size both accept.
   triton      fgraph's own Triton kernels (_attn_triton): decode is one GQA-grouped split-KV kernel that also
               writes the new k/v (and a merge kernel when it splits); mixed: the one-launch write, then one
               causal paged kernel. Both capturable (ALWAYS). Any page size; head dims a power of two >= 16.

@@ -306,3 +306,17 @@ def test_soak_5000_tiny_requests_leave_memory_flat():
     assert heap - heap0 < 64 * 1024, (heap0, heap)  # a leak of one small object per request would be ~0.5 MB
     assert objects - objects0 < 500, (objects0, objects)
     assert math.isfinite(rep.throughput)
+
+
+def test_the_engine_resolves_auto_for_metadata_padded_to_its_buckets(tiny, monkeypatch):
+    """Its step declares the metadata batched, so "auto" may pick FlashInfer's mixed kernel (capturable only then)."""
+    asked = []
+    resolve = engine.A.resolve_backend
+
+    def spy(*args, **kw):
+        asked.append(kw.get("padded_metadata"))
+        return resolve(*args, **kw)
+
+    monkeypatch.setattr(engine.A, "resolve_backend", spy)
+    build(tiny, backend="auto")
+    assert asked == [True]

@@ -288,6 +288,16 @@ def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, c
     assert (tmp_path / "hf_bench.jsonl").read_text().count("\n") == 3
 
 
+def test_the_hf_benchmarks_moe_row_checks_its_tokens_against_eager(tmp_path, monkeypatch):
+    from benchmarks import hf_bench
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = hf_bench.main(["--smoke", "--arch", "qwen2_moe", "--batches", "2", "--new", "3", "--rounds", "1"])
+    assert {r["arch"] for r in rows} == {"qwen2_moe"} and all(r["tokens_equal_eager_static"] for r in rows)
+    (fg,) = (r["fgraph"] for r in rows if "fgraph" in r)
+    assert fg["total"]["captures"] >= 1 and fg["total"]["fast"] > 0
+
+
 def test_a_round_whose_short_generate_took_as_long_as_its_long_one_has_no_decode_rate():
     # (the H200's B=8 run had one: 64 tokens in no more time than 1, a rate of 5e11 tokens/s in the row's max)
     from benchmarks import hf_bench

@@ -206,6 +206,20 @@ def test_auto_on_cuda_picks_the_fastest_importable_backend_per_routine(missing, 
 
 
 @pytest.mark.parametrize(
+    "missing, head_dim, want",
+    [
+        ((), 64, "triton/flashinfer"),  # padded metadata: FlashInfer's mixed kernel, capturable and faster
+        (("flashinfer",), 64, "triton/flash_attn"),
+        ((), 80, "flashinfer"),  # a head dim triton cannot tile: FlashInfer runs both routines
+        (("flashinfer", "flash_attn"), 64, "triton"),
+    ],
+)
+def test_auto_for_padded_metadata_puts_flashinfers_mixed_kernel_first(missing, head_dim, want, monkeypatch):
+    monkeypatch.setattr(_backends, "_importable", lambda b: "absent" if b in missing else None)
+    assert A.resolve_backend("auto", "cuda", head_dim, padded_metadata=True) == want
+
+
+@pytest.mark.parametrize(
     "head_dim, dtype, want",
     [
         (64, torch.bfloat16, "triton/flash_attn"),
