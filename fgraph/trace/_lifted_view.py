@@ -9,6 +9,7 @@ parameter, buffer or submodule (torch's global registration hooks) ends every pr
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 
@@ -61,7 +62,9 @@ class LiftedView:
         self.slots = list(lifted.slots)  # (Place: where each lives)
         # the guarded Python values (Lifted.guards) as the slow call read them, by type and value (static_key)
         self.guards = list(lifted.guards)
-        self.guard_keys = [static_key(_read_slot(g)) for g in self.guards]
+        self.guard_readers = list(map(_reader, self.guards))
+        self.guard_values = [read() for read in self.guard_readers]  # the very objects read: proven by identity
+        self.guard_keys = list(map(static_key, self.guard_values))
         self.tensors = self._tensors()
         self.slot_values = list(map(_read_slot, self.slots))
         self.modules = [sub for lm in lifted.modules for sub in lm.module.modules()]
@@ -92,8 +95,10 @@ class LiftedView:
         call for a 24-layer HF model); the tensors' pointers are read once their identity is proven."""
         if self.generation != _generation[0]:
             return False
-        if self.guards and list(map(static_key, map(_read_slot, self.guards))) != self.guard_keys:
-            return False
+        if self.guards:  # the same objects, else equal by type and value (a float recomputed, an int past 256)
+            now = list(map(operator.call, self.guard_readers))
+            if not all(map(operator.is_, now, self.guard_values)) and list(map(static_key, now)) != self.guard_keys:
+                return False
         if not (self.tensors or self.modules or self.slots):  # (guarded Python values only: nothing more to prove)
             return True
         try:
@@ -116,3 +121,15 @@ class LiftedView:
 
 def _read_slot(p: Place):
     return _read(p.kind, p.holder, p.key)
+
+
+def _reader(p: Place):
+    """A callable reading the slot now, as _read_slot does: for a global, a cell or an attribute, a partial of a C
+    function (no bytecode per guard on the replay path)."""
+    if p.kind == "global":
+        return functools.partial(p.holder.get, p.key)
+    if p.kind == "cell":
+        return functools.partial(getattr, p.holder, "cell_contents")
+    if p.kind == "attr":
+        return functools.partial(getattr, p.holder, p.key, None)
+    return functools.partial(_read, p.kind, p.holder, p.key)
