@@ -488,8 +488,7 @@ def build(
     (of `cfg`'s KV heads: a tensor-parallel rank passes its own config) and makes the step with
     `make_step(cfg, backend, max_seq_len)` (llama's; qwen2_moe and tp pass theirs, and tp its Engine class)."""
     device = params.embed.device
-    # the step declares its metadata batched (A.metadata_batching), so fgraph pads it to each bucket: FlashInfer's
-    # faster mixed kernel is capturable then
+    # its metadata is declared batched (A.metadata_batching): padded to each bucket, FlashInfer's mixed kernel fits
     backend = A.resolve_backend(backend, device, cfg.head_dim, params.embed.dtype, padded_metadata=True)
     page_size = page_size or A.page_size_for(backend)
     max_seq_len = min(max_seq_len, cfg.max_seq_len)
