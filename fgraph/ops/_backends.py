@@ -35,9 +35,9 @@ def _importable(backend: str) -> str | None:
 
 # "auto" per routine, best first on CUDA (docs/performance.md): triton's decode kernel is the fastest decode measured
 # (no split + combine of another's making, no plan); FA2's mixed kernel is capturable on any metadata. FlashInfer's
-# mixed kernel is faster where the metadata is padded to its bucket (a serving engine's: 32.7k against 27.3k output
-# tok/s), and only there capturable, so it leads for callers that say so (`padded_metadata`). One cache serves both
-# routines, so a pair shares its page size.
+# mixed kernel serves faster where the metadata is padded to its bucket (a serving engine's: docs/performance.md,
+# Serving), and only there is it capturable, so it leads for callers that say so (`padded_metadata`). One cache
+# serves both routines, so a pair shares its page size.
 AUTO = {"decode": ("triton", "flashinfer", "flash_attn"), "mixed": ("flash_attn", "flashinfer", "triton")}
 AUTO_PADDED = {**AUTO, "mixed": ("flashinfer", "flash_attn", "triton")}
 
