@@ -183,6 +183,12 @@ class FakeFlashAttnExtension:
         return out, None
 
 
+def refill(jcache, cache):
+    """Graphs read state by address: the captured cache tensors get each step's contents in place."""
+    for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
+        d.copy_(src)
+
+
 def toy_step(cache, batch, routine="mixed", backend="torch"):
     """Two attention layers over given q/k/v (layer i shifts k and v by i) -> ([N, layers, Hq, D], cache)."""
     outs = [

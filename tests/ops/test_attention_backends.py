@@ -28,6 +28,7 @@ from tests.ops.attention_cases import (
     decode_wrapper_keys,
     fake_flashinfer,  # noqa: F401 (fixtures, taken by name)
     jit_toy,
+    refill,
     same,
     toy_inputs,
     toy_step,
@@ -115,8 +116,7 @@ def test_jit_matches_eager(routine, lens, backend, fake_flashinfer):
         if seed == 0:
             jcache = A.KVCache(tuple(t.clone() for t in cache.k), tuple(t.clone() for t in cache.v))
         else:  # the same cache tensors (graphs read state by address): refill them in place
-            for d, s in zip(jcache.k + jcache.v, cache.k + cache.v):
-                d.copy_(s)
+            refill(jcache, cache)
         want, cache = toy_step(cache, batch, routine=routine, backend=backend)
         got, jcache = step(jcache, batch, routine=routine, backend=backend)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -161,8 +161,7 @@ def test_flashinfer_decode_buckets_after_the_first_are_captured_without_an_eager
     for n in (7, 12, 25):  # one call per bucket
         case = Case([1] * n, [1 + (5 * i) % 23 for i in range(n)], 4, 2, dtype=torch.float32, num_pages=200, seed=n)
         cache, batch = toy_inputs(case)
-        for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):  # the captured cache tensors, refilled in place
-            d.copy_(src)
+        refill(jcache, cache)  # the captured cache tensors, refilled in place
         want, _ = toy_step(cache, batch, "decode", "flashinfer")
         got, _, _ = f(jcache, batch, state, routine="decode", backend="flashinfer")
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -188,8 +187,7 @@ def test_flashinfer_decode_wrappers_are_never_made_inside_a_graph_capture(fake_f
         f.capture(jcache, batch, routine="decode", backend="flashinfer", progress=False)
         case = Case([1] * 12, [1 + (5 * i) % 23 for i in range(12)], 4, 2, dtype=dtype, num_pages=200, seed=12)
         cache, batch = toy_inputs(case)
-        for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
-            d.copy_(src)
+        refill(jcache, cache)
         torch.testing.assert_close(
             f(jcache, batch, routine="decode", backend="flashinfer")[0],
             toy_step(cache, batch, "decode", "flashinfer")[0],
@@ -224,8 +222,7 @@ def test_flashinfer_captures_make_only_their_own_decode_wrappers(fake_flashinfer
     for f, jcache, dtype in models:  # 3 sequences: bucket 4 or 8
         case = Case([1] * 3, [2, 7, 13], 4, 2, dtype=dtype, num_pages=200, seed=3)
         cache, batch = toy_inputs(case)
-        for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
-            d.copy_(src)
+        refill(jcache, cache)
         torch.testing.assert_close(
             f(jcache, batch, routine="decode", backend="flashinfer")[0],
             toy_step(cache, batch, "decode", "flashinfer")[0],
@@ -249,8 +246,7 @@ def test_flashinfer_decode_graphs_copy_the_staged_metadata_in_themselves(fake_fl
         if jcache is None:
             jcache = A.KVCache(tuple(t.clone() for t in cache.k), tuple(t.clone() for t in cache.v))
         else:  # graphs read state by address: refill the same tensors
-            for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
-                d.copy_(src)
+            refill(jcache, cache)
         want, _ = toy_step(cache, batch, routine="decode", backend="flashinfer")
         before = dict(FI._plan_bufs["cpu"].uploads) if "cpu" in FI._plan_bufs else None
         got, jcache = step(jcache, batch, routine="decode", backend="flashinfer")

@@ -12,7 +12,7 @@ import fgraph
 from fgraph import Mode
 from fgraph.ops import _attn_flashinfer as FI
 from fgraph.ops import attention as A
-from tests.ops.attention_cases import TOY_BATCH, Case, flashinfer_stand_in, toy_inputs, toy_step
+from tests.ops.attention_cases import TOY_BATCH, Case, flashinfer_stand_in, refill, toy_inputs, toy_step
 
 
 def jit_mixed(buckets=(8, 16, 32), mode="FULL"):
@@ -27,12 +27,6 @@ def jit_mixed(buckets=(8, 16, 32), mode="FULL"):
         buckets=list(buckets),
         mode=mode,
     )
-
-
-def refill(jcache, cache):
-    """Graphs read state by address: the captured cache tensors get each step's contents in place."""
-    for d, src in zip(jcache.k + jcache.v, cache.k + cache.v):
-        d.copy_(src)
 
 
 def run_steps(f, steps, jcache=None):
