@@ -77,6 +77,24 @@ def test_a_changed_global_is_seen(mode):
     assert len(f.entries) == 3
 
 
+def test_a_global_rebound_to_an_equal_value_stays_on_the_replay_path():
+    """The replay path proves a guarded value by identity with the object the trace read, and by type and value when
+    that fails: an equal float made anew (`float("2.0")`) is the same signature, served without the slow path."""
+    global SCALE
+    f = jit(scaled, "FULL")
+    try:
+        same(f, scaled, X)
+        same(f, scaled, X)
+        fast, before = f.stats()["total"]["fast"], SCALE
+        SCALE = float("2.0")
+        assert SCALE is not before
+        same(f, scaled, X)
+        same(f, scaled, X)
+        assert f.stats()["total"]["fast"] == fast + 2 and len(f.entries) == 1
+    finally:
+        SCALE = 2.0
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_changed_closure_cell_is_seen(mode):
     scale = 2.0
