@@ -294,6 +294,18 @@ def _read(kind, holder, key):
     return getattr(holder, key, None)
 
 
+def _reader(kind, holder, key):
+    """A callable reading the slot now, as `_read(kind, holder, key)` does: for a global, a cell or an attribute, a
+    partial of a C function (no bytecode per read on the replay path: LiftedView.proven)."""
+    if kind == "global":
+        return functools.partial(holder.get, key)
+    if kind == "cell":
+        return functools.partial(getattr, holder, "cell_contents")
+    if kind == "attr":
+        return functools.partial(getattr, holder, key, None)
+    return functools.partial(_read, kind, holder, key)
+
+
 def _restore(kind, holder, key, installed, old):
     """Put a lifted slot's value back, unless the function stored a fake tensor of its own there.
 

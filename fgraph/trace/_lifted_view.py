@@ -9,7 +9,6 @@ parameter, buffer or submodule (torch's global registration hooks) ends every pr
 
 from __future__ import annotations
 
-import functools
 import operator
 import weakref
 
@@ -17,7 +16,7 @@ import torch
 from torch.nn.modules import module as _module
 
 from .._signature import static_key
-from ._callable import Lifted, Place, _read
+from ._callable import Lifted, Place, _read, _reader
 
 _generation = [0]  # bumped whenever a watched module registers a parameter, buffer or submodule
 _watched = weakref.WeakSet()  # every module a LiftedView proves (a lifted module and its submodules)
@@ -62,7 +61,7 @@ class LiftedView:
         self.slots = list(lifted.slots)  # (Place: where each lives)
         # the guarded Python values (Lifted.guards) as the slow call read them, by type and value (static_key)
         self.guards = list(lifted.guards)
-        self.guard_readers = list(map(_reader, self.guards))
+        self.guard_readers = [_reader(g.kind, g.holder, g.key) for g in self.guards]
         self.guard_values = [read() for read in self.guard_readers]  # the very objects read: proven by identity
         self.guard_keys = list(map(static_key, self.guard_values))
         self.tensors = self._tensors()
@@ -121,15 +120,3 @@ class LiftedView:
 
 def _read_slot(p: Place):
     return _read(p.kind, p.holder, p.key)
-
-
-def _reader(p: Place):
-    """A callable reading the slot now, as _read_slot does: for a global, a cell or an attribute, a partial of a C
-    function (no bytecode per guard on the replay path)."""
-    if p.kind == "global":
-        return functools.partial(p.holder.get, p.key)
-    if p.kind == "cell":
-        return functools.partial(getattr, p.holder, "cell_contents")
-    if p.kind == "attr":
-        return functools.partial(getattr, p.holder, p.key, None)
-    return functools.partial(_read, p.kind, p.holder, p.key)
