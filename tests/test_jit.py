@@ -37,6 +37,7 @@ def test_one_trace_serves_every_bucket_of_a_routine():
         "copies": 0,
         "copied_bytes": 0,
         "written_back": 0,
+        "adopted": 0,
     }
     assert st["signatures"]["(breaks=2, routine='decode', bucket=4)"]["traces"] == 0
 

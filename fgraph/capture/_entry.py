@@ -30,16 +30,17 @@ from ._slots import Slots
 class Stats:
     # fast: calls the replay path served (FastPath: no binding, flattening or checks beyond its proofs);
     # copies: calls that copied non-batched inputs into fgraph's buffers (Slots), copied_bytes: how much in all;
-    # written_back: donated batched leaves the program wrote, copied back from fgraph's buffer into the caller's
+    # written_back: donated batched leaves the program wrote, copied back from fgraph's buffer into the caller's;
+    # adopted: donated tensors passed anew set onto fgraph's buffer (one copy each; read in place after: Slots)
     __slots__ = (
         *"traces captures warmups replays eager calls fast padded".split(),
-        *"copies copied_bytes written_back".split(),
+        *"copies copied_bytes written_back adopted".split(),
     )
 
     def __init__(self):
         self.traces = self.captures = self.warmups = self.replays = self.eager = self.calls = self.fast = 0
         self.padded = 0
-        self.copies = self.copied_bytes = self.written_back = 0
+        self.copies = self.copied_bytes = self.written_back = self.adopted = 0
 
     def as_dict(self):
         return {k: getattr(self, k) for k in self.__slots__}
@@ -137,22 +138,25 @@ class Entry:
         # batched leaves padded into the input buffers; `host`: the padded views plan hooks read (host side)
         in_graph = self.full is not None and self.buffers.graph_mirror is not None  # the graph copies its inputs
         host = self.buffers.write([leaves[i] for i in self.batched_ix], self.specs, in_graph=in_graph)
-        args, copied = leaves, False
+        args, copied = leaves, ()
         graph = self.full if self.full is not None else self.sole  # replayed alone: it reads no arguments
         if self.full is None and not self.graphs:
             st.eager += 1
         else:
             st.replays += 1
             if slots is not None and slots.copied:
-                slots.copy_in(leaves, st, self.traced.fname)
-                copied = True
+                copied = slots.copy_in(leaves, st, self.traced.fname)
                 args = slots.args(leaves) if graph is None else leaves
-        with P.execution(in_graph=in_graph):
-            if self.plans:
-                self._plan(host, n, self.statics, capturing=False)
-            outs = graph.replay() if graph is not None else self.module(*self._args(args))
-        if copied:
-            slots.copy_back(leaves)
+        try:
+            with P.execution(in_graph=in_graph):
+                if self.plans:
+                    self._plan(host, n, self.statics, capturing=False)
+                outs = graph.replay() if graph is not None else self.module(*self._args(args))
+            if copied:
+                slots.copy_back(leaves, copied)
+        finally:
+            if copied:
+                slots.restore()
         for k, i in self.write_back:  # the caller's rows of a donated batched leaf the program wrote (padding cut)
             x = leaves[i]
             x.copy_(self.buffers.dev[k][tuple(slice(0, d) for d in x.shape)])

@@ -248,6 +248,26 @@ def test_full_capture_of_the_recipe_on_the_gpu_gives_exact_tokens():
     assert f.stats()["total"]["captures"] >= 1 and f.stats()["total"]["replays"] >= 6
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_cache_each_generate_makes_is_adopted_not_copied_per_call(device):
+    """generate makes a new StaticCache per generate. From the third on, its tensors are adopted (moved once into
+    fgraph's buffers, then read in place): no decode call copies the cache in and back out."""
+    model = G.tiny("qwen2", device)
+    ids = IDS.to(device)
+    want = G.generate(model, ids, 6)
+    f = G.jit_forward(model, "FULL")
+    for _ in range(3):
+        assert torch.equal(G.generate(model, ids, 6), want)
+    before = f.stats()["total"]
+    assert torch.equal(G.generate(model, ids, 6), want)
+    after = f.stats()["total"]
+    (e,) = f.entries.values()
+    cache = [i for i in e.slots.ix if e.paths[i].startswith("cache.")]
+    assert after["adopted"] - before["adopted"] == len(cache) > 0
+    smallest = min(e.slots.targets[e.slots.ix.index(i)].nbytes for i in cache if e.paths[i].endswith("keys"))
+    assert after["copied_bytes"] - before["copied_bytes"] < smallest  # (the step's own small inputs only)
+
+
 @pytest.mark.gpu
 def test_generates_own_compile_of_the_jitted_forward_runs_fgraphs_graphs():
     """generate as it runs by default on CUDA with a static cache: it torch.compiles the model's call, whose forward

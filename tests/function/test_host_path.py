@@ -60,24 +60,28 @@ def twin(cache):
 @torch.no_grad()
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL"])
 def test_copies_follow_every_new_copied_set_and_skip_a_leaf_that_is_its_buffer(mode):
-    """A cache made anew per call is copied in and back by a plan of its copied positions: a position copied from a
-    later call on makes a new plan, and a leaf that is fgraph's own buffer is neither copied nor counted."""
+    """A cache made anew per call, which views pin (so it is not adopted), is copied in and back by a plan of its
+    copied positions: a position copied from a later call on makes a new plan, and a leaf that is fgraph's own buffer
+    is neither copied nor counted."""
     f = fgraph.jit(step, donate=["cache"], mode=mode)
-    x, counters = torch.ones(4), [torch.tensor(i) for i in range(3)]
+    x, counters, pins = torch.ones(4), [torch.tensor(i) for i in range(3)], []
     for k in range(4):  # new keys each call (copied from their second move on), the same counters
         mine = [{"k": torch.full((4,), float(k + i)), "n": counters[i]} for i in range(3)]
+        pins.append([t[...] for layer in mine for t in layer.values()])
         theirs = twin(mine)
         assert torch.equal(f(x, mine), step(x, theirs)) and same(mine, theirs)
     (entry,) = f.entries.values()
     assert len(entry.slots.copied) == 3
     for k in range(3):  # now new counters too: copied from their second move on, beside the keys
         mine = [{"k": torch.full((4,), float(k + i)), "n": torch.tensor(k * i)} for i in range(3)]
+        pins.append([t[...] for layer in mine for t in layer.values()])
         theirs = twin(mine)
         assert torch.equal(f(x, mine), step(x, theirs)) and same(mine, theirs)
     (entry,) = f.entries.values()
     slots = entry.slots
     assert len(slots.copied) == 6
     mine = [{"k": torch.full((4,), float(i)), "n": torch.tensor(i)} for i in range(3)]
+    pins.append([t[...] for layer in mine for t in layer.values()])
     theirs = twin(mine)
     first = next(k for k in slots.copied if entry.paths[slots.ix[k]] == "cache[0]['k']")
     buf = slots.targets[first]

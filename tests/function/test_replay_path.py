@@ -223,23 +223,26 @@ def test_an_argument_passed_as_a_new_object_each_call_is_not_kept_alive():
 
 
 @torch.no_grad()
-def test_state_passed_anew_each_call_is_copied_and_says_how_to_stop_it(caplog):
-    """A donated tensor other than the captured one, every call (a cache generate makes per call): copied in and back
-    out, counted, and logged once with the fix when a call copies more than 4 MiB."""
+def test_state_passed_anew_with_a_view_of_it_is_copied_and_says_how_to_stop_it(caplog):
+    """A donated tensor other than the captured one, every call, that cannot be adopted (a view of it is kept): copied
+    in and back out, counted, and logged once with the fix when a call copies more than 4 MiB."""
 
     def grow(x, state):
         state["h"].add_(1)
         return x * 2
 
     f = fgraph.jit(grow, donate=["state"], batch={"x": Batched()}, mode="FULL", buckets=[4])
+    views = []
     with caplog.at_level(logging.WARNING, logger="fgraph"):
         for _ in range(4):
             state = {"h": torch.zeros((1 << 20) + 1)}  # over 4 MiB of float32
-            assert torch.equal(f(X, state), X * 2) and bool((state["h"] == 1).all())
+            views.append(state["h"][:1])
+            assert torch.equal(f(X, state), X * 2) and bool((state["h"] == 1).all()) and views[-1].item() == 1
     assert f.stats()["total"]["copies"] == 2  # the first call reads in place, the second captures again
     assert f.stats()["total"]["copied_bytes"] == 2 * ((1 << 20) + 1) * 4  # the float32 state, copied in per call
+    assert f.stats()["total"]["adopted"] == 0
     copies = [r.getMessage() for r in caplog.records if "MiB of inputs per call" in r.getMessage()]
-    assert len(copies) == 1 and "make one and pass it to every call" in copies[0]
+    assert len(copies) == 1 and "pass the same tensors each call" in copies[0]
 
 
 @torch.no_grad()
