@@ -2,7 +2,8 @@
 
     python3 -m benchmarks.hf_bench            # GPU: a Qwen2.5-0.5B-shaped random-weight model, bf16, ctx 1024
     python3 -m benchmarks.hf_bench --smoke    # CPU: a tiny model, a few seconds
-    python3 -m benchmarks.hf_bench --arch qwen2_moe   # a Qwen2-MoE (Qwen1.5-MoE-A2.7B's layers, 8 of them)
+    python3 -m benchmarks.hf_bench --arch qwen2_moe   # a Qwen2-MoE (Qwen1.5-MoE-A2.7B's layers, 8 of them), and
+                                                      # the same through fgraph's MoE primitive (examples/hf_moe.py)
 
 B=1 and B=8. Contenders: HF eager (its default DynamicCache, and the static cache), HF + torch.compile and HF +
 fgraph.jit (`model.forward = fgraph.jit(model.forward, donate=[<the cache parameter>])`, the static cache).
@@ -20,7 +21,7 @@ for fgraph: the cache's tensors are made lazily) and reuses it, reset, in later 
 makes the largest); `--cache caller` passes one early-initialised StaticCache per contender and batch instead. Tokens
 are checked against eager's before timing (with its DynamicCache, and with the static cache: the same math as the
 compiled contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager
-repeats itself, and `first_different_token` where tokens part); rounds alternate between contenders, after one untimed round; decode tokens/s =
+repeats itself, and `first_different_token` where tokens part); rounds alternate between contenders, after two untimed rounds; decode tokens/s =
 B * (N - 1) / (t(N) - t(1)) over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per
 cell to $OUT/hf_bench.jsonl (and stdout), as each is measured.
 """
@@ -38,6 +39,7 @@ import torch
 
 from benchmarks import kernels
 from examples import hf_generate
+from examples.hf_moe import use_fgraph_moe
 from fgraph.kernels import linear_counts
 
 
@@ -142,6 +144,12 @@ def main(argv=None):
         m.load_state_dict(base.state_dict())
         hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
         contenders["hf_fgraph_generate_default"] = m
+    if args.arch == "qwen2_moe":  # the default jit, its MoE blocks through fgraph's MoE primitive (a break)
+        m = make_model(smoke, device, dtype, arch=args.arch)
+        m.load_state_dict(base.state_dict())
+        use_fgraph_moe(m)
+        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=not smoke)
+        contenders["hf_fgraph_moe_primitive"] = m
     for name in args.skip:
         contenders.pop(name)
     # the contenders generate runs as by default, compiling the decode call itself (of its jitted forward for fgraph's)
@@ -192,8 +200,9 @@ def main(argv=None):
         # the first new token that differs from eager's with the static cache (in any row; None: all equal)
         differs = {name: _first_difference(t[:, ctx:], want_static[:, ctx:]) for name, t in got.items()}
         times = {name: {1: [], new: []} for name in contenders}
-        for r in range(rounds + 1):  # round 0 untimed: what the rounds' pattern of calls costs once (torch.compile
-            # recompiled in its first timed round: a generate of 1 token between two of `new`)
+        for r in range(rounds + WARM_ROUNDS):  # untimed: what the rounds' pattern of calls costs once (torch.compile
+            # recompiled in its first timed round: a generate of 1 token between two of `new`; fgraph captures again
+            # for the second and third caches generate makes, then adopts each new one)
             for n in (1, new):
                 for name in contenders:  # alternating: every contender in every round
                     if device == "cuda":
@@ -202,7 +211,7 @@ def main(argv=None):
                     gen(name, n)
                     if device == "cuda":
                         torch.cuda.synchronize()
-                    if r:
+                    if r >= WARM_ROUNDS:
                         times[name][n].append(time.perf_counter() - t0)
         for name in contenders:
             pairs = list(zip(times[name][1], times[name][new]))
@@ -320,6 +329,7 @@ def call_us(obj, attr: str, run) -> float:
 
 
 LOOP_TOKENS = 17
+WARM_ROUNDS = 2  # untimed rounds before the timed ones
 
 
 def loop_us(model, gen, n: int = LOOP_TOKENS) -> float:

@@ -123,3 +123,28 @@ def test_hf_moe_static_cache_generate_on_cuda_gives_eagers_tokens(mode):
     G.jit_forward(model, mode, compile=False)
     assert torch.equal(G.generate(model, ids, 6), want)
     assert torch.equal(G.generate(model, ids, 6), want)  # replays
+
+
+# -- through fgraph's MoE primitive (examples/hf_moe.py) -------------------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", MODES)
+@torch.no_grad()
+def test_hf_qwen2_moe_through_fgraphs_moe_primitive_equals_transformers_own(device, mode):
+    """The swapped blocks compute transformers' MoE (float32: equal to rounding), keep one copy of the shared
+    expert's weights, and a jitted model runs the primitive as a break."""
+    from examples.hf_moe import use_fgraph_moe
+
+    theirs = G.tiny("qwen2_moe", device)
+    mine = copy.deepcopy(theirs)
+    params = sum(p.numel() for p in mine.parameters())
+    assert use_fgraph_moe(mine) == 2 and use_fgraph_moe(mine) == 0  # every layer's block, once
+    assert sum(p.numel() for p in mine.parameters()) == params
+    ids = torch.randint(0, 128, (3, 5), generator=torch.Generator().manual_seed(1)).to(device)
+    want = theirs(ids, use_cache=False).logits
+    torch.testing.assert_close(mine(ids, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
+    f = fgraph.jit(mine, mode=mode)
+    for _ in range(2):  # the trace (and capture), then a replay
+        torch.testing.assert_close(f(ids, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
+    assert "fgraph.moe" in f.lower(ids, use_cache=False).as_text()
+    G.jit_forward(mine, mode, compile=False)  # and through static-cache generate: transformers' greedy tokens
+    assert torch.equal(G.generate(mine, ids, 5), G.generate(theirs, ids, 5))
