@@ -36,6 +36,17 @@ def adopted(f) -> int:
     return f.stats()["total"]["adopted"]
 
 
+def on_buffer(mode, device):
+    """A jitted `grow` whose state slot is fgraph's buffer by now (three new states: captured, captured again, moved
+    onto it), its input, and the last state (adopted)."""
+    f = fgraph.jit(grow, donate=["state"], mode=mode)
+    x = torch.arange(4.0, device=device)
+    for i in range(3):
+        last = new_state(device, i)
+        f(x, last)
+    return f, x, last
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("mode", MODES)
 def test_state_passed_anew_is_adopted_then_read_in_place(mode, device):
@@ -72,10 +83,7 @@ def test_states_kept_alive_keep_their_contents_and_work_again(mode, device):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_state_with_a_view_of_it_is_copied_not_adopted(mode, device):
     """A view of the caller's tensor would go stale if the tensor moved onto the buffer: it is copied in and back."""
-    f = fgraph.jit(grow, donate=["state"], mode=mode)
-    x = torch.arange(4.0, device=device)
-    for i in range(3):
-        f(x, new_state(device, i))
+    f, x, _ = on_buffer(mode, device)
     before = adopted(f)
     mine = new_state(device, 5.0)
     view, theirs = mine["h"][1:], twin(mine)
@@ -88,11 +96,7 @@ def test_a_state_with_a_view_of_it_is_copied_not_adopted(mode, device):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_view_of_the_adopted_state_keeps_it_on_the_buffer(mode, device):
     """The buffer's holder is not moved off it while a view of it is alive: the next new state is copied instead."""
-    f = fgraph.jit(grow, donate=["state"], mode=mode)
-    x = torch.arange(4.0, device=device)
-    for i in range(3):
-        held = new_state(device, i)
-        f(x, held)
+    f, x, held = on_buffer(mode, device)
     view, held_twin = held["h"][1:], twin(held)
     mine = new_state(device, 7.0)
     theirs = twin(mine)
@@ -106,11 +110,8 @@ def test_a_view_of_the_adopted_state_keeps_it_on_the_buffer(mode, device):
 def test_a_tensor_another_graph_reads_in_place_is_never_adopted(mode, device):
     """Its graph read its memory by address: moving the tensor onto a buffer would leave that graph reading freed
     memory."""
-    f = fgraph.jit(grow, donate=["state"], mode=mode)
+    f, x, _ = on_buffer(mode, device)
     read = fgraph.jit(lambda state: state["h"] + 1, mode=mode)
-    x = torch.arange(4.0, device=device)
-    for i in range(3):
-        f(x, new_state(device, i))
     before = adopted(f)
     mine = new_state(device, 3.0)
     assert torch.equal(read(mine), mine["h"] + 1)  # captured reading mine["h"] in place
