@@ -90,7 +90,7 @@ class Owned:
         buf = self.tensor
         if prev is None or prev.data_ptr() != buf.data_ptr():
             return True
-        if _is_read_in_place(prev) or _holders(buf) != self.others + 1 or not _set(prev, buf.clone()):
+        if _is_read_in_place(prev) or _holders(buf) != self.others + 1 or not _set(prev, prev.clone()):
             return False
         self.holder = None
         return True
@@ -119,15 +119,14 @@ class Owned:
 
 @attrs.frozen(eq=False)
 class CopyPlan:
-    """How a call copies in (Slots._plan): the copied positions, their targets, a reader of their leaves from a call's
-    leaves, per device and dtype (copy_groups) its targets and a reader of its leaves, and, where any of them is
-    donated (adopted, not copied, once it can be), the targets' addresses and strides."""
+    """How a call copies a set of positions in (Slots._plan): the positions, their targets, a reader of their leaves
+    from a call's leaves, per device and dtype (copy_groups) its targets and a reader of its leaves, and the targets'
+    addresses and strides (donated leaves on them are in place: adopted, or fgraph's buffer passed in)."""
 
     positions: tuple
     targets: tuple
     read: object
     groups: list
-    donated: bool
     ptrs: list
     strides: list
 
@@ -155,7 +154,7 @@ class Slots:
         # are flattened afresh every call, so no container identity vouches for these tensors (FastPath.find)
         self.loose = [k for k, r in enumerate(root) if r in batched]
         self._loose_with: dict[tuple, list[int]] = {}
-        self._plans: CopyPlan | None = None  # how a call copies in (_plan); move() drops it
+        self._plans: tuple[CopyPlan, CopyPlan] | None = None  # how a call copies in (_plan); move() drops it
         self._bytes: dict[tuple, int] = {}  # copied-in positions -> the bytes their targets hold (move() resets it)
         self.logged = False
 
@@ -213,39 +212,47 @@ class Slots:
             leaves[self.ix[k]] = self.targets[k]
         return leaves
 
-    def _plan(self) -> CopyPlan:
-        """How a call copies in.
-
-        Made once per copied set (move() drops it): a call then copies with one C call per group and builds no
+    def _plan(self) -> tuple[CopyPlan, CopyPlan]:
+        """How a call copies in: (the positions not donated, always copied; the donated ones, adopted once they can
+        be). Made once per copied set (move() drops them): a call then copies with one C call per group and builds no
         lists (a cache made anew per generate is ~75 tensors each way per decode step)."""
-        got = self._plans
-        if got is None:
-            ks = tuple(self.copied)
-            ts = tuple(self.targets[k] for k in ks)
-            ix = [self.ix[k] for k in ks]
-            groups = [(tuple(ts[i] for i in g), _reader([ix[i] for i in g])) for g in copy_groups(list(ts))]
-            donated = any(self.donated[k] for k in ks)
-            ptrs, strides = list(map(_data_ptr, ts)), list(map(_stride, ts))
-            got = self._plans = CopyPlan(ks, ts, _reader(ix), groups, donated, ptrs, strides)
-        return got
+        if self._plans is None:
+            copied = [k for k in self.copied if not self.donated[k]], [k for k in self.copied if self.donated[k]]
+            self._plans = tuple(map(self._plan_of, copied))
+        return self._plans
+
+    def _plan_of(self, ks: list) -> CopyPlan:
+        ts = tuple(self.targets[k] for k in ks)
+        ix = [self.ix[k] for k in ks]
+        groups = [(tuple(ts[i] for i in g), _reader([ix[i] for i in g])) for g in copy_groups(list(ts))]
+        return CopyPlan(tuple(ks), ts, _reader(ix), groups, list(map(_data_ptr, ts)), list(map(_stride, ts)))
 
     def copy_in(self, leaves: list, stats, fname: str) -> tuple:
         """Each copied position's leaf into its target, one foreach copy per dtype; donated leaves adopted where they
         can be (Owned.adopt), after which they are in place. Returns the positions copied (copy_back's)."""
-        plan = self._plan()
+        kept, donated = self._plan()
+        left = ()
+        if donated.positions:
+            xs = donated.read(leaves)
+            # every donated leaf on its buffer: none to adopt or copy (two C loops)
+            if list(map(_data_ptr, xs)) != donated.ptrs or list(map(_stride, xs)) != donated.strides:
+                left, lx = self._adopt(donated.positions, xs, stats)
+        ks = self._copy(kept, leaves) + left
+        if left:  # (after the others: _adopt cloned any of these leaves over a buffer they write)
+            foreach_copy([self.targets[k] for k in left], lx)
+        if ks:
+            self._count(ks, stats, fname)
+        return ks
+
+    @staticmethod
+    def _copy(plan: CopyPlan, leaves: list) -> tuple:
+        """The plan's leaves into its targets; returns the positions copied (a leaf that is its target already,
+        fgraph's buffer passed in, is not)."""
         ks, ts = plan.positions, plan.targets
         if not ks:
             return ()
         xs = plan.read(leaves)
-        if plan.donated:
-            # every leaf on its buffer (adopted, or fgraph's buffer passed in): nothing to copy (two C loops)
-            if list(map(_data_ptr, xs)) == plan.ptrs and list(map(_stride, xs)) == plan.strides:
-                return ()
-            ks, xs = self._adopt(ks, xs, stats)
-            if not ks:
-                return ()
-            foreach_copy([self.targets[k] for k in ks], xs)
-        elif any(map(operator.is_, xs, ts)):  # (rare: fgraph's buffer passed in; only the others)
+        if any(map(operator.is_, xs, ts)):  # (rare: only the others)
             pairs = [(k, t, x) for k, t, x in zip(ks, ts, xs) if x is not t]
             if not pairs:
                 return ()
@@ -256,32 +263,29 @@ class Slots:
         else:
             for dst, src in plan.groups:
                 torch._foreach_copy_(dst, src(leaves))
-        self._count(ks, stats, fname)
-        return ks
+        return tuple(ks)
 
     def _adopt(self, ks: tuple, xs: tuple, stats) -> tuple[tuple, list]:
-        """Of the positions whose leaf is not on its buffer: adopt the donated ones that can be; the rest are copied.
-        Returns those positions and their leaves (a leaf over one of these buffers, cloned: the copies into the
-        buffers must not read one another's targets). A buffer a caller's tensor stays on (a view of it is alive)
-        has its contents put back after the call (restore)."""
+        """Of the donated positions whose leaf is not on its buffer: adopt the ones that can be; the rest are copied.
+        Returns those positions and their leaves (a leaf over one of the copied positions' buffers, cloned: the copies
+        into the buffers must not read one another's targets). A buffer a caller's tensor stays on (a view of it is
+        alive) has its contents put back after the call (restore)."""
         self._restore.clear()
         left, lx = [], []
         for k, x in zip(ks, xs):
-            t = self.targets[k]
+            t, owned = self.targets[k], self.owned[k]
             if _same_memory(x, t):
                 continue
-            owned = self.owned.get(k)
-            if owned is not None and not owned.vacate():
+            if not owned.vacate():
                 self._restore.append((t, t.clone()))
-            elif owned is not None and self.donated[k] and owned.adopt(x):
+            elif owned.adopt(x):
                 stats.adopted += 1
                 continue
             left.append(k), lx.append(x)
-        left = tuple(left)
         if left:
-            mine = {t.untyped_storage().data_ptr() for t in self._plan().targets}
+            mine = {self.targets[k].untyped_storage().data_ptr() for k in self.copied}
             lx = [x.clone() if x.untyped_storage().data_ptr() in mine else x for x in lx]
-        return left, lx
+        return tuple(left), lx
 
     def _count(self, ks: tuple, stats, fname: str) -> None:
         n = self._bytes.get(ks)

@@ -121,6 +121,23 @@ def test_a_tensor_another_graph_reads_in_place_is_never_adopted(mode, device):
     assert torch.equal(read(mine), theirs["h"] + 1)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("mode", MODES)
+def test_an_adopted_state_restrided_in_place_is_read_as_it_reads_now(mode, device):
+    """`t_()` keeps a tensor's address and swaps its strides: the graphs, which read the buffer's layout, would read it
+    transposed. It is copied in and back as it reads now, and moved off the buffer without losing its layout."""
+    f = fgraph.jit(grow, donate=["state"], mode=mode)
+    x = torch.arange(4.0, device=device).reshape(2, 2)
+    for i in range(3):
+        mine = {"h": torch.arange(4.0, device=device).reshape(2, 2) * (i + 1)}
+        theirs = twin(mine)
+        f(x, mine), grow(x, theirs)
+    mine["h"].t_(), theirs["h"].t_()
+    for _ in range(2):
+        assert torch.equal(f(x, mine), grow(x, theirs)) and torch.equal(mine["h"], theirs["h"])
+        assert mine["h"].stride() == theirs["h"].stride() == (1, 2)
+
+
 def mix(x, state):
     """Two donated tensors, both written: state {"a": [4], "b": [4]} -> [4]."""
     state["a"].add_(x)
