@@ -1,10 +1,9 @@
 """`fgraph::linear`: y [M, N] = x [M, K] @ w [N, K]^T (+ b [N]), for compiled pieces to call at decode sizes; at M <= 16
 rows one Triton kernel with no split-K where that is faster than cuBLAS.
 
-Not a break primitive: a graph piece keeps it inside. Compiling a piece for CUDA rewrites its matmuls of a small
-weight's transpose into this op (`_small_m`) when `fgraph.config.small_m_gemv` is on. Anywhere the kernel does not
-serve (CPU, float32, more rows, a config that lost to cuBLAS) it is torch.mm / torch.addmm, the ops it replaced,
-bit for bit.
+Not a break primitive: compiling a piece for CUDA rewrites its few-row matmuls into it (`_small_m`, with
+`fgraph.config.small_m_gemv`). Where the kernel does not serve (CPU, float32, more rows, a config that lost to
+cuBLAS) it is torch.mm / torch.addmm, the ops it replaced, bit for bit.
 
 At decode, M is the batch: cuBLAS then picks tiles meant for large M and, for long K, a split-K with a second
 reduction kernel, and runs the small projections of a 0.5B model far below copy bandwidth. Here each program
@@ -19,9 +18,9 @@ barrier: the stream-K pattern); the last to arrive sums the partials in split or
 arrival order), adds the bias, stores y and puts the counter back to 0 for the next launch or replay. The counters
 are per key (rows, N, K, ...) and persist: kernels of one key must not run concurrently on two streams.
 
-Which kernel serves a shape is measured: the first call of a (rows, N, K, dtype, bias) key outside a capture times
-each candidate config and cuBLAS, replayed in a CUDA graph (launch gaps included, as in a decode graph), and keeps
-the fastest where it beats cuBLAS by MARGIN. A key met first inside a capture runs cuBLAS (`untuned`).
+Which kernel serves a shape is measured: a (rows, N, K, dtype, bias) key's first call outside a capture times each
+candidate config and cuBLAS in a CUDA graph (launch gaps included) and keeps the fastest where it beats cuBLAS by
+MARGIN. A key met first inside a capture runs cuBLAS (`untuned`).
 
 `fgraph::linear_glu`: silu(y[:, :N]) * y[:, N:] for y = x @ w^T, w [2N, K] a gated MLP's fused gate and up rows;
 or silu(x @ w^T) * (x @ u^T) for two weights [N, K] (an HF MLP's gate_proj and up_proj). The same kernel, each
@@ -45,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -73,6 +73,7 @@ REP_MS = 3
 # capture (cuBLAS); loaded: keys whose choice an earlier process made (_tuned), timed by none here; compiled:
 # candidate kernels compiled for timing (Triton's own cache may hold them: then they are loaded, not built)
 counts = dict.fromkeys("tuned glu norm group triton split cublas untuned loaded compiled".split(), 0)
+seconds = {"tune": 0.0, "compile": 0.0}  # wall time in the tuner, and of it compiling candidates (start-up's share)
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 
 
@@ -233,9 +234,11 @@ def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
     them; docs/performance.md)."""
     from triton.testing import do_bench_cudagraph
 
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(min(len(cfgs), os.cpu_count() or 1, 16) or 1) as pool:
         list(pool.map(lambda cfg: launch(cfg, warm=True), cfgs))
     counts["compiled"] += len(cfgs)
+    seconds["compile"] += time.perf_counter() - t0
     best, best_ms = None, limit_ms
     for cfg in cfgs:
         ms = do_bench_cudagraph(lambda cfg=cfg: launch(cfg), rep=REP_MS)
@@ -259,7 +262,9 @@ def _chosen(key: tuple, device, tune, ready=None) -> tuple | None:
                 ready(cfg)
         else:
             with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
+                t0 = time.perf_counter()
                 cfg = tune()
+                seconds["tune"] += time.perf_counter() - t0
                 # timings run on side streams; cuBLAS keeps a 32 MiB workspace per stream (~1 GiB cold): freed, as at
                 # every capture's start, and given back (memory's own empty_cache: capture_session stubs torch.cuda's)
                 getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()  # (a CPU build of torch has none)
@@ -443,58 +448,3 @@ def norm_linear(x, r, nw, eps: float, w, b, glu: bool):
         s = torch.empty_like(x) if r is not None else x
         _launch(cfg, x, w, b, y, glu, (*norm, s))
     return y, (s if r is not None else x.new_empty(0))  # (an op's output may not be its input)
-
-
-@torch.library.custom_op("fgraph::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return linear(x, w, b)
-
-
-@_linear_op.register_fake
-def _(x, w, b):
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-@torch.library.custom_op("fgraph::norm_linear", mutates_args=())
-def _norm_linear_op(
-    x: torch.Tensor,
-    r: torch.Tensor | None,
-    nw: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    glu: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return norm_linear(x, r, nw, eps, w, b, glu)
-
-
-@_norm_linear_op.register_fake
-def _(x, r, nw, eps, w, b, glu):
-    y = x.new_empty(x.shape[0], w.shape[0] // 2 if glu else w.shape[0])
-    return y, (x.new_empty(x.shape) if r is not None else x.new_empty(0))
-
-
-@torch.library.custom_op("fgraph::linears", mutates_args=())
-def _linears_op(x: torch.Tensor, ws: list[torch.Tensor], bs: list[torch.Tensor | None]) -> list[torch.Tensor]:
-    return linears(x, ws, bs)
-
-
-@_linears_op.register_fake
-def _(x, ws, bs):
-    return [x.new_empty(x.shape[0], w.shape[0]) for w in ws]
-
-
-@torch.library.custom_op("fgraph::linear_glu", mutates_args=())
-def _linear_glu_op(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
-    return linear_glu(x, w, u)
-
-
-@_linear_glu_op.register_fake
-def _(x, w, u=None):
-    return x.new_empty(x.shape[0], w.shape[0] // 2 if u is None else w.shape[0])
-
-
-op = torch.ops.fgraph.linear.default
-glu_op = torch.ops.fgraph.linear_glu.default
-norm_op = torch.ops.fgraph.norm_linear.default
-group_op = torch.ops.fgraph.linears.default

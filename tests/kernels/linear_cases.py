@@ -9,8 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from fgraph import kernels
 from fgraph.compile import _small_m
-from fgraph.kernels import _gemv
 
 bf16 = torch.bfloat16
 
@@ -20,7 +20,7 @@ def rand(*shape, dtype=bf16, device="cpu", seed=0):
 
 
 def linears(gm) -> int:
-    return sum(n.target is _gemv.op for n in gm.graph.nodes)
+    return sum(n.target is kernels.op for n in gm.graph.nodes)
 
 
 def model(x, x3, w, b, e):
@@ -72,7 +72,7 @@ def mlp(params, x):
 
 # -- fgraph::linears: matmuls over the same rows in one launch --------------------------------------------------
 def groups(gm) -> int:
-    return sum(n.target is _gemv.group_op for n in gm.graph.nodes)
+    return sum(n.target is kernels.group_op for n in gm.graph.nodes)
 
 
 def hf_qkv(x, wq, bq, wk, bk, wv, bv):
@@ -127,7 +127,7 @@ def gated(x, w13):
 
 
 def glus(gm) -> int:
-    return sum(n.target is _gemv.glu_op for n in gm.graph.nodes)
+    return sum(n.target is kernels.glu_op for n in gm.graph.nodes)
 
 
 GATED = {

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
+from fgraph import kernels
 from fgraph.compile import _small_m, compiler
 from fgraph.kernels import _gemv
 from tests.kernels.linear_cases import (
@@ -41,8 +42,8 @@ from tests.kernels.linear_cases import (
 @pytest.mark.parametrize("dtype", [bf16, torch.float32])
 def test_off_the_kernel_fgraph_linear_is_mm_and_addmm_bit_for_bit(dtype):
     x, w, b = rand(3, 40, dtype=dtype), rand(24, 40, dtype=dtype, seed=1), rand(24, dtype=dtype, seed=2)
-    assert torch.equal(_gemv.op(x, w, b), torch.addmm(b, x, w.t()))
-    assert torch.equal(_gemv.op(x, w, None), torch.mm(x, w.t()))
+    assert torch.equal(kernels.op(x, w, b), torch.addmm(b, x, w.t()))
+    assert torch.equal(kernels.op(x, w, None), torch.mm(x, w.t()))
     torch.library.opcheck(torch.ops.fgraph.linear, (x, w, b))
     torch.library.opcheck(torch.ops.fgraph.linear, (x, w, None))
 
@@ -143,9 +144,9 @@ def test_every_candidate_config_computes_the_product_in_the_interpreter():
 
 def test_off_the_kernel_fgraph_linears_is_each_mm_or_addmm_bit_for_bit():
     x, wq, bq, wk, bk, wv, bv = qkv_args((3,))
-    got = _gemv.group_op(x, [wq, wk, wv], [bq, bk, bv])
+    got = kernels.group_op(x, [wq, wk, wv], [bq, bk, bv])
     assert all(torch.equal(g, torch.addmm(b, x, w.t())) for g, w, b in zip(got, (wq, wk, wv), (bq, bk, bv)))
-    assert all(torch.equal(g, x @ w.t()) for g, w in zip(_gemv.group_op(x, [wq, wk], [None, None]), (wq, wk)))
+    assert all(torch.equal(g, x @ w.t()) for g, w in zip(kernels.group_op(x, [wq, wk], [None, None]), (wq, wk)))
     torch.library.opcheck(torch.ops.fgraph.linears, (x, [wq, wk, wv], [bq, bk, bv]))
 
 
@@ -234,7 +235,7 @@ def test_the_rewrites_of_any_program_of_projections_compute_its_bits(statements,
     ops = _small_m.ops_made(other)
     matmuls = sum(1 if s[0] == "linear" else 2 for s in statements if s[0] != "write")
     made = ops["fgraph::linear"] + 2 * ops["fgraph::linear_glu"]
-    grouped = sum(len(n.args[1]) for n in other.graph.nodes if n.target is _gemv.group_op)
+    grouped = sum(len(n.args[1]) for n in other.graph.nodes if n.target is kernels.group_op)
     assert made + grouped == matmuls
     want, got = gm(*pytree.tree_map(torch.clone, a)), other(*pytree.tree_map(torch.clone, a))
     assert len(want) == len(got) and all(map(torch.equal, want, got))
@@ -258,7 +259,7 @@ def test_every_group_config_computes_each_product_in_the_interpreter():
 
 def test_off_the_kernel_fgraph_linear_glu_is_the_unfused_ops_bit_for_bit():
     x, w = rand(3, 40), rand(48, 40, seed=1)
-    assert torch.equal(_gemv.glu_op(x, w), gated(x, w))
+    assert torch.equal(kernels.glu_op(x, w), gated(x, w))
     torch.library.opcheck(torch.ops.fgraph.linear_glu, (x, w))
 
 
@@ -310,8 +311,8 @@ def test_what_fgraph_linear_glu_cannot_serve_stays_as_traced():
 
 def test_off_the_kernel_fgraph_linear_glu_of_two_weights_is_the_unfused_ops_bit_for_bit():
     x, wg, wu = rand(3, 40), rand(24, 40, seed=1), rand(24, 40, seed=2)
-    assert torch.equal(_gemv.glu_op(x, wg, wu), F.silu(F.linear(x, wg)) * F.linear(x, wu))
-    assert torch.equal(_gemv.glu_op(x, torch.cat([wg, wu])), _gemv.glu_op(x, wg, wu))  # one weight's two halves
+    assert torch.equal(kernels.glu_op(x, wg, wu), F.silu(F.linear(x, wg)) * F.linear(x, wu))
+    assert torch.equal(kernels.glu_op(x, torch.cat([wg, wu])), kernels.glu_op(x, wg, wu))  # one weight's two halves
     torch.library.opcheck(torch.ops.fgraph.linear_glu, (x, wg, wu))
 
 

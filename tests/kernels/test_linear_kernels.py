@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 import fgraph
+from fgraph import kernels
 from fgraph.compile import compiler
 from fgraph.kernels import _gemv
 from tests.kernels.linear_cases import (
@@ -121,15 +122,15 @@ def test_the_tuned_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
     m, n, k, bias = shape
     x, w = rand(m, k, device="cuda"), rand(n, k, device="cuda", seed=1) / k**0.5
     b = rand(n, device="cuda", seed=2) if bias else None
-    _gemv.op(x, w, b)  # tunes the key outside the capture, as fgraph's warm-up does
+    kernels.op(x, w, b)  # tunes the key outside the capture, as fgraph's warm-up does
     assert (m, n, k, bf16, bias, False, 0, x.device.index) in _gemv._choice
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = _gemv.op(x, w, b)
+        y = kernels.op(x, w, b)
     for seed in (5, 6):  # new rows in the same memory, as a decode step's inputs
         x.copy_(rand(m, k, device="cuda", seed=seed))
         g.replay()
-        assert torch.equal(y, _gemv.op(x, w, b))
+        assert torch.equal(y, kernels.op(x, w, b))
 
 
 @pytest.mark.gpu
@@ -168,7 +169,7 @@ def test_a_new_key_compiles_every_candidate_side_by_side_before_timing_any_and_k
     before, n_cands = dict(_gemv.counts), len(_gemv.candidates(m, n, k))
     torch.mm(x, w.t())  # (cuBLAS's workspace of this stream, made before the count)
     allocated = torch.cuda.memory_allocated()
-    y = _gemv.op(x, w, None)
+    y = kernels.op(x, w, None)
     # (the timings ran on side streams: cuBLAS's workspace of each, 32 MiB on Hopper, is not kept)
     assert torch.cuda.memory_allocated() - allocated < 4 << 20
     assert _gemv.counts["tuned"] == before["tuned"] + 1
@@ -185,7 +186,7 @@ def test_a_key_first_met_inside_a_capture_runs_cublas_and_is_counted():
     torch.mm(x, w.t())  # (cuBLAS's own set-up, outside the capture)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = _gemv.op(x, w, None)
+        y = kernels.op(x, w, None)
     g.replay()
     assert _gemv.counts["untuned"] == before["untuned"] + 1 and _gemv.counts["tuned"] == before["tuned"]
     assert torch.equal(y, torch.mm(x, w.t()))
@@ -265,15 +266,15 @@ def test_the_tuned_glu_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape, 
     m, n, k = shape
     x, w = gated_inputs(m, n, k)
     ws = (w[:n].clone(), w[n:].clone()) if two else (w,)
-    _gemv.glu_op(x, *ws)  # tunes the key outside the capture, as fgraph's warm-up does
+    kernels.glu_op(x, *ws)  # tunes the key outside the capture, as fgraph's warm-up does
     assert (m, ws[0].shape[0], k, bf16, False, "pair" if two else True, 0, x.device.index) in _gemv._choice
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = _gemv.glu_op(x, *ws)
+        y = kernels.glu_op(x, *ws)
     for seed in (5, 6):
         x.copy_(rand(m, k, device="cuda", seed=seed))
         g.replay()
-        assert torch.equal(y, _gemv.glu_op(x, *ws))
+        assert torch.equal(y, kernels.glu_op(x, *ws))
 
 
 @pytest.mark.gpu
@@ -310,12 +311,12 @@ def test_every_group_kernel_is_as_close_to_each_float32_product_as_cublas(shape)
 def test_the_tuned_group_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape):
     m, ns, k, bias = shape
     x, ws, bs = grouped_inputs(m, ns, k, bias)
-    _gemv.group_op(x, ws, bs)  # tunes the key outside the capture, as fgraph's warm-up does
+    kernels.group_op(x, ws, bs)  # tunes the key outside the capture, as fgraph's warm-up does
     assert (m, ns, k, bf16, bias, "group", x.device.index) in _gemv._choice
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        ys = _gemv.group_op(x, ws, bs)
+        ys = kernels.group_op(x, ws, bs)
     for seed in (5, 6):
         x.copy_(rand(m, k, device="cuda", seed=seed))
         g.replay()
-        assert all(map(torch.equal, ys, _gemv.group_op(x, ws, bs)))
+        assert all(map(torch.equal, ys, kernels.group_op(x, ws, bs)))

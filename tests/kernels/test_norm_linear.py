@@ -15,6 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
 from examples.layers import gated_mlp, linear, rms_norm
+from fgraph import kernels
 from fgraph.compile import _small_m, compiler
 from fgraph.kernels import _gemv
 
@@ -44,7 +45,7 @@ def unfused(x, r, nw, w, b, glu):
 def test_off_the_kernel_fgraph_norm_linear_is_the_unfused_ops_bit_for_bit(residual, glu):
     x, r, nw = rand(3, 40), rand(3, 40, seed=1), rand(40, seed=2)
     w, b = rand(48, 40, seed=3), (None if glu else rand(48, seed=4))
-    y, s = _gemv.norm_op(x, r if residual else None, nw, EPS, w, b, glu)
+    y, s = kernels.norm_op(x, r if residual else None, nw, EPS, w, b, glu)
     want_y, want_s = unfused(x, r if residual else None, nw, w, b, glu)
     assert torch.equal(y, want_y)
     assert torch.equal(s, want_s) if residual else s.numel() == 0
@@ -60,7 +61,7 @@ def test_off_its_kernel_the_normalised_rows_go_through_what_serves_the_matmul_al
     monkeypatch.setattr(_gemv, "linear_glu" if glu else "linear", lambda h, w, *b: seen.append(h) or alone(h, w, *b))
     x, r, nw = rand(3, 40), rand(3, 40, seed=1), rand(40, seed=2)
     w = rand(48, 40, seed=3)
-    y, s = _gemv.norm_op(x, r, nw, EPS, w, None, glu)
+    y, s = kernels.norm_op(x, r, nw, EPS, w, None, glu)
     (h,) = seen
     assert torch.equal(h, rms_norm(x + r, nw, EPS)) and torch.equal(y, unfused(x, r, nw, w, None, glu)[0])
 
@@ -83,7 +84,7 @@ def test_a_layers_norms_go_into_the_matmuls_that_read_them_and_their_sums_to_the
     a = layer_args()
     gm, other = make_fx(layer)(*a), make_fx(layer)(*a)
     assert _small_m.rewrite(other, "cpu", norm=True) == 3  # qkv and gate_up (with norms), down (fgraph::linear)
-    assert ops(other, _gemv.norm_op) == 2 and ops(other, _gemv.glu_op) == 0 and ops(other, _gemv.op) == 1
+    assert ops(other, kernels.norm_op) == 2 and ops(other, kernels.glu_op) == 0 and ops(other, kernels.op) == 1
     gone = (torch.ops.aten.rsqrt.default, torch.ops.aten.mean.dim, torch.ops.aten.mm.default)
     assert not any(n.target in gone for n in other.graph.nodes)
     # the one add left is the layer's last (down + s2), reading the second op's sum
@@ -97,7 +98,7 @@ def test_the_norm_rewrite_is_off_by_default_and_leaves_the_layer_as_before():
     other = make_fx(layer)(*a)
     assert not fgraph.config.small_m_norm
     _small_m.rewrite(other, "cpu")
-    assert ops(other, _gemv.norm_op) == 0 and ops(other, _gemv.glu_op) == 1
+    assert ops(other, kernels.norm_op) == 0 and ops(other, kernels.glu_op) == 1
 
 
 def test_a_norm_without_a_residual_add_is_rewritten_alone():
@@ -106,8 +107,8 @@ def test_a_norm_without_a_residual_add_is_rewritten_alone():
 
     a = (rand(2, 16), rand(16, seed=1), rand(24, 16, seed=2))
     gm, other = make_fx(head)(*a), make_fx(head)(*a)
-    assert _small_m.rewrite(other, "cpu", norm=True) == 1 and ops(other, _gemv.norm_op) == 1
-    (node,) = (n for n in other.graph.nodes if n.target is _gemv.norm_op)
+    assert _small_m.rewrite(other, "cpu", norm=True) == 1 and ops(other, kernels.norm_op) == 1
+    (node,) = (n for n in other.graph.nodes if n.target is kernels.norm_op)
     assert node.args[1] is None
     assert torch.equal(gm(*a), other(*a))
 
@@ -134,7 +135,7 @@ def test_any_norm_before_a_matmul_is_rewritten_at_few_rows_and_computes_the_trac
     a = (rand(m, k), rand(m, k, seed=1), rand(k, seed=2), rand(w_rows, k, seed=3), rand(w_rows, seed=4))
     gm, other = make_fx(fn)(*a), make_fx(fn)(*a)
     _small_m.rewrite(other, "cpu", norm=True)
-    assert ops(other, _gemv.norm_op) == (m <= _gemv.MAX_ROWS)
+    assert ops(other, kernels.norm_op) == (m <= _gemv.MAX_ROWS)
     for want, got in zip(pytree.tree_leaves(gm(*a)), pytree.tree_leaves(other(*a))):
         assert torch.equal(want, got)
 
@@ -164,7 +165,7 @@ def test_what_fgraph_norm_linear_cannot_serve_stays_as_traced():
     for why, (fn, a) in cases.items():
         gm, other = make_fx(fn)(*a), make_fx(fn)(*a)
         _small_m.rewrite(other, "cpu", norm=True)
-        assert ops(other, _gemv.norm_op) == 0, why
+        assert ops(other, kernels.norm_op) == 0, why
         for want, got in zip(pytree.tree_leaves(gm(*a)), pytree.tree_leaves(other(*a))):
             assert torch.equal(want, got), why
 
@@ -255,18 +256,18 @@ def test_the_tuned_norm_choice_replays_in_a_cuda_graph_as_it_runs_eagerly(shape)
     m, n, k, glu, bias = shape
     x, r, nw, w, b = gpu_inputs(m, n, k, glu, bias)
     untuned = _gemv.counts["untuned"]
-    _gemv.norm_op(x, r, nw, EPS, w, b, glu)  # tunes the key outside the capture, as fgraph's warm-up does
+    kernels.norm_op(x, r, nw, EPS, w, b, glu)  # tunes the key outside the capture, as fgraph's warm-up does
     assert (m, w.shape[0], k, bf16, bias, glu, 2, x.device.index) in _gemv._choice
     # and the matmul alone first, which its fallback calls: timed in a capture, it could not have tuned there
     assert (m, w.shape[0], k, bf16, bias, glu, 0, x.device.index) in _gemv._choice
     assert _gemv.counts["untuned"] == untuned
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y, s = _gemv.norm_op(x, r, nw, EPS, w, b, glu)
+        y, s = kernels.norm_op(x, r, nw, EPS, w, b, glu)
     for seed in (5, 6):
         x.copy_(rand(m, k, device="cuda", seed=seed))
         g.replay()
-        want_y, want_s = _gemv.norm_op(x, r, nw, EPS, w, b, glu)
+        want_y, want_s = kernels.norm_op(x, r, nw, EPS, w, b, glu)
         assert torch.equal(y, want_y) and torch.equal(s, want_s)
 
 
