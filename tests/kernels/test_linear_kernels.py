@@ -155,7 +155,7 @@ def test_every_split_k_config_sums_its_partials_once_in_order_replay_after_repla
 
 
 @pytest.mark.gpu
-def test_a_new_key_compiles_every_candidate_side_by_side_before_timing_any_and_keeps_no_memory(monkeypatch):
+def test_a_new_key_compiles_every_kernel_side_by_side_before_timing_any_and_keeps_no_memory(monkeypatch):
     m, n, k = 3, 776, 768
     x, w = rand(m, k, device="cuda"), rand(n, k, device="cuda", seed=1) / k**0.5
     warm, real = [], _gemv._launch
@@ -166,7 +166,7 @@ def test_a_new_key_compiles_every_candidate_side_by_side_before_timing_any_and_k
 
     monkeypatch.setattr(_gemv, "_launch", spy)
     monkeypatch.setattr(fgraph.config, "tune_cache", False)
-    before, n_cands = dict(_gemv.counts), len(_gemv.candidates(m, n, k))
+    before, n_cands = dict(_gemv.counts), len(_gemv.builds(_gemv.candidates(m, n, k)))
     torch.mm(x, w.t())  # (cuBLAS's workspace of this stream, made before the count)
     allocated = torch.cuda.memory_allocated()
     y = kernels.op(x, w, None)
