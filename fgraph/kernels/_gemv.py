@@ -128,7 +128,8 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
         _runner(kernel().gemv, grid, warm)(x, w, u, b if b is not None else w, y, ws, locks, r if r is not None else x,
                                            nw, s, eps, M, N, K, k_split, splits, x.stride(0), w.stride(0),
                                            u.stride(0), y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m,
-                                           BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLIT=splits > 1, GLU=glu,
+                                           BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLIT=splits > 1,
+                                           MAX_SPLITS=max(SPLITS), GLU=glu,
                                            NORM=norm is not None,
                                            HAS_RES=r is not None, num_warps=warps, num_stages=stages,
                                            **pdl_args(x))  # fmt: skip

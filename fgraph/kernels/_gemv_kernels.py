@@ -38,15 +38,17 @@ def normed(s, nw_ptr, kk, k_ok, rstd):
 @triton.jit
 def gemv(x_ptr, w_ptr, u_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_ptr, eps, M, N, K, K_SPLIT, SPLITS, sx,
          sw, su, sy, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-         DOT: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
+         DOT: tl.constexpr, SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
          HAS_RES: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """y [M, N] = x [M, K] @ w [N, K]^T (+ b). GLU: w holds the gate rows and u the up rows ([N, K] each, rows of
     stride sw and su: two weights, or the halves of one), and y = silu(x @ w^T) * (x @ u^T), each product rounded to
     y's dtype first as the unfused matmul's output is (no bias, no split).
     NORM: the matmul reads rms_norm(s) * nw for s = x (+ r with HAS_RES; program 0 stores s [M, K], rows of stride
     sx too), each program first summing the squares of s's whole rows (no split).
-    SPLIT: K split over SPLITS programs per column block (grid axis 1), each over K_SPLIT of it. SPLITS is an argument,
-    not a constexpr, so that one compilation serves every split count a tuner tries (a cold start compiles them)."""
+    SPLIT: K split over SPLITS <= MAX_SPLITS programs per column block (grid axis 1), each over K_SPLIT of it. SPLITS
+    is an argument, not a constexpr, so that one compilation serves every split count a tuner tries (a cold start
+    compiles them); the merge is unrolled to MAX_SPLITS loads, those past SPLITS masked off, so that they are all in
+    flight at once (a loop to SPLITS loads them one after another: slower, docs/performance.md)."""
     after_prior(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -99,8 +101,8 @@ def gemv(x_ptr, w_ptr, u_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_p
         arrived = tl.atomic_add(lock_ptr + tl.program_id(0), 1, sem="acq_rel")
         if arrived == SPLITS - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLITS):  # in split order: the same sum whichever program is last
-                acc += tl.load(ws_ptr + s * M * N + part, mask=ok, other=0.0, cache_modifier=".cv")
+            for s in tl.static_range(MAX_SPLITS):  # in split order: the same sum whichever program is last
+                acc += tl.load(ws_ptr + s * M * N + part, mask=ok & (s < SPLITS), other=0.0, cache_modifier=".cv")
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out, acc.to(ty), mask=ok)

@@ -62,8 +62,8 @@ def _first_global_access(ptx: str) -> int:
     return min(i for i in (ptx.find(op) for op in ("ld.global", "st.global", "cp.async", "atom.")) if i >= 0)
 
 
-GEMV = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT=True, SPLIT=True, GLU=False, NORM=True,
-            HAS_RES=True)  # fmt: skip
+GEMV = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DOT=True, SPLIT=True, MAX_SPLITS=8, GLU=False,
+            NORM=True, HAS_RES=True)  # fmt: skip
 DECODE = dict(G=7, BLOCK_G=16, D=64, PAGE=16, BLOCK_N=64, SPLITS=16, SPLITS_P2=16, LAST_MERGES=True,
               PART_CACHE=".wt", ROPE=True, PRECISION="tf32", UPCAST=False, PTX=True)  # fmt: skip
 
