@@ -73,7 +73,7 @@ REP_MS, SCREEN_MS, SCREEN_KEEP, FINALISTS = 3, 1, 1.15, 3
 # tuned: keys timed (glu / norm / group: of them, those with the activation / the norm / of weights grouped);
 # triton / cublas: tuned keys each serves (split: the triton ones with K split); untuned: keys met first inside a
 # capture (cuBLAS); loaded: keys whose choice an earlier process made (_tuned), timed by none here; compiled:
-# candidate kernels compiled for timing (Triton's own cache may hold them: then they are loaded, not built)
+# distinct kernels compiled for timing (`builds`; Triton's own cache may hold them: then they are loaded, not built)
 counts = dict.fromkeys("tuned glu norm group triton split cublas untuned loaded compiled".split(), 0)
 seconds = {"tune": 0.0, "compile": 0.0}  # wall time in the tuner, and of it compiling candidates (start-up's share)
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
