@@ -301,6 +301,8 @@ def test_the_hf_benchmark_checks_tokens_before_it_times(tmp_path, monkeypatch, c
     (host,) = (r["host_us"] for r in rows if "host_us" in r)
     assert 0 < host["replay_path"] < host["slow_bind"] and all(r["call_us"] > 0 for r in rows)
     assert 0 < host["find_in_generate"] < host["slow_bind"]
+    (tuner,) = (r["linear_s"] for r in rows if "linear_s" in r)  # the few-row matmul tuner's wall time (CPU: none)
+    assert tuner["tune"] >= tuner["compile"] >= 0
     (loop,) = (r["loop_us"] for r in rows if "loop_us" in r)
     # generate's own loop, under any model call (a difference of two timings: on a loaded machine it can come out
     # below zero, so only its bound is checked)
