@@ -13,9 +13,11 @@ per decode call, the median of `--loops` loops:
 
 `--stub` times the call with the program stubbed (it returns its captured outputs). `--cache caller` passes one
 early-initialised StaticCache to every generate (a server loop) instead of the one generate makes per call.
-`--parts` times, on the last decode call's arguments and in one process, FastPath.find, LiftedView.proven and the
-whole call (the program stubbed), in 8 x `--loops` alternating rounds of thread CPU time (the time another process
-takes on this machine's two cores is not counted): min and median per part. `--profile` prints cProfile's top
+`--parts` times, on the last decode call's arguments and in one process, FastPath.find, LiftedView.proven, the
+whole call (the program stubbed), the model's own call of it (`module`) and that call as generate compiles it when it
+compiles (`compiled`: transformers' `get_compiled_call`; fgraph's call is opaque inside it, a graph break: the
+difference is what Dynamo's frames and guards around it cost), in 8 x `--loops` alternating rounds of thread CPU time
+(the time another process takes on this machine's two cores is not counted): min and median per part. `--profile` prints cProfile's top
 functions over one generate.
 """
 
@@ -106,10 +108,14 @@ def parts_us(model, gen, rounds: int = 40, calls: int = 50) -> dict:
         fns = [g.fn for g in graphs]
         for g in graphs:
             g.fn = lambda *x, out=g.out: out
+        compiled = model.get_compiled_call(None)  # generate's own compile of the model's call (its default config)
+        compiled(*a, **k)  # (compiled here, not timed)
         parts = {
             "find": lambda: find(a, k, jitted._view),
             "proven": jitted._view.proven,
             "call": lambda: jitted(*a, **k),
+            "module": lambda: model(*a, **k),  # the module's __call__ around the jitted forward
+            "compiled": lambda: compiled(*a, **k),  # that, inside generate's torch.compile (fgraph's call opaque)
         }
         got = {p: [] for p in parts}
         try:
