@@ -50,11 +50,12 @@ def make_model(smoke: bool, device: str, dtype, layers: int = 2, arch: str = "qw
     import transformers as tf
 
     none = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256)  # fmt: skip
     if arch == "qwen2_moe":
         if smoke:
-            cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256, moe_intermediate_size=32, num_experts=4,
-                       num_experts_per_tok=2, shared_expert_intermediate_size=64)  # fmt: skip
+            cfg = dict(tiny, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                       shared_expert_intermediate_size=64)  # fmt: skip
         else:
             cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
                        num_key_value_heads=16, vocab_size=151936, moe_intermediate_size=1408, num_experts=60,
@@ -63,8 +64,7 @@ def make_model(smoke: bool, device: str, dtype, layers: int = 2, arch: str = "qw
         cls = tf.Qwen2MoeForCausalLM
     else:
         if smoke:
-            cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=256)  # fmt: skip
+            cfg = tiny
         else:  # Qwen2.5-0.5B's shapes
             cfg = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip

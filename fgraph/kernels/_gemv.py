@@ -129,7 +129,7 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
                                            nw, s, eps, M, N, K, k_split, splits, x.stride(0), w.stride(0),
                                            u.stride(0), y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m,
                                            BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, SPLIT=splits > 1,
-                                           MAX_SPLITS=max(SPLITS), GLU=glu,
+                                           MAX_SPLITS=MAX_SPLITS, GLU=glu,
                                            NORM=norm is not None,
                                            HAS_RES=r is not None, num_warps=warps, num_stages=stages,
                                            **pdl_args(x))  # fmt: skip
@@ -174,6 +174,7 @@ def _cublas(x, w, b, out=None):
 
 
 SPLITS = (2, 4, 8)
+MAX_SPLITS = max(SPLITS)  # the kernel's merge is unrolled to this many partials
 MAX_BLOCKS = 1024  # column blocks x splits per launch beyond which splitting K adds no parallelism worth timing
 
 
@@ -233,7 +234,10 @@ def _tune(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tupl
 def builds(cfgs: list) -> list:
     """The configs of cfgs that each need a compilation of their own: one per base config, unsplit and split (the
     split count is a kernel argument, not a constant: K split 2, 4 or 8 ways runs one kernel)."""
-    return list({(*c[:-1], c[-1] > 1): c for c in reversed(cfgs)}.values())[::-1]
+    first: dict[tuple, tuple] = {}
+    for c in cfgs:
+        first.setdefault((*c[:-1], c[-1] > 1), c)
+    return list(first.values())
 
 
 def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:

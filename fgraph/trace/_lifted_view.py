@@ -16,7 +16,7 @@ import torch
 from torch.nn.modules import module as _module
 
 from .._signature import static_key
-from ._callable import Lifted, Place, _read, _reader
+from ._callable import Lifted, _reader
 
 _generation = [0]  # bumped whenever a watched module registers a parameter, buffer or submodule
 _watched = weakref.WeakSet()  # every module a LiftedView proves (a lifted module and its submodules)
@@ -59,13 +59,14 @@ class LiftedView:
             self.dicts.append(sub._parameters if local in sub._parameters else sub._buffers)
             self.keys.append(local)
         self.slots = list(lifted.slots)  # (Place: where each lives)
+        self.slot_readers = [_reader(p.kind, p.holder, p.key) for p in self.slots]  # (C partials, as the guards')
         # the guarded Python values (Lifted.guards) as the slow call read them, by type and value (static_key)
         self.guards = list(lifted.guards)
         self.guard_readers = [_reader(g.kind, g.holder, g.key) for g in self.guards]
         self.guard_values = [read() for read in self.guard_readers]  # the very objects read: proven by identity
         self.guard_keys = list(map(static_key, self.guard_values))
         self.tensors = self._tensors()
-        self.slot_values = list(map(_read_slot, self.slots))
+        self.slot_values = list(map(operator.call, self.slot_readers))
         self.modules = [sub for lm in lifted.modules for sub in lm.module.modules()]
         _watched.update(self.modules)
         self.training = list(map(_training, self.modules))
@@ -83,7 +84,7 @@ class LiftedView:
     def _tensors(self) -> list:
         """The lifted tensors where they live now (Parameters themselves, not detached)."""
         now = list(map(_getitem, self.dicts, self.keys))
-        return now + [v for v in map(_read_slot, self.slots) if isinstance(v, torch.Tensor)]
+        return now + [v for v in map(operator.call, self.slot_readers) if isinstance(v, torch.Tensor)]
 
     def proven(self) -> bool:
         """Whether every lifted tensor is the one last read, over the same memory, with the same training flags.
@@ -107,7 +108,7 @@ class LiftedView:
         is_ = operator.is_
         if not all(map(is_, now, self.tensors)):
             return False
-        if self.slots and not all(map(is_, map(_read_slot, self.slots), self.slot_values)):
+        if self.slots and not all(map(is_, map(operator.call, self.slot_readers), self.slot_values)):
             return False
         if list(map(_data_ptr, self.tensors)) != self.ptrs:
             return False
@@ -116,7 +117,3 @@ class LiftedView:
     def requires_grad(self) -> bool:
         """Whether any lifted tensor requires grad now (read per call only under grad mode)."""
         return any(t.requires_grad for t in self.tensors)
-
-
-def _read_slot(p: Place):
-    return _read(p.kind, p.holder, p.key)
