@@ -21,7 +21,22 @@ from ._callable import Lifted, _reader
 _generation = [0]  # bumped whenever a watched module registers a parameter, buffer or submodule
 _watched = weakref.WeakSet()  # every module a LiftedView proves (a lifted module and its submodules)
 _hooked = []
-_getitem, _training, _data_ptr = operator.getitem, operator.attrgetter("training"), torch.Tensor.data_ptr
+_getitem, _data_ptr = operator.getitem, torch.Tensor.data_ptr
+# a module's training flag, read from its instance dict (Module.__init__ puts it there, train() and `m.training =`
+# set it there): an item of a dict, not an attribute found past the class's MRO (half the time a call)
+_flag = operator.itemgetter("training")
+
+
+class _Attr:
+    """A module whose `training` is not in its instance dict, read as an attribute where _flag reads an item."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module):
+        self.module = module
+
+    def __getitem__(self, name):
+        return getattr(self.module, name, None)
 
 
 def _bump(module, name, value):
@@ -69,7 +84,12 @@ class LiftedView:
         self.slot_values = list(map(operator.call, self.slot_readers))
         self.modules = [sub for lm in lifted.modules for sub in lm.module.modules()]
         _watched.update(self.modules)
-        self.training = list(map(_training, self.modules))
+        self.flags = [vars(m) for m in self.modules]  # (where each training flag lives)
+        try:
+            self.training = list(map(_flag, self.flags))
+        except KeyError:  # a module whose `training` is not an instance attribute (a property): read as one
+            self.flags = [_Attr(m) for m in self.modules]
+            self.training = list(map(_flag, self.flags))
         # `del module.sub`, `del layers[i]`, ModuleList.insert: no registration hook; each changes a dict's size
         self.children = [m._modules for m in self.modules]
         self.sizes = list(map(len, self.children))
@@ -101,18 +121,21 @@ class LiftedView:
                 return False
         if not (self.tensors or self.modules or self.slots):  # (guarded Python values only: nothing more to prove)
             return True
-        try:
-            now = list(map(_getitem, self.dicts, self.keys))
-        except KeyError:  # a parameter deleted
-            return False
         is_ = operator.is_
-        if not all(map(is_, now, self.tensors)):
+        try:
+            if not all(map(is_, map(_getitem, self.dicts, self.keys), self.tensors)):
+                return False
+        except KeyError:  # a parameter deleted
             return False
         if self.slots and not all(map(is_, map(operator.call, self.slot_readers), self.slot_values)):
             return False
         if list(map(_data_ptr, self.tensors)) != self.ptrs:
             return False
-        return list(map(_training, self.modules)) == self.training and list(map(len, self.children)) == self.sizes
+        try:
+            flags = list(map(_flag, self.flags))
+        except KeyError:  # `del m.training`
+            return False
+        return flags == self.training and list(map(len, self.children)) == self.sizes
 
     def requires_grad(self) -> bool:
         """Whether any lifted tensor requires grad now (read per call only under grad mode)."""

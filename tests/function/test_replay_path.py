@@ -67,6 +67,7 @@ CHANGES = {  # each a change to the module between calls, and the proof that see
     "parameter registered": lambda m: m.register_parameter("extra", nn.Parameter(torch.ones(4))),
     "train mode": lambda m: m.train(),  # the training flags
     "one submodule in train mode": lambda m: m.lin.train(),
+    "training flag assigned": lambda m: setattr(m, "training", True),  # not through train(): the flag itself
 }
 
 
@@ -92,6 +93,28 @@ def test_deleting_a_parameter_is_seen():
     f(X), f(X)
     del m.extra
     assert torch.equal(f(X), m(X))
+
+
+class Moded(Net):
+    """A module whose training flag is a property (not an instance attribute, where the proof reads it first)."""
+
+    @property
+    def training(self):
+        return self._mode
+
+    @training.setter
+    def training(self, mode):
+        object.__setattr__(self, "_mode", mode)
+
+
+@torch.no_grad()
+def test_a_training_flag_held_by_a_property_is_proven():
+    m = Moded().eval()
+    f = fgraph.jit(m, batch={"x": Batched()}, mode="FULL", buckets=[4])
+    f(X), f(X)
+    assert fast(f) == 1
+    m.train()
+    assert torch.equal(f(X), m(X)) and torch.equal(m(X), Net().eval()(X) * 3)
 
 
 class Scaled:
