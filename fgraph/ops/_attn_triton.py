@@ -7,7 +7,9 @@ the device metadata.
 
   decode  one kernel, grid (N sequences, Hkv, splits). Program (b, h, s) attends the G = Hq / Hkv query heads of
           group h together (a [BLOCK_G >= 16, D] tile, so tl.dot serves GQA) to the cached positions of split s
-          within [0, seq_len - 1), read through the block table, plus the new token at seq_len - 1 taken from the
+          within [0, seq_len - 1) (EVEN_SPLITS: those positions in whole key blocks, as many per split, so a short
+          sequence in a graph sized for long ones keeps every split busy; the split count stays static), read
+          through the block table, plus the new token at seq_len - 1 taken from the
           k/v inputs (split 0 only). Split 0 also writes that token's k/v into its slot: the other splits read
           positions < seq_len - 1 only, so there is no race with the write. With more than one split each writes
           a partial output (float32, normalised) and its log-sum-exp; `merge` (grid (N, Hq)) combines them,
@@ -52,10 +54,14 @@ NUM_SMS = 132  # the H200's; on CUDA the device's own count is used
 WAVES = 8  # decode programs to aim for when splitting, per SM (splits_for; docs/performance.md)
 UNSPLIT_WAVES = 2  # a batch of this many programs per SM or more is not split
 MAX_SPLITS = 32  # the merge reads [splits, D] per head; past this the merge costs more than longer splits
-DECODE_STAGES = 3  # software-pipelined key blocks in flight per decode program (Triton's default on sm_90)
+DECODE_STAGES = 2  # software-pipelined key blocks in flight per decode program (3, Triton's default, was slower)
+WIDE_WAVES = 2  # head dim 128: decode programs per SM up to which each gets 8 warps, 2 past it (_decode_warps)
 # decode's last split program of a group merges the splits (True), or a merge kernel after it (False): True
 # is faster (docs/performance.md); its counters are made outside any capture (_zeros_outside_pools)
 LAST_MERGES = True
+# decode's keys per split: the sequence's own keys over the splits (True: every split works while the sequence has
+# a block for each), or max_seq_len's share (False: a split past the sequence's end has nothing to do)
+EVEN_SPLITS = True
 LOG2E = 1.4426950408889634
 
 
@@ -142,8 +148,13 @@ def _device(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _decode_warps(head_dim: int) -> int:
-    return 4 if head_dim <= 64 else 8
+def _decode_warps(head_dim: int, programs: int, sms: int) -> int:
+    """decode's warps per program. Head dim 64: 4. Head dim 128: 8 for a grid of at most WIDE_WAVES programs per SM
+    (a split batch of one: few programs, each with its own loads to keep in flight), else 2 (more programs resident
+    per SM). The knobs measured per cell: docs/performance.md, `scripts/ab_decode_attn.py`."""
+    if head_dim <= 64:
+        return 4
+    return 8 if programs <= WIDE_WAVES * sms else 2
 
 
 def _mixed_block_n(head_dim: int) -> int:
@@ -171,7 +182,7 @@ def decode(
     G = Hq // Hkv
     sms = _num_sms(q.device.index or 0) if q.is_cuda else NUM_SMS
     splits = splits_for(N, Hkv, max_seq_len, BLOCK_N, sms)
-    chunk = -(-max_seq_len // (splits * BLOCK_N)) * BLOCK_N  # keys per split: whole blocks
+    chunk = -(-max_seq_len // (splits * BLOCK_N)) * BLOCK_N  # keys per split, whole blocks (EVEN_SPLITS: per sequence)
     part = lse = locks = out  # (unused with one split)
     if splits > 1:
         part = torch.empty(N, Hq, splits, D, dtype=torch.float32, device=q.device)
@@ -179,6 +190,7 @@ def decode(
         locks = _locks(q.device, N * Hkv) if LAST_MERGES else out
     precision, upcast = _dot_options(q)
     cos, sin = rope if rope is not None else (q, q)  # (unread without ROPE)
+    warps = _decode_warps(D, N * Hkv * splits, sms)
     with _device(q):
         K.decode[(N, Hkv, splits)](
             q, k, v, k_cache, v_cache, out, part, lse, locks, seq_lens, block_table, slot_mapping, cos, sin,
@@ -187,7 +199,7 @@ def decode(
             cos.stride(0), scale * LOG2E, chunk, Hq, G=G, BLOCK_G=max(16, _pow2(G)), D=D, PAGE=page,
             BLOCK_N=BLOCK_N, SPLITS=splits, SPLITS_P2=_pow2(splits), LAST_MERGES=LAST_MERGES,
             PART_CACHE=".wt" if LAST_MERGES else "", ROPE=rope is not None, PRECISION=precision, UPCAST=upcast,
-            PTX=q.is_cuda, num_warps=_decode_warps(D), num_stages=DECODE_STAGES, **pdl_args(q),
+            PTX=q.is_cuda, EVEN=EVEN_SPLITS, num_warps=warps, num_stages=DECODE_STAGES, **pdl_args(q),
         )  # fmt: skip
         if splits > 1 and not LAST_MERGES:
             K.merge[(N, Hq)](part, lse, out, out.stride(0), out.stride(1), Hq, SPLITS=splits,

@@ -88,7 +88,7 @@ def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, lock_p
            qk_scale, chunk, Hq, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, LAST_MERGES: tl.constexpr,
            PART_CACHE: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-           PTX: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+           PTX: tl.constexpr, PDL: tl.constexpr, EVEN: tl.constexpr = False):  # fmt: skip
     after_prior(PDL)
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
@@ -101,6 +101,8 @@ def decode(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, part_ptr, lse_ptr, lock_p
         c, sn = tl.load(cos_ptr + b64 * s_c + d), tl.load(sin_ptr + b64 * s_c + d)
         q = rope(q, tl.load(q_rows + dr[None, :], mask=live[:, None], other=0.0), c[None, :], sn[None, :], PTX)
     cached = tl.load(seq_lens_ptr + b) - 1  # positions [0, cached) come from the cache
+    if EVEN:  # the sequence's own keys in whole blocks over the splits (chunk: max_seq_len's share, unused)
+        chunk = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
     start = s * chunk
     end = tl.minimum(start + chunk, cached)
     end = tl.where(s == SPLITS - 1, cached, end)  # the last split takes any rest (a seq_len past max_seq_len)

@@ -124,6 +124,17 @@ def test_split_count_depends_on_static_sizes_only():
             assert (s - 1) * per < blocks <= s * per, (b, ctx, s)
 
 
+def test_decode_warps_follow_head_dim_and_programs_per_sm():
+    """Head dim 64: 4 warps. Head dim 128: 8 warps while the grid is at most WIDE_WAVES programs per SM (the 8B at
+    B=1, split), 2 past it (B=8: 1024 programs)."""
+    sms = T.NUM_SMS
+    grid = lambda n, hkv, ctx: n * hkv * T.splits_for(n, hkv, ctx)  # noqa: E731
+    assert {T._decode_warps(64, grid(n, 2, 1024), sms) for n in (1, 8, 64, 256)} == {4}
+    assert T._decode_warps(128, grid(1, 8, 1024), sms) == T._decode_warps(128, grid(1, 8, 8192), sms) == 8
+    assert T._decode_warps(128, grid(8, 8, 1024), sms) == T._decode_warps(128, grid(64, 8, 8192), sms) == 2
+    assert T._decode_warps(128, T.WIDE_WAVES * sms, sms) == 8 and T._decode_warps(128, T.WIDE_WAVES * sms + 1, sms) == 2
+
+
 def test_triton_rejects_head_dims_its_kernels_cannot_tile():
     q, kv = torch.randn(2, 4, 24), torch.randn(2, 2, 24)
     cache = torch.zeros(3, 16, 2, 24)
@@ -138,10 +149,13 @@ def test_triton_rejects_head_dims_its_kernels_cannot_tile():
 @pytest.mark.parametrize("page", [16, 256])
 @pytest.mark.parametrize("shape", [QWEN, LLAMA], ids=["14x2x64", "8x2x128"])
 @pytest.mark.parametrize("sms", [T.NUM_SMS, 1], ids=["splits", "one-split"])
-def test_decode_matches_reference(shape, page, dtype, sms, monkeypatch):
-    """Six sequences of the LENS lengths in a bucket of 8: with the SMs of an H200, 8 splits of 64 keys (most
-    empty for the short sequences: skipped by the merge); with one SM, one split writing `out` directly."""
+@pytest.mark.parametrize("even", [True, False], ids=["even-splits", "max-seq-splits"])
+def test_decode_matches_reference(shape, page, dtype, sms, even, monkeypatch):
+    """Six sequences of the LENS lengths in a bucket of 8: with the SMs of an H200, 8 splits (each sequence's keys
+    in whole blocks over them, or max_seq_len's: most then empty for the short sequences, skipped by the merge);
+    with one SM, one split writing `out` directly."""
     monkeypatch.setattr(T, "NUM_SMS", sms)
+    monkeypatch.setattr(T, "EVEN_SPLITS", even)
     assert (T.splits_for(8, shape[1], MAX_SEQ, num_sms=sms) > 1) == (sms > 1)
     batch = Batch([1] * len(LENS), LENS, shape, page, dtype, bucket=8)
     got = check_against_reference(batch, "decode")
@@ -227,12 +241,17 @@ def test_gpu_matches_reference(routine, shape, page):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("even", [True, False], ids=["even-splits", "max-seq-splits"])
 @pytest.mark.parametrize("shape", [QWEN, (32, 8, 128)], ids=["14x2x64", "32x8x128"])
 @pytest.mark.parametrize("routine, bucket", [("decode", 1), ("decode", 8), ("decode", 64), ("mixed", 128)])
-def test_cuda_graph_replays_equal_eager_calls_bitwise(routine, bucket, shape):
+def test_cuda_graph_replays_equal_eager_calls_bitwise(routine, bucket, shape, even, monkeypatch):
     """Captured once on an all-padding batch, replayed on batches of lengths 1 .. max_seq_len: every replay's
-    outputs and caches bitwise those of an eager call on the same inputs, and close to the reference."""
+    outputs and caches bitwise those of an eager call on the same inputs, and close to the reference. Decode's
+    splits over each sequence's own keys (EVEN_SPLITS) or over max_seq_len's."""
     gpu_or_skip()
+    if routine != "decode" and not even:
+        pytest.skip("EVEN_SPLITS is decode's")
+    monkeypatch.setattr(T, "EVEN_SPLITS", even)
     max_seq, page, g = 1024, 16, torch.Generator().manual_seed(bucket)
     real = bucket if routine == "decode" else 6
     rig = Batch([1] * real, [1] * real, shape, page, torch.bfloat16, bucket, device="cuda", max_seq=max_seq)
