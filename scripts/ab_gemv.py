@@ -7,6 +7,8 @@ Part 1 (`gemm` rows): per preset, layer GEMM and row count, cuBLAS's time and ev
 `gate_up+silu_mul`, fgraph::linear_glu's: "cublas" is then cuBLAS and the activation's launch), each
 replayed in a CUDA graph (triton.testing.do_bench_cudagraph: kernel time with its launch gaps), the fastest, and
 what the op's tuner picks; % of copy bandwidth = the weight's bytes over the time, against this run's copy rate.
+Part `space` (`--parts space`, not by default): per GEMM and row count, a wider config space than the tuner's
+(`space`), screened, its 8 fastest and the candidates' fastest timed again: what the candidates leave on the table.
 Part 2 (`step` rows): the step's median ms (CUDA events, back-to-back calls) and spread over rounds per variant,
 capture seconds (compile and tuning included), the matmuls rewritten and the op's tuned keys; the logits' largest
 difference from eager's over eager's largest.
@@ -75,6 +77,69 @@ def part_gemms(name, cfg, batches, bw) -> None:
                   "all_us": {c: round(v, 2) for c, v in us.items()}})  # fmt: skip
 
 
+def space(m: int, n: int, k: int, glu: bool) -> list[tuple]:
+    """A wider config space than the tuner's candidates (`--parts space`): the reduce path (rows <= 4) over BLOCK_N,
+    BLOCK_K, warps and stages within its register budget, the dot path over BLOCK_N, BLOCK_K, warps and stages, and
+    for K >= 2048 the dot configs split 4 and 8 ways (not with glu)."""
+    budget = 8192 if glu else 16384
+    red = [(bn, bk, w, st, False, 1) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (1, 2, 4, 8)
+           for st in (1, 3) if m <= 4 and _gemv._pow2(m) * bn * bk <= budget and bk <= max(256, 2 * k)]  # fmt: skip
+    dot = [(bn, bk, w, st, True, 1) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (2, 4) for st in (2, 3, 4)]
+    split = [(*c[:-1], sp) for c in dot for sp in (4, 8) if not glu and k >= 2048 and k >= 2 * sp * c[1]]
+    return red + dot + split
+
+
+def part_space(name, cfg, batches, bw) -> None:
+    """Per GEMM and row count: every config of `space` screened at 2 ms of launches, the 8 fastest and the tuner's
+    candidates' fastest timed again at 20 ms, against cuBLAS (for glu: cuBLAS and the activation's launch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.testing import do_bench_cudagraph
+
+    for gemm, (n, k, bias) in gemm_shapes(cfg).items():
+        if gemm == "head":
+            continue
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+        for m, glu in [
+            (B, g) for B in batches if B <= _gemv.MAX_ROWS for g in ((True,) if gemm == "gate_up" else (False,))
+        ]:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(m, n // 2 if glu else n, device="cuda", dtype=torch.bfloat16)
+            full = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            unfused = (
+                (lambda: _gemv.silu_mul(_gemv._cublas(x, w, b, out=full), out=y))
+                if glu
+                else (lambda: _gemv._cublas(x, w, b, out=y))
+            )  # noqa: E501
+            cands = _gemv.candidates(m, y.shape[1], k, glu)
+            cfgs = list(dict.fromkeys(space(m, y.shape[1], k, glu) + cands))
+            launch = lambda c, warm=False: _gemv._launch(c, x, w, b, y, glu, warm=warm)  # noqa: E731
+            with ThreadPoolExecutor(16) as pool:
+                ok = list(pool.map(lambda c: _compiles(launch, c), cfgs))
+            cfgs = [c for c, good in zip(cfgs, ok) if good]
+            screen = {c: do_bench_cudagraph(lambda c=c: launch(c), rep=2) for c in cfgs}
+            top = sorted(cfgs, key=screen.get)[:8]
+            best_cand = min((c for c in cands if c in screen), key=screen.get)
+            full_us = {str(c): round(1e3 * do_bench_cudagraph(lambda c=c: launch(c), rep=20), 2)
+                       for c in dict.fromkeys([*top, best_cand])}  # fmt: skip
+            cublas = 1e3 * do_bench_cudagraph(unfused, rep=20)
+            pct = lambda t: round(100 * 2 * n * k / (t * 1e-6) / bw, 1)  # noqa: E731
+            best = min(full_us, key=full_us.get)
+            emit({"part": "space", "model": name, "gemm": gemm + ("+silu_mul" if glu else ""), "M": m, "N": n, "K": k,
+                  "configs": len(cfgs), "cublas_us": round(cublas, 2), "candidates_best": str(best_cand),
+                  "candidates_best_us": full_us[str(best_cand)], "space_best": best, "space_best_us": full_us[best],
+                  "space_best_pct_bw": pct(full_us[best]), "top": full_us})  # fmt: skip
+
+
+def _compiles(launch, cfg) -> bool:
+    try:
+        launch(cfg, warm=True)
+        return True
+    except Exception:  # noqa: BLE001 (a config past the registers or shared memory: not in the space)
+        return False
+
+
 def part_steps(name, cfg, batches, ctx, rounds, backend) -> None:
     dtype = torch.bfloat16
     params = llama.init_params(cfg, dtype, "cuda", seed=0)
@@ -128,6 +193,8 @@ def main() -> None:
         cfg = llama.preset(name)
         if "gemm" in a.parts:
             part_gemms(name, cfg, a.batches, bw)
+        if "space" in a.parts:
+            part_space(name, cfg, a.batches, bw)
         if "step" in a.parts:
             part_steps(name, cfg, a.batches, a.ctx, a.rounds, a.backend)
             torch.cuda.empty_cache()  # (the step's graphs and cache went with it)
