@@ -148,6 +148,14 @@ def _device(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+def decode_launch(batch: int, kv_heads: int, head_dim: int, max_seq_len: int, num_sms: int) -> tuple[int, int]:
+    """(splits, warps) of decode's launch: static sizes only, and the batch as its next power of two, as in
+    splits_for, so that an unpadded eager call and its bucket's graph run the same launch (warps change the dot's
+    summation order, so the bits)."""
+    splits = splits_for(batch, kv_heads, max_seq_len, BLOCK_N, num_sms)
+    return splits, _decode_warps(head_dim, _pow2(batch) * kv_heads * splits, num_sms)
+
+
 def _decode_warps(head_dim: int, programs: int, sms: int) -> int:
     """decode's warps per program. Head dim 64: 4. Head dim 128: 8 for a grid of at most WIDE_WAVES programs per SM
     (a split batch of one: few programs, each with its own loads to keep in flight), else 2 (more programs resident
@@ -181,7 +189,7 @@ def decode(
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     sms = _num_sms(q.device.index or 0) if q.is_cuda else NUM_SMS
-    splits = splits_for(N, Hkv, max_seq_len, BLOCK_N, sms)
+    splits, warps = decode_launch(N, Hkv, D, max_seq_len, sms)
     chunk = -(-max_seq_len // (splits * BLOCK_N)) * BLOCK_N  # keys per split, whole blocks (EVEN_SPLITS: per sequence)
     part = lse = locks = out  # (unused with one split)
     if splits > 1:
@@ -190,7 +198,6 @@ def decode(
         locks = _locks(q.device, N * Hkv) if LAST_MERGES else out
     precision, upcast = _dot_options(q)
     cos, sin = rope if rope is not None else (q, q)  # (unread without ROPE)
-    warps = _decode_warps(D, N * Hkv * splits, sms)
     with _device(q):
         K.decode[(N, Hkv, splits)](
             q, k, v, k_cache, v_cache, out, part, lse, locks, seq_lens, block_table, slot_mapping, cos, sin,

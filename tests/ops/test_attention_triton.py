@@ -135,6 +135,18 @@ def test_decode_warps_follow_head_dim_and_programs_per_sm():
     assert T._decode_warps(128, T.WIDE_WAVES * sms, sms) == 8 and T._decode_warps(128, T.WIDE_WAVES * sms + 1, sms) == 2
 
 
+@pytest.mark.parametrize("kv_heads, head_dim", [(2, 64), (8, 128), (4, 128), (1, 128)])
+@pytest.mark.parametrize("max_seq", [1024, 8192])
+def test_an_unpadded_decode_launches_as_its_bucket_does(kv_heads, head_dim, max_seq):
+    """Splits and warps (both change the float sums) are those of the batch's power-of-two bucket at every size, so
+    an eager call of N sequences and the graph of N's bucket give the same bits."""
+    for n in range(1, 513):
+        bucket = 1 << (n - 1).bit_length()
+        assert T.decode_launch(n, kv_heads, head_dim, max_seq, T.NUM_SMS) == T.decode_launch(
+            bucket, kv_heads, head_dim, max_seq, T.NUM_SMS
+        ), n
+
+
 def test_triton_rejects_head_dims_its_kernels_cannot_tile():
     q, kv = torch.randn(2, 4, 24), torch.randn(2, 2, 24)
     cache = torch.zeros(3, 16, 2, 24)
