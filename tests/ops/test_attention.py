@@ -284,9 +284,12 @@ def test_a_pair_checks_the_page_size_of_both_routines():
 
 
 def test_import_is_lazy():
+    """Resolving a backend on the CPU imports neither optional extra nor fgraph's own Triton kernels (Triton itself
+    may come in with torch._dynamo where it is installed: torch/utils/_triton.py imports it)."""
+    lazy = {"flash_attn", "flashinfer", "fgraph.ops._attn_triton_kernels", "fgraph.kernels._gemv_kernels"}
     code = (
         "import sys, fgraph, fgraph.ops.attention as A; A.resolve_backend('auto', 'cpu'); "
-        "assert not {'flash_attn', 'flashinfer', 'triton'} & set(sys.modules), sorted(sys.modules)"
+        f"assert not {lazy!r} & set(sys.modules), sorted({lazy!r} & set(sys.modules))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
