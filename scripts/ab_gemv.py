@@ -111,7 +111,7 @@ def part_space(name, cfg, batches, bw) -> None:
                 (lambda: _gemv.silu_mul(_gemv._cublas(x, w, b, out=full), out=y))
                 if glu
                 else (lambda: _gemv._cublas(x, w, b, out=y))
-            )  # noqa: E501
+            )
             cands = _gemv.candidates(m, y.shape[1], k, glu)
             cfgs = list(dict.fromkeys(space(m, y.shape[1], k, glu) + cands))
             launch = lambda c, warm=False: _gemv._launch(c, x, w, b, y, glu, warm=warm)  # noqa: E731
