@@ -3,12 +3,26 @@ ceiling, a decode batch, a time budget, and rows appended to a .jsonl as soon as
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 import time
 
 import torch
+
+
+@contextlib.contextmanager
+def knobs(module, values: dict):
+    """Set module constants for the duration (a variant's setup or timing), then restore them."""
+    old = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
 
 
 def sync(device="cuda") -> None:

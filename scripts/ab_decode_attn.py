@@ -21,14 +21,13 @@ the fastest.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
 
 import torch
 
-from benchmarks.common import copy_bandwidth, gpu_ms
+from benchmarks.common import copy_bandwidth, gpu_ms, knobs
 from fgraph.ops import _attn_triton as T
 from fgraph.ops import attention as A
 
@@ -57,18 +56,6 @@ def settings_of(name: str) -> dict:
     w, _, rest = name[1:].partition("s")
     got = {"_decode_warps": lambda *a, w=int(w): w, "DECODE_STAGES": int(rest.rstrip("e"))}
     return got | ({"EVEN_SPLITS": True} if rest.endswith("e") else {})
-
-
-@contextlib.contextmanager
-def patched(settings: dict):
-    old = {k: getattr(T, k) for k in settings}
-    try:
-        for k, v in settings.items():
-            setattr(T, k, v)
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(T, k, v)
 
 
 def cell_case(model: str, batch: int, max_seq: int):
@@ -110,7 +97,7 @@ def main(argv=None):
         step, out, kv_bytes = cell_case(model, int(batch), int(max_seq))
         graphs, outs = {}, {}
         for name in args.variants:
-            with patched(settings_of(name)):
+            with knobs(T, settings_of(name)):
                 step()  # compiles this variant's kernel outside the capture
                 torch.cuda.synchronize()
                 outs[name] = out.clone()

@@ -19,7 +19,6 @@ One JSON line per (variant, batch) row.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 
@@ -28,7 +27,7 @@ import torch.utils._pytree as pytree
 
 import fgraph
 from benchmarks import kernels
-from benchmarks.common import decode_batch, device_name, jit_step, time_ms
+from benchmarks.common import decode_batch, device_name, jit_step, knobs, time_ms
 from examples import llama
 from fgraph.compile import _small_m
 from fgraph.ops import _attn_triton as T
@@ -62,19 +61,6 @@ def _value(text: str):
         except ValueError:
             pass
     return {"True": True, "False": False}.get(text, text)
-
-
-@contextlib.contextmanager
-def knobs(module, values: dict):
-    """Set module constants for the duration (a variant's setup), then restore them."""
-    old = {k: getattr(module, k) for k in values}
-    for k, v in values.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
 
 
 def main(argv=None) -> None:
