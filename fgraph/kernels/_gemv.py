@@ -55,8 +55,9 @@ from . import _tuned
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce
 # path (rows <= 4) keeps BLOCK_M x BLOCK_N x BLOCK_K <= 16K elements in registers; the dot path pads the rows to 16
-# and lets Triton pipeline w's tiles (cp.async), which keeps more bytes in flight: the large matrices need it
-_REDUCE = [(4, 512, 4, 3, False), (8, 512, 4, 3, False), (16, 256, 4, 3, False), (16, 512, 8, 3, False)]
+# and lets Triton pipeline w's tiles (cp.async), which keeps more bytes in flight: the large matrices need it. The
+# reduce path's one-warp configs fit ~4x the programs on an SM as four warps do, so more of w's rows are in flight
+_REDUCE = [(2, 1024, 1, 1, False), (4, 1024, 1, 1, False), (4, 512, 4, 3, False), (8, 512, 4, 3, False)]
 _DOT = [(16, 128, 4, 3, True), (16, 256, 4, 4, True), (32, 128, 4, 3, True), (32, 256, 4, 3, True),
         (64, 128, 4, 3, True), (16, 512, 8, 3, True)]  # fmt: skip
 # a config replaces cuBLAS only when it is this much faster alone: cuBLAS's kernels start while the kernel before
