@@ -4,11 +4,11 @@
 
 Rows (one JSON line each):
   fgraph            `python -m examples.generate --preset P --num-prompts 8 --max-new-tokens 64 --no-compile`
-  fgraph+C cold     the same with compiled pieces (the default on CUDA), on an empty Inductor cache
-  fgraph+C warm     again, a second process on the cache the cold run left
+  fgraph+C cold     the same with compiled pieces (the default on CUDA), on empty Inductor and Triton caches
+  fgraph+C warm     again, a second process on the caches the cold run left
   torch.compile     torch.compile(step, mode="reduce-overhead", fullgraph=True) of the same step, one decode shape
-    cold / warm     (B=1), on an empty Inductor cache, then again on the cache it left: the seconds to its third call
-                    (the recorded graph replayed)
+    cold / warm     (B=1), on empty Inductor and Triton caches, then again on the caches it left: the seconds to
+                    its third call (the recorded graph replayed)
 Each row: wall seconds of the whole process, and for fgraph the capture line it printed (graphs, signatures, pool,
 and what Inductor did: pieces compiled, loaded from its cache, shared).
 """
@@ -69,7 +69,13 @@ def main() -> None:
         child_torch_compile(a.preset, a.backend)
         return
     gen = [*GENERATE, "--preset", a.preset, "--backend", a.backend]
-    fresh = lambda: {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-")}
+    # a cold row has empty Inductor and Triton caches of its own (a shared Triton cache would hand the later rows the
+    # kernels an earlier row compiled: torch.compile's pieces share fgraph's Triton source); warm reuses cold's
+    fresh = lambda: {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-"),
+        "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-"),
+    }
     shared, peer = fresh(), fresh()
     child = ["-m", "benchmarks.startup_bench", "--child", "torch_compile", "--preset", a.preset, "--backend", a.backend]
     runs = [

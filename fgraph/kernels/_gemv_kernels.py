@@ -69,7 +69,8 @@ def gemv(x_ptr, w_ptr, u_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_p
             s = summed(x_rows, r_rows, kk, ok, HAS_RES)
             squares += tl.sum(s.to(tl.float32) * s.to(tl.float32), axis=1)
             if HAS_RES:
-                tl.store(s_ptr + rm.to(tl.int64)[:, None] * sx + kk[None, :], s, mask=ok & (rm[:, None] * 0 + tl.program_id(0) == 0))
+                first = rm[:, None] * 0 + tl.program_id(0) == 0  # a tensor: masks take no scalar bool (interpreter)
+                tl.store(s_ptr + rm.to(tl.int64)[:, None] * sx + kk[None, :], s, mask=ok & first)
         rstd = tl.rsqrt(squares / K + eps)
     k_lo = tl.program_id(1) * K_SPLIT  # this program's K range: [k_lo, k_hi); K_SPLIT a multiple of BLOCK_K
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
@@ -102,7 +103,8 @@ def gemv(x_ptr, w_ptr, u_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, s_p
         if arrived == SPLITS - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(MAX_SPLITS):  # in split order: the same sum whichever program is last
-                acc += tl.load(ws_ptr + s * M * N + part, mask=ok & (part * 0 + s < SPLITS), other=0.0, cache_modifier=".cv")
+                live = ok & (part * 0 + s < SPLITS)  # a tensor, as above
+                acc += tl.load(ws_ptr + s * M * N + part, mask=live, other=0.0, cache_modifier=".cv")
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out, acc.to(ty), mask=ok)
