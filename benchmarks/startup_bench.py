@@ -54,8 +54,9 @@ def run(cmd: list[str], env: dict) -> tuple[float, str, int]:
 
 
 def capture_line(text: str) -> str | None:
+    """The capture lines fgraph printed (the engine captures its routines in one call each), joined."""
     found = re.findall(r"fgraph: captured .*", text)
-    return found[-1] if found else None
+    return " | ".join(found) if found else None
 
 
 def main() -> None:

@@ -62,7 +62,8 @@ class Engine:
       cannot look up fails the whole step, and every later step that batches it).
     eos_ids: token ids that end a request (a list, or a numpy / torch array of ints).
     seed: the seed of requests added without one (mixed with the request's id).
-    capture: capture every bucket of both routines up front (default: on CUDA, unless mode is NONE/eager).
+    capture: capture both routines up front, every bucket a step can be padded to (decode's up to max_seqs's),
+      then seal (default: on CUDA, unless mode is NONE/eager).
     overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
     compile: Inductor-compiled pieces (fgraph.jit's compile=): the FULL+C step the benchmarks measure. Default: on
       CUDA, unless mode is NONE/eager (one compilation per distinct piece, shared by buckets, routines and layers,
@@ -135,7 +136,11 @@ class Engine:
                 copy_outputs=False,  # zero-copy: outputs are read before the next call
             )
             if capture if capture is not None else (self.device.type == "cuda" and mode != "NONE"):
-                self.step_fn.capture(params, cache, self.example_batch(), routine=["decode", "mixed"])
+                # a decode step is one token per running request, so none is padded past max_seqs's bucket: the
+                # decode buckets above it would be captured for nothing (mixed steps take up to max_batch_tokens)
+                decode = [b for b in self.buckets if b <= next(x for x in self.buckets if x >= max_seqs)]
+                self.step_fn.capture(params, cache, self.example_batch(), routine="mixed")
+                self.step_fn.capture(params, cache, self.example_batch(), routine="decode", buckets=decode)
 
     # -- requests ------------------------------------------------------------------------------------
     def add(

@@ -86,6 +86,19 @@ def test_captured_up_front_bucket_one_shares_the_routines_trace_in_the_models(ti
     assert eng.step_fn.stats()["total"]["traces"] == 2 and len(eng.step_fn.entries) == 6
 
 
+def test_captured_up_front_decode_stops_at_max_seqs_bucket(tiny):
+    """A decode step has one token per running request, at most max_seqs: capture() takes decode up to max_seqs's
+    bucket (2 here: buckets 1 and 2) and mixed at every bucket (1, 2, 8), and the run never meets a decode signature
+    it did not capture (no fallback), with eager's tokens."""
+    kw = dict(buckets=(1, 2, 8), max_seqs=2)
+    eager = run(tiny, "eager", **kw)[1].tokens
+    eng, got = run(tiny, "FULL_AND_PIECEWISE", capture=True, **kw)
+    assert got.tokens == eager
+    captured = {(dict(e.sig.statics)["routine"], e.sig.bucket) for e in eng.step_fn.entries.values()}
+    assert captured == {("decode", 1), ("decode", 2), ("mixed", 1), ("mixed", 2), ("mixed", 8)}
+    assert not any(eng.step_fn.stats()["fallbacks"].values())
+
+
 def test_continuous_batching_schedule(tiny):
     """A step mixes decodes with a prompt chunk; pure-decode steps use routine="decode"; pages come back."""
     cfg, params = tiny
