@@ -69,7 +69,7 @@ def compiled(mode: str) -> bool:
 
 
 def build(cfg, params, backend, mode, warm, a):
-    """One engine, built (captures every bucket of both routines) and warmed up; (engine, setup seconds)."""
+    """One engine, built (captures both routines up front) and warmed up; (engine, setup seconds)."""
     t0 = time.perf_counter()
     eng = engine.build(
         cfg,

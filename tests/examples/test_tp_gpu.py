@@ -35,7 +35,7 @@ def prompts(n: int = 21) -> list[list[int]]:
 
 
 def generate_all(build, *a, **kw) -> list[list[int]]:
-    eng = build(*a, **ENGINE, **kw)  # captures every bucket of both routines up front (modes other than eager)
+    eng = build(*a, **ENGINE, **kw)  # captures both routines up front (modes other than eager)
     for p in prompts():
         eng.add(p, max_new_tokens=NEW_TOKENS)
     tokens = eng.run(progress=False).tokens
