@@ -62,8 +62,8 @@ class Engine:
       cannot look up fails the whole step, and every later step that batches it).
     eos_ids: token ids that end a request (a list, or a numpy / torch array of ints).
     seed: the seed of requests added without one (mixed with the request's id).
-    capture: capture both routines up front, every bucket a step can be padded to (decode's up to max_seqs's),
-      then seal (default: on CUDA, unless mode is NONE/eager).
+    capture: capture both routines' buckets up front (decode's up to max_seqs's), then seal (default: on CUDA,
+      unless mode is NONE/eager).
     overlap: run() builds step n+1's batch on the host while the device runs step n (see run_overlapped).
     compile: Inductor-compiled pieces (fgraph.jit's compile=): the FULL+C step the benchmarks measure. Default: on
       CUDA, unless mode is NONE/eager (one compilation per distinct piece, shared by buckets, routines and layers,
@@ -136,11 +136,10 @@ class Engine:
                 copy_outputs=False,  # zero-copy: outputs are read before the next call
             )
             if capture if capture is not None else (self.device.type == "cuda" and mode != "NONE"):
-                # a decode step is one token per running request, so none is padded past max_seqs's bucket: the
-                # decode buckets above it would be captured for nothing (mixed steps take up to max_batch_tokens)
+                # a decode step is one token per running request: never padded past max_seqs's bucket
                 decode = [b for b in self.buckets if b <= next(x for x in self.buckets if x >= max_seqs)]
-                self.step_fn.capture(params, cache, self.example_batch(), routine="mixed")
-                self.step_fn.capture(params, cache, self.example_batch(), routine="decode", buckets=decode)
+                for routine, buckets in (("mixed", None), ("decode", decode)):
+                    self.step_fn.capture(params, cache, self.example_batch(), routine=routine, buckets=buckets)
 
     # -- requests ------------------------------------------------------------------------------------
     def add(
@@ -476,19 +475,9 @@ class Engine:
         return fgraph.explain(self.step_fn, self.params, self.cache, self.example_batch(), routine=routine)
 
 
-def build(
-    cfg: llama.LlamaConfig,
-    params: llama.Params,
-    *,
-    backend: str = "auto",
-    max_seqs: int = 64,
-    max_seq_len: int = 2048,
-    page_size: int | None = None,
-    num_pages: int | None = None,
-    make_step=llama.make_step,
-    cls=None,
-    **kw,
-) -> Engine:
+def build(cfg: llama.LlamaConfig, params: llama.Params, *, backend: str = "auto", max_seqs: int = 64,
+          max_seq_len: int = 2048, page_size: int | None = None, num_pages: int | None = None,
+          make_step=llama.make_step, cls=None, **kw) -> Engine:  # fmt: skip
     """An Engine for a decoder of this package: resolves the attention backend, sizes and allocates the KV cache
     (of `cfg`'s KV heads: a tensor-parallel rank passes its own config) and makes the step with
     `make_step(cfg, backend, max_seq_len)` (llama's; qwen2_moe and tp pass theirs, and tp its Engine class)."""

@@ -65,7 +65,8 @@ class config(metaclass=_Checked):
     # as a programmatic edge). Off until measured in the decode step (docs/performance.md)
     pdl = False
     # retraces are bounded and loud (torch's recompile limit is the model): a warning once a function has made this
-    # many signatures on its own (capture() not counted), and past max_signatures new ones run eagerly
+    # many signatures on its own (capture() not counted, nor another bucket of a signature it has: the declared
+    # buckets bound those), and past max_signatures new ones run eagerly
     warn_signatures = 8
     max_signatures = 64
     # fgraph's errors show the user's frames and fgraph's message: torch's and fgraph's frames, and the torch error a

@@ -324,6 +324,22 @@ def test_python_scalars_retrace_per_value_with_a_warning_and_a_cap(caplog, monke
     assert len(j.entries) == 12 and j.stats()["fallbacks"]["cap"] == 8
 
 
+def test_declared_buckets_met_by_calls_are_neither_warned_nor_capped(caplog, monkeypatch):
+    """Calls padded to ten declared buckets make ten signatures of one family (one trace, two with bucket 1's):
+    the buckets bound them, so they count as one signature against the warning and the cap, and none runs eagerly."""
+    monkeypatch.setattr(fgraph.config, "max_signatures", 2)
+    buckets = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56]
+    j = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=buckets)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for prev, b in zip([0, *buckets], buckets):  # a size past the bucket below: padded to b
+            x = torch.arange(float(prev + 1))
+            assert torch.equal(j(x), x * 2)
+    assert not [r for r in caplog.records if "signatures made by calls" in r.getMessage()]
+    assert len(j.entries) == len(buckets) and not any(j.stats()["fallbacks"].values())
+    j(torch.ones(3, 2))  # another family (a new unbatched size): the second signature counted, at the cap
+    assert j(torch.ones(3, 3)).shape == (3, 3) and j.stats()["fallbacks"]["cap"] == 1
+
+
 # -- a cache per function (issue #32 item 10) --------------------------------------------------------------------
 @pytest.mark.parametrize("mode", MODES)
 def test_jit_objects_of_one_function_and_options_trace_once(mode, device):

@@ -46,7 +46,9 @@ class Cache:
         self.pool = None
         self.retired: list = []  # entries (or graphs) replaced while a caller still held their outputs
         self.owned: dict = {}  # fgraph's buffers for inputs copied per call (Slots.move), shared by signatures
-        self.made = 0  # signatures made by calls (not capture()): bounded by config.max_signatures
+        # signatures of new families made by calls (not capture()): bounded by config.max_signatures. Another bucket
+        # of a known family is not counted: the buckets declared bound those, and they retrace nothing
+        self.made = 0
 
     # -- finding -----------------------------------------------------------------------------------------------
     def for_grad_mode(self, call: Call) -> Call:
@@ -120,6 +122,20 @@ class Cache:
                 "own shows; the signature was dropped and the next call tries again",
             ) from e
 
+    @staticmethod
+    def family(call: Call) -> tuple:
+        """What a signature shares with the signatures of its other buckets (the key of their traces): the statics,
+        grad mode apart (a trace that branched on it serves its own mode, any other both), the structure, and each
+        leaf with its batch axis at its family's size."""
+        return (
+            tuple(kv for kv in call.sig.statics if kv[0] != GRAD_MODE),
+            call.sig.treespec,
+            tuple(
+                leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape))
+                for leaf, s in zip(call.sig.leaves, call.specs)
+            ),
+        )
+
     def _new_entry(self, jitted, call: Call) -> Entry:
         """An entry for a new signature, on an existing trace when one fits its bucket, else on a new trace.
 
@@ -139,14 +155,7 @@ class Cache:
             except Exception as e:
                 raise split_devices from e
             raise
-        family = (  # grad mode apart: a trace that branched on it serves its own mode (below), any other both
-            tuple(kv for kv in call.sig.statics if kv[0] != GRAD_MODE),
-            call.sig.treespec,
-            tuple(
-                leaf if s is None else leaf._replace(shape=s.family_shape(leaf.shape))
-                for leaf, s in zip(call.sig.leaves, call.specs)
-            ),
-        )
+        family = self.family(call)
         now = torch.is_grad_enabled()
         fits = (t for t in self.traces.get(family, ()) if t.fits(call.sig.bucket) and t.grad_mode in (None, now))
         traced = next(fits, None)

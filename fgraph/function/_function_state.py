@@ -147,7 +147,8 @@ class FunctionState:
                         else ""
                     ),
                 )
-            if self.cache.made >= config.max_signatures:
+            new_family = not self.cache.traces.get(self.cache.family(call))
+            if new_family and self.cache.made >= config.max_signatures:
                 return self.fallback(
                     view,
                     "cap",
@@ -167,8 +168,9 @@ class FunctionState:
                 return self.fallback(view, "init", call, e.what, e.fix)
             if entry is None:  # the capture ran out of device memory: freed, this call runs eagerly
                 return self.fallback(view, "oom", call, "capturing ran out of device memory", "capture fewer buckets")
-            self.cache.made += 1
-            self.cache.warn_retraces(call)
+            if new_family:
+                self.cache.made += 1
+                self.cache.warn_retraces(call)
         elif entry.slots is not None and (moved := entry.slots.diverged(call.leaves)):
             self.cache.recapture(entry, call, moved)
         check_lengths(self.name, entry.traced.tied, call.leaves)
