@@ -331,8 +331,8 @@ def test_declared_buckets_met_by_calls_are_neither_warned_nor_capped(caplog, mon
     buckets = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56]
     j = fgraph.jit(lambda x: x * 2, batch={"x": Batched()}, mode="PIECEWISE", buckets=buckets)
     with caplog.at_level(logging.WARNING, logger="fgraph"):
-        for prev, b in zip([0, *buckets], buckets):  # a size past the bucket below: padded to b
-            x = torch.arange(float(prev + 1))
+        for below in [0, *buckets[:-1]]:  # a size past the bucket below: padded to the next
+            x = torch.arange(float(below + 1))
             assert torch.equal(j(x), x * 2)
     assert not [r for r in caplog.records if "signatures made by calls" in r.getMessage()]
     assert len(j.entries) == len(buckets) and not any(j.stats()["fallbacks"].values())

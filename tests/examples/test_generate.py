@@ -376,3 +376,13 @@ def test_compile_flag_reaches_the_jitted_step(tiny, eager):
     eng, report = run(tiny, "NONE", compile=True)
     assert eng.step_fn.options.compile == {} and report.tokens == eager
     assert generate.parse_args(["--compile"]).compile and not generate.parse_args([]).compile
+
+
+def test_the_cli_captures_each_signature_on_first_use(monkeypatch, capsys):
+    """A short run meets few of the buckets: the CLI asks the engine for no capture up front (on CUDA the engine's
+    default is every bucket), so 3 prompts of 16 tokens capture one mixed step's signature and one of decodes."""
+    seen, build = {}, generate.build_engine
+    monkeypatch.setattr(generate, "build_engine", lambda *a, **kw: seen.update(kw) or build(*a, **kw))
+    generate.main(["--num-prompts", "3", "--max-new-tokens", "4", "--no-progress", "--greedy"])
+    assert seen["capture"] is False
+    assert "fgraph: captured 2 graphs for 2 signatures of the step on first use, 2 traces" in capsys.readouterr().err
