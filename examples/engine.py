@@ -429,19 +429,17 @@ class Engine:
         rows, ready = self._account(plan)
         nxt = self.schedule()  # step n+1, on the host, while the device runs step n
         nbatch = self.make_batch(nxt) if nxt else None
+        at, fix, sampled, offset = [], [], set(map(id, ready)), 0  # (before the wait: its rows need no token)
+        for r, n in nxt:
+            offset += n
+            if id(r) in sampled:  # a decode of the token step n samples: one row, its last output
+                at.append(offset - 1), fix.append(r)
         finished = self._settle(ready, self._sample(logits, rows, ready))
         if any(r.finish_reason == "eos" for r in finished):
             nxt = [(r, n) for r, n in nxt if r.finish_reason is None] or self.schedule()
             nbatch = self.make_batch(nxt) if nxt else None
-        elif nbatch is not None and ready:
-            sampled, fix, offset = set(map(id, ready)), [], 0
-            for r, n in nxt:
-                offset += n
-                if id(r) in sampled:  # a decode of the token just sampled: one row, its last output
-                    fix.append((offset - 1, r.output[-1]))
-            if fix:
-                at, vals = zip(*fix)
-                nbatch.tokens[list(at)] = torch.tensor(vals, dtype=nbatch.tokens.dtype)
+        elif at:  # (the host batch's own memory: one write, no tensor made)
+            nbatch.tokens.numpy()[at] = [r.output[-1] for r in fix]
         self._stage((nxt, nbatch) if nxt else None)
         self.steps += 1
         return finished
