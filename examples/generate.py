@@ -132,6 +132,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="compile the graph pieces with Inductor before capture (fgraph.jit(compile=True)); default: on CUDA "
         "unless --mode is NONE or EAGER; --no-compile: graphs of eager's own kernels",
     )
+    p.add_argument(
+        "--capture-all",
+        action="store_true",
+        help="capture every bucket a step can be padded to before generating, as a server does (default: each "
+        "signature on its first use; tensor-parallel runs always capture up front)",
+    )
     p.add_argument("--device", type=_device, help="default: cuda when available, else cpu")
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on cuda, float32 on cpu"
@@ -300,7 +306,7 @@ def _main(args, argv) -> dict:
             # each signature captured on its first use, as fgraph.jit does: a short run meets a few of the buckets,
             # and capturing every one up front was most of its start. Tensor-parallel ranks capture up front, in
             # step with each other (their collectives are inside the graphs)
-            capture=None if tp is not None else False,
+            capture=True if args.capture_all else None if tp is not None else False,
         )
         if args.explain:
             if args.mode == "EAGER":
@@ -311,7 +317,7 @@ def _main(args, argv) -> dict:
     for p in prompts:
         eng.add(p, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     report = eng.run(progress=not (args.no_progress or quiet))
-    if tp is None and args.mode != "EAGER":  # (capture() prints its own line: here the run captured them)
+    if tp is None and not args.capture_all and args.mode != "EAGER":  # (capture() prints its own line)
         total = eng.step_fn.stats()["total"]
         print(
             f"fgraph: captured {total['captures']} graphs for {len(eng.step_fn.entries)} signatures of the step on "

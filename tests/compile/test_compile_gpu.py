@@ -1,8 +1,9 @@
 """GPU: compiled pieces at every default bucket of both routines give the uncompiled graphs' greedy tokens, for
 Hugging Face checkpoints of shapes no preset has: hidden sizes that are not multiples of 64, 1-4 KV heads, tied and
 untied embeddings, odd vocabularies, MoE layers. Each shape is drawn from a seeded generator and named in the test's
-id, so a failure names the shape that broke it. `examples.generate` captures every bucket up to 256 tokens (16
-prompts of 16), so a piece compiled at one bucket and run at another shows here, at capture.
+id, so a failure names the shape that broke it. `examples.generate --capture-all` captures every mixed bucket up to
+256 tokens (16 prompts of 16) and every decode bucket up to 16, so a piece compiled at one bucket and run at another
+shows here, at capture.
 
 Run on the device: `bash scripts/gpu_tests.sh tests/compile/test_compile_gpu.py`."""
 
@@ -60,7 +61,7 @@ def save(shape: dict, path: str) -> str:
 
 def tokens(path: str, *flags: str) -> list:
     argv = ["--model", path, "--dtype", "float32", "--backend", "torch", "--no-progress", "--greedy", "--json"]
-    argv += ["--num-prompts", "16", "--prompt-len", "16", "--max-new-tokens", "4", *flags]
+    argv += ["--num-prompts", "16", "--prompt-len", "16", "--max-new-tokens", "4", "--capture-all", *flags]
     return generate.main(argv)["tokens"]
 
 

@@ -378,11 +378,17 @@ def test_compile_flag_reaches_the_jitted_step(tiny, eager):
     assert generate.parse_args(["--compile"]).compile and not generate.parse_args([]).compile
 
 
-def test_the_cli_captures_each_signature_on_first_use(monkeypatch, capsys):
-    """A short run meets few of the buckets: the CLI asks the engine for no capture up front (on CUDA the engine's
-    default is every bucket), so 3 prompts of 16 tokens capture one mixed step's signature and one of decodes."""
+def test_the_cli_captures_on_first_use_or_with_capture_all_up_front(monkeypatch, capsys):
+    """A short run meets few of the buckets: the CLI asks the engine for no capture up front (the engine's default on
+    CUDA), so 3 prompts of 16 tokens capture one mixed step's signature and one of decodes; --capture-all captures
+    every bucket a step can be padded to first, as a server does."""
     seen, build = {}, generate.build_engine
     monkeypatch.setattr(generate, "build_engine", lambda *a, **kw: seen.update(kw) or build(*a, **kw))
-    generate.main(["--num-prompts", "3", "--max-new-tokens", "4", "--no-progress", "--greedy"])
+    argv = ["--num-prompts", "3", "--max-new-tokens", "4", "--no-progress", "--greedy"]
+    generate.main(argv)
     assert seen["capture"] is False
     assert "fgraph: captured 2 graphs for 2 signatures of the step on first use, 2 traces" in capsys.readouterr().err
+    generate.main([*argv, "--capture-all"])  # as a server, up front: mixed at 9 buckets up to 48, decode up to 4
+    err = capsys.readouterr().err
+    assert seen["capture"] is True and "first use" not in err
+    assert "captured 9 graphs for 9 signatures of step" in err and "captured 3 graphs for 3 signatures of step" in err
