@@ -9,8 +9,10 @@ Rows (one JSON line each):
   torch.compile     torch.compile(step, mode="reduce-overhead", fullgraph=True) of the same step, one decode shape
     cold / warm     (B=1), on empty Inductor and Triton caches, then again on the caches it left: the seconds to
                     its third call (the recorded graph replayed)
-Each row: wall seconds of the whole process, and for fgraph the capture line it printed (graphs, signatures, pool,
-and what Inductor did: pieces compiled, loaded from its cache, shared).
+Each row: wall seconds of the whole process (generating included), and for fgraph the capture line it printed:
+the CLI captures each signature on its first use (2 for these prompts), and says how many graphs, signatures and
+traces when it is done; with --capture-all (every bucket up front, as a server) capture() says it per routine
+(graphs, signatures, pool, and what Inductor did: pieces compiled, loaded from its cache, shared).
 """
 
 from __future__ import annotations
