@@ -12,7 +12,8 @@ Rows (one JSON line each):
 Each row: wall seconds of the whole process (generating included), and for fgraph the capture line it printed:
 the CLI captures each signature on its first use (2 for these prompts), and says how many graphs, signatures and
 traces when it is done; with --capture-all (every bucket up front, as a server) capture() says it per routine
-(graphs, signatures, pool, and what Inductor did: pieces compiled, loaded from its cache, shared).
+(graphs, signatures, pool, and what Inductor did: pieces compiled, loaded from its cache, shared). The CLI's rows
+also record its phases (`phases`: imports, model, engine, first token, done, each in seconds since its start).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def main() -> None:
         secs, text, rc = run(cmd, env)
         row = {"bench": "startup", "row": name, "preset": a.preset, "backend": a.backend, "seconds": round(secs, 1)}
         row.update({"rc": rc, "capture": capture_line(text)} if rc == 0 else {"rc": rc, "error": text[-1500:]})
+        phases = re.findall(r"start-up, since the process started: (.*)", text)  # (the CLI's rows: where it went)
+        if phases:
+            row["phases"] = phases[-1]
         row["command"] = "python " + " ".join(cmd)
         emit(a.out, row)
 

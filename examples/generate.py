@@ -36,6 +36,18 @@ from . import checkpoint, engine, llama, qwen2_moe
 from . import tp as tensor_parallel
 
 
+def _since_start() -> float | None:
+    """Seconds since this process started (Linux's /proc; None elsewhere): a start-up phase's time includes the
+    interpreter's start and the imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _number(kind, low, high=None, low_open=False):
     """An argparse type: `kind` (int or float) in [low, high) for ints, [low, high] for floats ((low, ... with
     low_open); anything else is a usage error (exit 2) naming the range."""
@@ -276,6 +288,7 @@ def _main(args, argv) -> dict:
     if args.tp > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:  # not under torchrun
         tensor_parallel.local_config(config_of(args), args.tp)  # a split that cannot work: one error, before spawning
         return tensor_parallel.launch(_rank_main, args.tp, sys.argv[1:] if argv is None else list(argv))
+    phases = {"imports": _since_start()}  # each phase's end, seconds since the process started
     tp = tensor_parallel.init() if args.tp > 1 else None
     if tp is not None and tp.world != args.tp:
         raise fgraph.FgraphError(f"--tp {args.tp} in a process group of {tp.world} ranks", f"pass --tp {tp.world}")
@@ -284,6 +297,7 @@ def _main(args, argv) -> dict:
         device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU (tp.init set it)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
     cfg, params, eos, tokenizer = load_model(args, device, dtype, tp)
+    phases["model"] = _since_start()
     prompts = prompts_of(args, cfg, tokenizer)  # the same on every rank (one seed): ranks must run in lockstep
     max_seqs = min(args.max_seqs, len(prompts))
     # A short run needs no bucket larger than all of its prompts together: fewer signatures to capture.
@@ -314,9 +328,16 @@ def _main(args, argv) -> dict:
             else:
                 for routine in ("decode", "mixed"):
                     print(eng.explain(routine))
+    phases["engine"] = _since_start()
     for p in prompts:
         eng.add(p, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     report = eng.run(progress=not (args.no_progress or quiet))
+    if None not in phases.values():
+        phases["first token"] = phases["engine"] + min(report.ttft)
+        phases["done"] = _since_start()
+        if not quiet:  # where a start's seconds go: startup_bench records this line
+            text = ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
+            print(f"start-up, since the process started: {text}", file=sys.stderr)
     if tp is None and not args.capture_all and args.mode != "EAGER":  # (capture() prints its own line)
         total = eng.step_fn.stats()["total"]
         print(
@@ -329,6 +350,7 @@ def _main(args, argv) -> dict:
         "ttft_s": report.ttft,
         "tpot_s": report.tpot,
         "throughput_tok_s": report.throughput,
+        "phases_s": phases,
         "elapsed_s": report.elapsed,
         "steps": report.steps,
         "device": device,

@@ -385,9 +385,13 @@ def test_the_cli_captures_on_first_use_or_with_capture_all_up_front(monkeypatch,
     seen, build = {}, generate.build_engine
     monkeypatch.setattr(generate, "build_engine", lambda *a, **kw: seen.update(kw) or build(*a, **kw))
     argv = ["--num-prompts", "3", "--max-new-tokens", "4", "--no-progress", "--greedy"]
-    generate.main(argv)
+    phases = generate.main(argv)["phases_s"]  # where the start went, in seconds since the process started
+    err = capsys.readouterr().err
     assert seen["capture"] is False
-    assert "fgraph: captured 2 graphs for 2 signatures of the step on first use, 2 traces" in capsys.readouterr().err
+    assert "fgraph: captured 2 graphs for 2 signatures of the step on first use, 2 traces" in err
+    assert list(phases) == ["imports", "model", "engine", "first token", "done"]
+    assert 0 < phases["imports"] <= phases["model"] <= phases["engine"] <= phases["first token"] <= phases["done"]
+    assert f"start-up, since the process started: imports {phases['imports']:.1f} s" in err
     generate.main([*argv, "--capture-all"])  # as a server, up front: mixed at 9 buckets up to 48, decode up to 4
     err = capsys.readouterr().err
     assert seen["capture"] is True and "first use" not in err
