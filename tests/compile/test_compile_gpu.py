@@ -1,4 +1,4 @@
-"""GPU: compiled pieces at every default bucket of both routines give the uncompiled graphs' greedy tokens, for
+"""GPU: compiled pieces at every bucket a step can be padded to give the uncompiled graphs' greedy tokens, for
 Hugging Face checkpoints of shapes no preset has: hidden sizes that are not multiples of 64, 1-4 KV heads, tied and
 untied embeddings, odd vocabularies, MoE layers. Each shape is drawn from a seeded generator and named in the test's
 id, so a failure names the shape that broke it. `examples.generate --capture-all` captures every mixed bucket up to
