@@ -17,8 +17,8 @@ early-initialised StaticCache to every generate (a server loop) instead of the o
 whole call (the program stubbed), the model's own call of it (`module`) and that call as generate compiles it when it
 compiles (`compiled`: transformers' `get_compiled_call`; fgraph's call is opaque inside it, a graph break: the
 difference is what Dynamo's frames and guards around it cost), in 8 x `--loops` alternating rounds of thread CPU time
-(the time another process takes on this machine's two cores is not counted): min and median per part. `--profile` prints cProfile's top
-functions over one generate.
+(the time another process takes on this machine's two cores is not counted): min and median per part. `--profile`
+prints cProfile's top functions over one generate.
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ class Engine:
             )
             if capture if capture is not None else (self.device.type == "cuda" and mode != "NONE"):
                 # a decode step is one token per running request: never padded past max_seqs's bucket
-                decode = [b for b in self.buckets if b <= next(x for x in self.buckets if x >= max_seqs)]
+                top = next(b for b in self.buckets if b >= max_seqs)
+                decode = [b for b in self.buckets if b <= top]
                 for routine, buckets in (("mixed", None), ("decode", decode)):
                     self.step_fn.capture(params, cache, self.example_batch(), routine=routine, buckets=buckets)
 

@@ -81,9 +81,8 @@ def space(m: int, n: int, k: int, glu: bool) -> list[tuple]:
     """A wider config space than the tuner's candidates (`--parts space`): the reduce path (rows <= 4) over BLOCK_N,
     BLOCK_K, warps and stages within its register budget, the dot path over BLOCK_N, BLOCK_K, warps and stages, and
     for K >= 2048 the dot configs split 4 and 8 ways (not with glu)."""
-    budget = 8192 if glu else 16384
     red = [(bn, bk, w, st, False, 1) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (1, 2, 4, 8)
-           for st in (1, 3) if m <= 4 and _gemv._pow2(m) * bn * bk <= budget and bk <= max(256, 2 * k)]  # fmt: skip
+           for st in (1, 3) if _gemv.reduce_fits(m, bn, bk, glu) and bk <= max(256, 2 * k)]  # fmt: skip
     dot = [(bn, bk, w, st, True, 1) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (2, 4) for st in (2, 3, 4)]
     split = [(*c[:-1], sp) for c in dot for sp in (4, 8) if not glu and k >= 2048 and k >= 2 * sp * c[1]]
     return red + dot + split

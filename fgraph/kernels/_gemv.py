@@ -179,13 +179,18 @@ MAX_SPLITS = max(SPLITS)  # the kernel's merge is unrolled to this many partials
 MAX_BLOCKS = 1024  # column blocks x splits per launch beyond which splitting K adds no parallelism worth timing
 
 
+def reduce_fits(m: int, block_n: int, block_k: int, glu: bool = False) -> bool:
+    """Whether the reduce path serves m rows with these blocks: m <= 4, and BLOCK_M x BLOCK_N x BLOCK_K within its
+    register budget (halved with glu: a program holds two products)."""
+    return m <= 4 and _pow2(m) * block_n * block_k <= (8192 if glu else 16384)
+
+
 def candidates(m: int, n: int, k: int, glu: bool = False, norm: bool = False) -> list[tuple]:
     """The configs worth timing for m rows of an [n, k] weight: each base config unsplit, and split in SPLITS where
     every split keeps at least two BLOCK_K blocks of K and the launch stays under MAX_BLOCKS programs. glu: n output
     columns of a [2n, k] weight; a program holds two products, so the reduce path's register budget is halved. glu
     and norm (each program reads whole rows first) do not split K."""
-    budget = 8192 if glu else 16384
-    got = _DOT + ([c for c in _REDUCE if _pow2(m) * c[0] * c[1] <= budget] if m <= 4 else [])
+    got = _DOT + [c for c in _REDUCE if reduce_fits(m, c[0], c[1], glu)]
     got = [c for c in got if c[0] <= max(16, n) and c[1] <= max(128, 2 * k)]
     split = [(*c, s) for c in got for s in SPLITS if k >= 2 * s * c[1] and -(-n // c[0]) * s <= MAX_BLOCKS]
     return [(*c, 1) for c in got] + ([] if glu or norm else split)
