@@ -165,7 +165,13 @@ class FunctionState:
             except T.InitialisesState as e:  # a lazily made cache: this call makes its tensors, eagerly
                 self.initialising.add(call.sig)
                 self.note_initialising(view, args, kwargs)
+                if e.rescan:  # it may make a module's tensors too (its trace's were put back): lifted next call
+                    view.lifted.rescanned = False
                 return self.fallback(view, "init", call, e.what, e.fix)
+            except EscapeError as e:  # put back on its module: what a later call finds there is lifted then
+                if not getattr(e, "left", True):
+                    view.lifted.rescanned = False
+                raise
             if entry is None:  # the capture ran out of device memory: freed, this call runs eagerly
                 return self.fallback(view, "oom", call, "capturing ran out of device memory", "capture fewer buckets")
             if new_family:

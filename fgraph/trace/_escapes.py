@@ -156,10 +156,56 @@ def _global_hooks() -> list[tuple[str, dict]]:
     return [(kind, v) for k, v in vars(_torch_module).items() if (kind := _hook_kind(k)) and isinstance(v, dict)]
 
 
-def check(fname: str, fn, arguments: dict, mode, gm: fx.GraphModule) -> None:
-    """Raise EscapeError if a fake tensor of this trace (fake `mode`; None: any) lies where `fn` can reach.
+class ModuleDicts:
+    """The instance dicts of the modules the traced callable holds, as they were before its trace.
 
-    fn: the traced callable; arguments: the caller's own arguments by parameter name (not the trace's copies)."""
+    What the trace stored there (a module keeping a value it makes on its first call: transformers' longrope rotary
+    embedding's `long_inv_freq`) is put back after the trace, traced or failed (`restore`): a fake tensor left on
+    the module would break its eager calls too, `fgraph.disable_jit()` included. A copy of ~400 small dicts for an
+    HF model: once per trace, never per call."""
+
+    def __init__(self, fn):
+        self.before = [(name, m, dict(vars(m))) for name, m in _modules_of(fn)]
+
+    def restore(self, mode) -> list[tuple[str, torch.Tensor]]:
+        """Put back each attribute the trace set to one of its fake tensors (`mode`; None: any): (where, the fake)."""
+        mine = _Scan(mode).mine
+        put = []
+        for name, m, before in self.before:
+            d = vars(m)
+            for k, v in list(d.items()):
+                if mine(v) and before.get(k, _ABSENT) is not v:
+                    if k in before:
+                        d[k] = before[k]
+                    else:
+                        del d[k]
+                    put.append((f"{name}.{k}", v))
+        return put
+
+
+_ABSENT = object()
+
+
+def _modules_of(fn, name: str = "self"):
+    """(name, module) of every module a callable holds: a module, the module of a bound method, what a partial or a
+    jitted function wraps."""
+    if isinstance(fn, torch.nn.Module):
+        return [(f"{name}.{k}" if k else name, m) for k, m in fn.named_modules()]
+    if isinstance(fn, types.MethodType):
+        return _modules_of(fn.__self__, name)
+    if isinstance(fn, functools.partial):
+        return _modules_of(fn.func, name)
+    if isinstance(fn, Inlined):
+        return _modules_of(fn.fn, name)
+    return []
+
+
+def check(fname: str, fn, arguments: dict, mode, gm: fx.GraphModule, restored: list = ()) -> None:
+    """Raise EscapeError if a fake tensor of this trace (fake `mode`; None: any) lies where `fn` can reach, or was
+    stored on one of its modules (`restored`: ModuleDicts.restore's, put back already).
+
+    fn: the traced callable; arguments: the caller's own arguments by parameter name (not the trace's copies). The
+    error's `left`: whether a fake is still where it went (those put back are not)."""
     scan = _Scan(mode)
     scan.callable("self", fn, None, 0)
     for name, v in arguments.items():
@@ -167,19 +213,29 @@ def check(fname: str, fn, arguments: dict, mode, gm: fx.GraphModule) -> None:
     for kind, hooks in _global_hooks():
         for hook in list(hooks.values()):
             scan.value(f"a {kind}", hook, None, 0)
-    if not scan.found:
+    found = [(where, None, t) for where, t in restored] + scan.found
+    if not found:
         return
-    where, via, t = scan.found[0]
+    where, via, t = found[0]
     line = _line_of(gm, t)
     line = None if line is None or line.startswith("<string>") else line  # (torch's generated code: no line)
-    more = f" (and {len(scan.found) - 1} more value(s) elsewhere)" if len(scan.found) > 1 else ""
-    raise EscapeError(
+    more = f" (and {len(found) - 1} more value(s) elsewhere)" if len(found) > 1 else ""
+    back = " (put back: the module holds what it held before the call)" if restored else ""
+    e = EscapeError(
         f"fgraph.jit({fname}): a value made while tracing{f' at {line}' if line else ''} escaped the trace into "
         f"{where}{f' (reached through {via})' if via else ''}{more}; it is a fake tensor (shape "
         f"{list(t.shape)}, {str(t.dtype).removeprefix('torch.')}, no data), and eager code or another jitted "
-        "function that reads it computes on nothing",
-        _FIX,
+        f"function that reads it computes on nothing{back}",
+        (_KEPT_FIX + "; or " if restored else "") + _FIX,
     )
+    e.left = bool(scan.found)
+    raise e
+
+
+_KEPT_FIX = (
+    "if the module keeps a value it makes on its first call (transformers' longrope `long_inv_freq`), call it once "
+    "before jitting it (or under fgraph.disable_jit()), so that it holds a real tensor"
+)
 
 
 def _line_of(gm: fx.GraphModule, t) -> str | None:

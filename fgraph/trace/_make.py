@@ -32,13 +32,44 @@ from ._constants import embed_host_constants
 
 def user_line(skip_ops: bool = True) -> str:
     """file:line of the innermost frame outside torch and fgraph (the user's code that caused an op)."""
-    f = sys._getframe(1)
+    fn, line = _user_frame()
+    return "<unknown>" if fn is None else f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{line}"
+
+
+def _user_frame() -> tuple[str | None, int]:
+    f = sys._getframe(2)
     while f is not None:
-        fn = f.f_code.co_filename
-        if not _fx.in_framework(fn):
-            return f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{f.f_lineno}"
+        if not _fx.in_framework(f.f_code.co_filename):
+            return f.f_code.co_filename, f.f_lineno
         f = f.f_back
-    return "<unknown>"
+    return None, 0
+
+
+def _package_of(path: str | None) -> str | None:
+    """The installed package (under site-packages) whose file `path` is, else None (the user's own code)."""
+    if path is None:
+        return None
+    path = os.path.abspath(path)
+    for d in _fx.LIBRARY_DIRS:
+        if d.rstrip(os.sep).endswith("-packages") and path.startswith(d):
+            return path[len(d) :].split(os.sep)[0].removesuffix(".py")
+    return None
+
+
+def _host_sync_fix(path: str | None) -> str:
+    package = _package_of(path)
+    if package is None:
+        return (
+            "keep the value on the device (torch.where instead of if, masks instead of indexing by values), or pass "
+            "it as a static argument"
+        )
+    hint = ""
+    if package == "transformers" and os.path.basename(path) == "modeling_rope_utils.py":
+        hint = " (a RoPE type other than 'dynamic', which recomputes its frequencies from the positions on each call)"
+    return (
+        f"the line is the installed package `{package}`'s, not yours: choose a configuration of it whose forward keeps "
+        f"tensor values on the device{hint}, or run the function without fgraph.jit"
+    )
 
 
 _HOST_SYNCS = {  # Tensor methods that need a value on the host, by name (C methods and Python ones alike)
@@ -70,11 +101,11 @@ class _RejectHostSyncs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         what = _host_sync(func)
         if what is not None:
+            path, _ = _user_frame()
             raise TraceError(
                 f"fgraph.jit({self.fname}): {what} at {user_line()} needs the tensor's value on the host, "
                 "which a captured graph cannot provide (it replays without running Python)",
-                "keep the value on the device (torch.where instead of if, masks instead of indexing by "
-                "values), or pass it as a static argument",
+                _host_sync_fix(path),
             )
         try:
             return func(*args, **(kwargs or {}))
@@ -219,6 +250,7 @@ def trace(
         return flat_fn(*tensors)
 
     decompositions = _foreign.foreign_decompositions(device)
+    dicts = _escapes.ModuleDicts(reach[0]) if reach is not None else None
     tracing.depth += 1
     try:
         with (
@@ -268,8 +300,9 @@ def trace(
         raise E.translate(fname, e, names).with_traceback(frames_of(e)) from cause(e)
     finally:
         tracing.depth -= 1
+        restored = dicts.restore(names.mode) if dicts is not None else []
     if reach is not None:
-        _escapes.check(fname, *reach, names.mode, gm)
+        _escapes.check(fname, *reach, names.mode, gm, restored)
     gm.meta["grad_mode"] = grad_mode[0]
     for node in gm.graph.nodes:
         val = node.meta.get("val")

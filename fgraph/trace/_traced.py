@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from .. import _primitives as P
 from .. import padding
-from .._errors import GROWING_CACHE_FIX, TraceError
+from .._errors import GROWING_CACHE_FIX, EscapeError, TraceError
 from .._fx import base_of, write_targets
 from .._modes import resolve_mode
 from .._pytree import flatten_with_paths, holds, static_attrs, tree_flatten
@@ -32,6 +32,7 @@ class InitialisesState(Exception):
     def __init__(self, what: str, fix: str):
         super().__init__(what)
         self.what, self.fix = what, fix
+        self.rescan = False  # the eager call may make tensors the function reads: lift them again at the next call
 
 
 class Traced:
@@ -85,7 +86,16 @@ class Traced:
         ]
         reach = (jitted.fn, call.bound)  # where a traced value must not be left: its reach, the caller's args
         self.state_change = None
-        gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix], reach, device)
+        try:
+            gm, self.shapes = trace(fname, flat_fn, example, axes, [self.paths[i] for i in tensor_ix], reach, device)
+        except EscapeError as e:
+            # a call that makes a lazily made cache runs eagerly, its trace unused: where every value the trace let
+            # out was put back on its module, that eager call makes it for real (transformers' longrope
+            # `long_inv_freq`), and the next call lifts it (`rescan`)
+            if self.state_change is None or e.left:
+                raise
+            self.state_change.rescan = True
+            raise self.state_change from None
         if self.state_change is not None:  # a lazily made cache: its first call runs eagerly
             raise self.state_change
         self.gm = gm  # the whole program, unsplit (Jitted.lower)

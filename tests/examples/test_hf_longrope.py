@@ -1,0 +1,101 @@
+"""A longrope model (Phi-3 128k, Phi-3.5, Phi-4-mini) under the static-cache recipe: transformers makes its rotary
+embedding's `long_inv_freq` lazily, on the first forward, and copies the chosen frequencies into `inv_freq` in place
+each call. A trace's fake `long_inv_freq` never stays on the model; the recipe names one fix (donate `self`), which
+gives eager's tokens."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+
+import fgraph  # noqa: E402
+from examples import hf_generate as G  # noqa: E402
+from tests.hf import NO_SPECIAL_TOKENS  # noqa: E402
+
+IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+
+
+def tiny_longrope():
+    cfg = transformers.Phi3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation="eager",
+        **NO_SPECIAL_TOKENS,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            original_max_position_embeddings=10,
+            short_factor=[1.0, 1.1, 1.2, 1.5, 2, 3, 4, 5],
+            long_factor=[1.0, 2, 4, 8, 16, 32, 64, 128],
+        ),
+    )
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.generation_config.update(**NO_SPECIAL_TOKENS)
+    return model.eval()
+
+
+def test_the_recipe_names_one_fix_and_leaves_the_model_working():
+    model = tiny_longrope()
+    want = G.generate(tiny_longrope(), IDS, 6)  # 7 + 6 positions: past original_max_position_embeddings
+    G.jit_forward(model)
+    with pytest.raises(fgraph.TraceError, match=r"writes in place into self\.model\.rotary_emb\.inv_freq") as e:
+        G.generate(model, IDS, 6)
+    assert "add 'self' to donate" in e.value.fix
+    assert not isinstance(model.model.rotary_emb.long_inv_freq, torch._subclasses.FakeTensor)
+    with fgraph.disable_jit():
+        assert torch.equal(G.generate(model, IDS, 6), want)
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL"])
+def test_donating_self_gives_eager_tokens(mode):
+    model = tiny_longrope()
+    want = G.generate(tiny_longrope(), IDS, 6)
+    model.forward = fgraph.jit(model.forward, donate=["cache", "self"], mode=mode)
+    for _ in range(2):
+        assert torch.equal(G.generate(model, IDS, 6), want)
+
+
+def test_a_fake_left_on_a_module_is_put_back():
+    model = tiny_longrope()
+    f = fgraph.jit(model, mode="FULL")
+    with torch.no_grad(), pytest.raises(fgraph.EscapeError, match="put back") as e:
+        f(IDS, use_cache=False)
+    assert "call it once before jitting it" in e.value.fix
+    assert not hasattr(model.model.rotary_emb, "long_inv_freq")
+    with torch.no_grad(), fgraph.disable_jit():
+        assert torch.equal(f(IDS, use_cache=False).logits, tiny_longrope()(IDS, use_cache=False).logits)
+
+
+def test_a_host_sync_in_an_installed_package_says_so_and_names_a_configuration():
+    """Llama with dynamic RoPE recomputes its frequencies under `if seq_len > cached` (transformers'
+    modeling_rope_utils): not the user's line to change, so the fix names the configuration instead."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="eager",
+        rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=10),
+        **NO_SPECIAL_TOKENS,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    f = fgraph.jit(model, mode="FULL")
+    with (
+        torch.no_grad(),
+        pytest.raises(fgraph.TraceError, match=r"modeling_rope_utils\.py:\d+ needs the tensor's") as e,
+    ):
+        f(IDS, use_cache=False)
+    assert "installed package `transformers`'s, not yours" in e.value.fix and "other than 'dynamic'" in e.value.fix
