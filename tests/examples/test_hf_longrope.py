@@ -17,8 +17,9 @@ from tests.hf import NO_SPECIAL_TOKENS  # noqa: E402
 IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
 
 
-def tiny_longrope():
-    cfg = transformers.Phi3Config(
+def tiny(arch: str, rope: dict):
+    """A random 2-layer `arch` ("Phi3", "Llama") with these RoPE parameters, weights as the other HF tests' (~0.15)."""
+    cfg = getattr(transformers, f"{arch}Config")(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -27,22 +28,21 @@ def tiny_longrope():
         num_key_value_heads=2,
         max_position_embeddings=256,
         attn_implementation="eager",
+        rope_parameters=dict(rope_theta=10000.0, original_max_position_embeddings=10, **rope),
         **NO_SPECIAL_TOKENS,
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            original_max_position_embeddings=10,
-            short_factor=[1.0, 1.1, 1.2, 1.5, 2, 3, 4, 5],
-            long_factor=[1.0, 2, 4, 8, 16, 32, 64, 128],
-        ),
     )
     torch.manual_seed(0)
-    model = transformers.Phi3ForCausalLM(cfg)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     model.generation_config.update(**NO_SPECIAL_TOKENS)
     return model.eval()
+
+
+def tiny_longrope():
+    short, long = [1.0, 1.1, 1.2, 1.5, 2, 3, 4, 5], [1.0, 2, 4, 8, 16, 32, 64, 128]
+    return tiny("Phi3", dict(rope_type="longrope", short_factor=short, long_factor=long))
 
 
 def test_the_recipe_names_one_fix_and_leaves_the_model_working():
@@ -80,18 +80,7 @@ def test_a_fake_left_on_a_module_is_put_back():
 def test_a_host_sync_in_an_installed_package_says_so_and_names_a_configuration():
     """Llama with dynamic RoPE recomputes its frequencies under `if seq_len > cached` (transformers'
     modeling_rope_utils): not the user's line to change, so the fix names the configuration instead."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="eager",
-        rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=10),
-        **NO_SPECIAL_TOKENS,
-    )
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny("Llama", dict(rope_type="dynamic", factor=4.0))
     f = fgraph.jit(model, mode="FULL")
     with (
         torch.no_grad(),
