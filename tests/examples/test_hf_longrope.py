@@ -1,7 +1,7 @@
 """A longrope model (Phi-3 128k, Phi-3.5, Phi-4-mini) under the static-cache recipe: transformers makes its rotary
 embedding's `long_inv_freq` lazily, on the first forward, and copies the chosen frequencies into `inv_freq` in place
 each call. A trace's fake `long_inv_freq` never stays on the model; the recipe names one fix (donate `self`), which
-gives eager's tokens."""
+gives eager's tokens. A dynamic-RoPE Llama's host sync, in transformers' own code, names a configuration to choose."""
 
 import pytest
 import torch
