@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._config import config as fgraph_config
 from .._errors import SignatureError
+from ..trace import fake_slices
 from . import _small_m
 from ._assumed import Compilation, bound_int, input_layout, layout_facts, piece_key, restored
 
@@ -256,6 +257,7 @@ class Compiler:
         with (
             tracing(TracingContext(mode)),
             config.patch({**options, "post_grad_custom_post_pass": residual_adds_out_of_gemms()}),
+            fake_slices(),  # (the trace's slices, propagated again: sized as the trace sized them)
         ):
             fn = compile_fx(module, inputs)
         loaded = counters["inductor"]["fxgraph_cache_hit"] > hits

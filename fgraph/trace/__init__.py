@@ -4,7 +4,8 @@ make_fx with the batch axis traced as a symbol (`trace`), the checks a trace mus
 arguments not donated: `check`), errors that name the user's line and key paths, `repeated`, the callable and the
 tensors it reads without taking them (`Lifted`, `invoke`), the split at break primitives (`split`, `Program`), and
 `Traced`: one trace, checked and split, shared by the signatures it fits; other libraries' ops a CUDA graph cannot
-hold, traced as device-only equivalents (`foreign_decompositions`).
+hold, traced as device-only equivalents (`foreign_decompositions`); torch 2.11's fake slices as 2.12's while fgraph
+traces and compiles (`fake_slices`).
 """
 
 from ._callable import Inlined as Inlined
@@ -22,6 +23,7 @@ from ._foreign import grouped_mm_by_expert as grouped_mm_by_expert
 from ._lifted_view import LiftedView as LiftedView
 from ._make import tracing as tracing
 from ._repeated import repeated as repeated
+from ._slice_compat import fake_slices as fake_slices
 from ._split import Piece as Piece
 from ._split import Program as Program
 from ._split import op_summary as op_summary

@@ -28,6 +28,7 @@ from . import _errors as E
 from . import _escapes, _foreign
 from ._compiling import compiling_flag
 from ._constants import embed_host_constants
+from ._slice_compat import fake_slices
 
 
 def user_line(skip_ops: bool = True) -> str:
@@ -259,6 +260,7 @@ def trace(
             E.quiet(),
             _watch_grad_mode() as grad_mode,
             compiling_flag(),
+            fake_slices(),
         ):
             if any(a is not None for a in batch_axes):
                 env = ShapeEnv()

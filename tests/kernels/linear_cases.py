@@ -53,8 +53,8 @@ def symbolic_rows(fn, a):
         return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
 
     fakes = [fake(t, rows=i < 2) for i, t in enumerate(a)]  # model's x and x3
-    with mode:
-        return make_fx(fn)(*fakes)
+    with mode:  # tracing_mode as fgraph's: the Python dispatcher (torch 2.11/2.12's C++ matmul calls numel())
+        return make_fx(fn, tracing_mode="symbolic")(*fakes)
 
 
 @contextlib.contextmanager
