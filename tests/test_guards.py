@@ -210,3 +210,57 @@ def test_a_container_too_large_to_guard_is_said_once_listed_by_explain_and_refus
     assert "not guarded: BIG" in str(fgraph.explain(f))
     with pytest.raises(fgraph.TraceError, match="strict=True.*BIG"):
         fgraph.jit(reads_big, batch={"x": Batched()}, buckets=[4], strict=True)(X)
+
+
+REBOUND_WS = [torch.ones(2)]
+REBOUND_CFG = {"s": 2.0}
+
+
+def reads_rebindable(x):
+    return x * REBOUND_WS[0] * REBOUND_CFG["s"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_global_container_rebound_to_a_new_one_is_read_anew(mode):
+    """A global list or dict rebound to a new one after calls: the tensors and guarded values are read from the new
+    containers (the replay path's proof holds each container where it was found), as eager reads them."""
+    global REBOUND_WS, REBOUND_CFG
+    REBOUND_WS, REBOUND_CFG = [torch.ones(2)], {"s": 2.0}
+    j, x = fgraph.jit(reads_rebindable, mode=mode), torch.ones(2)
+    j(x), j(x)
+    try:
+        REBOUND_WS = [torch.full((2,), 5.0)]
+        assert j(x).tolist() == reads_rebindable(x).tolist() == [10.0, 10.0]
+        REBOUND_CFG = {"s": 3.0}
+        assert j(x).tolist() == j(x).tolist() == [15.0, 15.0]
+    finally:
+        REBOUND_WS, REBOUND_CFG = [torch.ones(2)], {"s": 2.0}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_closure_cell_rebound_to_a_new_list_is_read_anew(mode):
+    ws = [torch.ones(2)]
+
+    def f(x):
+        return x * ws[0]
+
+    j, x = fgraph.jit(f, mode=mode), torch.ones(2)
+    j(x), j(x)
+    ws = [torch.full((2,), 4.0)]  # noqa: F841 (read by f through its cell)
+    assert j(x).tolist() == j(x).tolist() == [4.0, 4.0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_partials_keywords_are_read_as_they_are_at_each_call(mode):
+    import functools
+
+    def f(x, w, s=1.0):
+        return x * w * s
+
+    p = functools.partial(f, w=torch.full((2,), 2.0), s=2.0)
+    j, x = fgraph.jit(p, mode=mode), torch.ones(2)
+    assert j(x).tolist() == [4.0, 4.0]
+    p.keywords["w"] = torch.full((2,), 5.0)
+    assert j(x).tolist() == p(x).tolist() == [10.0, 10.0]
+    p.keywords["s"] = 3.0
+    assert j(x).tolist() == j(x).tolist() == [15.0, 15.0]

@@ -165,3 +165,26 @@ def test_errors_name_a_keyless_node_by_index():
         f(Span(torch.zeros(2), torch.zeros(2, requires_grad=True)))
     with pytest.raises(fgraph.FgraphError, match=r"span\[0\] is a sparse_coo tensor"):
         f(Span(torch.zeros(2).to_sparse(), torch.zeros(2)))
+
+
+@fgraph.register
+@attrs.define
+class Scaled:
+    w: torch.Tensor
+    k: object = fgraph.field(static=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dict_keys_and_static_fields_are_keyed_by_type_and_value(mode):
+    """1, 1.0 and True compare equal, as do 0.0 and -0.0: as statics are, a dict key or a record's static field is
+    its own signature by type and value, on the slow path and the replay path alike (each called again and again)."""
+    x, w = torch.arange(3), torch.zeros(3, dtype=torch.int64)
+    by_key, by_field = (
+        fgraph.jit(lambda x, d: sum(v * k for k, v in d.items()), mode=mode),
+        fgraph.jit(lambda x, c: x * c.k + c.w, mode=mode),
+    )
+    for k in [1, 1, 1.0, 1.0, True, 1, 1.0, -0.0, 0.0, 0.0, -0.0]:
+        got, want = by_key(x, {k: x}), sum(v * kk for kk, v in {k: x}.items())
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        got, want = by_field(x, Scaled(w, k)), x * k + w
+        assert got.dtype == want.dtype and torch.equal(got, want)

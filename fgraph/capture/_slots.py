@@ -195,7 +195,9 @@ class Slots:
             x = leaves[self.ix[k]]
             key = (self.entry.paths[self.ix[k]], tuple(x.shape), tuple(x.stride()), x.dtype, str(x.device))
             owned = store.get(key)
-            if owned is None:
+            # a caller's tensor adopted onto the shared buffer moves off it first (with its contents); one that cannot
+            # (read in place by a graph, or a view of it alive) keeps it, and this slot gets a buffer of its own
+            if owned is None or not owned.vacate():
                 owned = store[key] = Owned(torch.empty_like(x, memory_format=torch.preserve_format))
             owned.tensor.copy_(x)
             self.targets[k], self.owned[k] = owned.tensor, owned

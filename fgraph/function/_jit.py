@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from .. import trace as T
 from .._errors import CaptureError, SignatureError
-from .._pytree import flatten_with_paths, see_into
+from .._pytree import flatten_with_paths, see_into, structure_key
 from .._signature import (
     Call,
     Signature,
@@ -126,6 +126,8 @@ class Jitted(T.Inlined):
         if _disabled or T.tracing.depth:  # called while this thread traces a function: inlined
             return self.fn(*args, **kwargs)
         T.check_transforms(self.name)  # vmap / grad over a jitted call: an fgraph error
+        if type(self.fn) is functools.partial and self.fn.keywords:  # its keywords as they are now, as partial does
+            kwargs = {**self.fn.keywords, **kwargs}  # (the signature's defaults are the ones at jit time)
         with self._lock:
             # (a jit object serves the replay path once a slow call of its own found what its function reads)
             taught = self._view is not None or (self.lifted.rescanned and not self.lifted)
@@ -175,7 +177,8 @@ class Jitted(T.Inlined):
         bucket = bucket_for(self.options.buckets, max(n, 1)) if n is not None else None
         sig = Signature(
             tuple(Static(k, statics[k]) for k in sorted(statics))  # by type and value: 1, True, 1.0 apart
-            + T.context(self.lifted),  # + autocast, model.eval(), ...
+            + T.context(self.lifted)  # + autocast, model.eval(), ...
+            + ((Static("<structure>", st),) if (st := structure_key(treespec)) is not None else ()),  # 1 / 1.0 keys
             bucket,
             treespec,
             tuple(leaf_of(x, s, bucket) for x, s in zip(leaves, specs)),

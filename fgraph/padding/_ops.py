@@ -154,6 +154,11 @@ def along(node: fx.Node, ctx: Ctx) -> Hit | None:
 
     The axis keeps its size, so the reduction check would not see it; every row of it takes part."""
     first = ctx.first
+    if ctx.name == "roll":  # shifted by a batch size: the bucket's, not the call's (`x.roll(n)`, any dim)
+        shifts = [_fx.val(a) for a in _fx.arg(node, "shifts", ())]
+        sized = [v.node.expr for v in shifts if isinstance(v, torch.SymInt) and ctx.axes.syms_of_expr(v.node.expr)]
+        if sized:
+            return ctx.axes.syms_of_expr(sized[0]), f"shifts by {ctx.axes.name(sized[0])}: the bucket's, not the call's"
     if first is None:
         return reduces(node, ctx)
     dim = _fx.arg(node, "dims", None) if ctx.name in ("flip", "roll") else _fx.arg(node, "dim", None)
@@ -371,8 +376,9 @@ PREFIXES: dict[str, Rule] = {"_scaled_dot_product": attends, "new_": reads, "sym
 
 
 def rule_of(name: str) -> Rule:
-    """The rule for an op: its own, else its prefix's, else `reduces`."""
+    """The rule for an op: its own, else its prefix's, else `values` (a batch size passed as a scalar argument is
+    a value: `linspace(0, n, k)`, `full_like(x, n)`, `ones << n`), then `reduces`."""
     rule = RULES.get(name)
     if rule is None:
-        rule = next((r for p, r in PREFIXES.items() if name.startswith(p)), reduces)
+        rule = next((r for p, r in PREFIXES.items() if name.startswith(p)), values)
     return rule

@@ -113,6 +113,9 @@ class Lifted:
         # are: each call's signature holds them (`context`), so a changed one is another signature
         self.guards: list[Place] = []
         self.unguarded: list[str] = []  # containers too large to guard value by value (explain lists them)
+        # the containers walked into (CONFIG, a closure's list), where each lives, with the object found there: the
+        # places above hold the containers themselves, so a name rebound to a new one means a scan again (moved)
+        self.containers: list[tuple[Place, object]] = []
         self._taken, self._seen = set(self.params), set()
         self._callable(fn)
 
@@ -142,6 +145,10 @@ class Lifted:
 
     def __bool__(self):
         return bool(self.modules or self.slots or self.guards)
+
+    def moved(self) -> bool:
+        """Whether a container walked into is no longer where it was found (`CONFIG = {...}` rebound)."""
+        return any(_read(p.kind, p.holder, p.key) is not v for p, v in self.containers)
 
     def reads_tensors(self) -> bool:
         """Whether it reads tensors (not only guarded Python values): what a backward through its outputs needs."""
@@ -213,6 +220,7 @@ class Lifted:
         elif guardable(v):
             self.guards.append(Place(name, kind, holder, key))
         elif isinstance(v, (dict, list)) and depth <= 3 and len(v) <= 4096:  # CONFIG["w"]: swapped in the container
+            self.containers.append((Place(name, kind, holder, key), v))
             items = list(v.items() if isinstance(v, dict) else enumerate(v))
             plain = [(k, x) for k, x in items if guardable(x)]
             if len(plain) > MAX_GUARDS:
@@ -413,8 +421,8 @@ def check_call(fname: str, lifted: Lifted, statics: dict, dynamic: dict) -> dict
                     "call it under torch.no_grad() or torch.inference_mode(), pass x.detach(), or train with the "
                     "plain function (fgraph.disable_jit())",
                 )
-    if not lifted.rescanned:  # the first call: what the function reads now (globals assigned after the decorator)
-        lifted.rescanned = True
+    if not lifted.rescanned or lifted.moved():  # the first call: what the function reads now (globals assigned
+        lifted.rescanned = True  # after the decorator); a container rebound since: what it holds now
         lifted.scan()
     return {**dynamic, **lifted.values()} if lifted else dynamic
 

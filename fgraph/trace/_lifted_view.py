@@ -74,6 +74,9 @@ class LiftedView:
             self.dicts.append(sub._parameters if local in sub._parameters else sub._buffers)
             self.keys.append(local)
         self.slots = list(lifted.slots)  # (Place: where each lives)
+        # the containers the slots and guards live in, each where it was found (a rebound one: the slow path rescans)
+        self.container_readers = [_reader(p.kind, p.holder, p.key) for p, _ in lifted.containers]
+        self.container_values = [v for _, v in lifted.containers]
         self.slot_readers = [_reader(p.kind, p.holder, p.key) for p in self.slots]  # (C partials, as the guards')
         # the guarded Python values (Lifted.guards) as the slow call read them, by type and value (static_key)
         self.guards = list(lifted.guards)
@@ -114,6 +117,10 @@ class LiftedView:
         Each read is a `map` of a C callable over its objects (one C loop, no bytecode per object: ~600 objects a
         call for a 24-layer HF model); the tensors' pointers are read once their identity is proven."""
         if self.generation != _generation[0]:
+            return False
+        if self.container_readers and not all(
+            map(operator.is_, map(operator.call, self.container_readers), self.container_values)
+        ):
             return False
         if self.guards:  # the same objects, else equal by type and value (a float recomputed, an int past 256)
             now = list(map(operator.call, self.guard_readers))

@@ -196,3 +196,23 @@ def test_any_sequence_of_states_equals_eager(mode, ops):
         assert torch.equal(f(x, mine), grow(x, theirs)), ops[: k + 1]
         assert all(torch.equal(m["h"], t["h"]) for m, t in pool), ops[: k + 1]
         assert all(torch.equal(m, t) for m, t in views), ops[: k + 1]
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL", "FULL_AND_PIECEWISE"])
+def test_a_buffer_shared_by_signatures_is_vacated_before_another_tensor_is_copied_in(mode):
+    """Three state dicts in turn over two signatures: C adopted onto fgraph's shared buffer, then A moved into that
+    buffer by the other signature. C moves off it first, with its contents, as eager leaves C alone."""
+
+    def step(x, s, k):
+        s["a"].add_(x[0])
+        return x * k
+
+    f = fgraph.jit(step, mode=mode, donate=["s"], static=["k"], batch={"x": fgraph.Batched()}, buckets=[2, 8])
+    A, B, C = ({"a": torch.zeros(3)} for _ in range(3))
+    f(torch.full((8, 3), 1.0), A, 2.0)  # (k=2.0, bucket 8) reads A in place
+    f(torch.full((8, 3), 1.0), B, 2.0)  # another tensor there: captured again over B
+    f(torch.full((2, 3), 10.0), A, 1)  # (k=1, bucket 2) reads A in place
+    f(torch.full((8, 3), 100.0), C, 2.0)  # a third: copied slot, C adopted onto the shared buffer
+    f(torch.full((2, 3), 100.0), C, 1)  # (k=1) captured again over C, on that buffer
+    f(torch.full((2, 3), 1000.0), A, 1)  # (k=1) A moves into the shared buffer: C must keep its 200
+    assert C["a"].tolist() == [200.0] * 3 and A["a"].tolist() == [1011.0] * 3 and B["a"].tolist() == [1.0] * 3

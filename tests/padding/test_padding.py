@@ -95,6 +95,18 @@ def scaled_by_size(x):  # the batch size as a value: the bucket's
     return x * x.shape[0]
 
 
+def filled_with_size(x):  # the batch size as a scalar argument of an op: the bucket's
+    return torch.full_like(x, x.shape[0]) + x
+
+
+def ramp_to_size(x):
+    return torch.linspace(0, x.shape[0], 3)[None] + x
+
+
+def rolled_by_size(x):  # a shift by the batch size, along another axis
+    return x.roll(x.shape[0], 1)
+
+
 def last_row_masked(x):
     return torch.where((torch.arange(x.shape[0]) == x.shape[0] - 1)[:, None], 0.0, x)
 
@@ -151,6 +163,9 @@ MIXING = {
     appended: "aten.constant_pad_nd",
     convolved: "aten.convolution",
     scaled_by_size: "aten.mul",
+    filled_with_size: "aten.full_like",
+    ramp_to_size: "aten.linspace",
+    rolled_by_size: "aten.roll",
     last_row_masked: "aten.eq",
     normalized_over_rows: "aten.native_layer_norm",
     instance_normalized: "aten._native_batch_norm_legit",
