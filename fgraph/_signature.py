@@ -200,8 +200,14 @@ def leaf_of(x: Any, spec: Batched | None = None, bucket: int | None = None) -> A
             return Aval(shape, x.dtype, str(x.device))
         return Aval(tuple(x.shape), x.dtype, str(x.device), None, None if x.is_contiguous() else x.stride())
     # by value and type: 2, 2.0 and True are equal in Python but trace to int64, float32 and bool results; a
-    # float's hex tells 0.0 from -0.0 (1 / (x * s) is +inf or -inf)
-    return Aval(None, type(x), x.hex() if type(x) is float else None, x)
+    # float's hex tells 0.0 from -0.0 (1 / (x * s) is +inf or -inf); every nan is one object (nan != nan, and its
+    # hash is its id: each new nan would be a new signature)
+    if type(x) is float:
+        return Aval(None, float, x.hex(), _NAN if x != x else x)
+    return Aval(None, type(x), None, x)
+
+
+_NAN = float("nan")
 
 
 def aval_of(t: torch.Tensor) -> Aval:

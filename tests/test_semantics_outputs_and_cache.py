@@ -496,3 +496,14 @@ def test_explain_says_what_is_read_in_place_and_what_is_copied():
     j({"w": p["w"], "b": p["b"].clone()}, x)  # and another: copied into fgraph's buffer from now on
     text = str(fgraph.explain(j))
     assert "read: padded into input buffers: x; read in place: p['w']; copied: p['b']" in text
+
+
+@pytest.mark.parametrize("mode", ["NONE", "FULL"])
+def test_a_nan_scalar_is_one_signature_however_often_it_is_passed(mode):
+    """nan != nan, and a float's hash is its id when it is a nan: each new nan object must not be a new signature
+    (64 of them, and the function would run eagerly from then on)."""
+    f = fgraph.jit(lambda x, s: x * s, mode=mode)
+    for _ in range(5):
+        assert f(torch.ones(2), float("nan")).isnan().all()
+    assert len(f.entries) == 1 and f.stats()["total"]["traces"] == 1
+    assert f(torch.ones(2), 2.0).tolist() == [2.0, 2.0] and len(f.entries) == 2
