@@ -501,3 +501,12 @@ def test_switches_and_helpers_given_the_wrong_kind():
     with pytest.raises(fgraph.FgraphError, match=r"fgraph.register\(Batched\(.*\)\): expected an attrs class or a"):
         fgraph.register(Batched())
     assert fgraph.config.max_signatures == 64 and fgraph.config.log_captures is False
+
+
+def test_a_python_operation_a_batch_size_symbol_does_not_take_is_a_trace_error():
+    """divmod(n, 3) of a size works eagerly; while tracing, n is a symbol that divmod does not take: a TraceError
+    naming the line and the size's own operators, not Python's bare TypeError."""
+    f = fgraph.jit(lambda x: divmod(x.shape[0], 3), batch={"x": Batched()}, buckets=[4], mode="PIECEWISE")
+    with pytest.raises(fgraph.TraceError, match=r"divmod\(\).*test_errors\.py:\d+: a batch size is a symbol") as e:
+        f(torch.ones(3, 2))
+    assert "n // k, n % k instead of divmod(n, k)" in e.value.fix

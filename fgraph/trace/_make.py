@@ -292,6 +292,13 @@ def trace(
                 f"({name}): Python control flow or shapes that come from data cannot be captured",
                 "use torch.where / masking instead of `if tensor`, keep shapes static",
             ).with_traceback(frames_of(e)) from cause(e)
+        if isinstance(e, TypeError) and "'SymInt'" in str(e):  # a batch size (a symbol) where Python wants an int
+            raise TraceError(
+                f"fgraph.jit({fname}): {str(e).splitlines()[0]} at {_tb_line(e)}: a batch size is a symbol while "
+                "fgraph traces, and this Python operation does not take one",
+                "compute with the size's own operators (n // k, n % k instead of divmod(n, k)), or keep the value "
+                "out of the traced function",
+            ).with_traceback(frames_of(e)) from cause(e)
         if E.raised_by_user(e):
             # as jax.jit does: the function's own exception, of its own type (callers may catch it), with a note
             e.add_note(
