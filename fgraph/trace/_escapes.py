@@ -5,7 +5,8 @@ closure cell, an attribute of an argument or of a module, a list a forward hook 
 fake after the trace: eager code that reads it later computes on no data, and another jitted function that reads it
 cannot capture it. jax.jit raises UnexpectedTracerError for this; fgraph raises EscapeError at the end of the trace
 that let the value out (`check`), and at the first jitted call that reads such a value (fgraph/_signature.py's
-check_leaves).
+check_leaves). What the trace stored as an attribute of one of the callable's modules is put back first
+(`ModuleDicts`): their state before the trace is known, and a module left holding a fake fails its eager calls.
 
 The places scanned are those the function can reach: what Lifted scans (the callable's module, `self`, closure
 cells, the globals its code reads, containers in them), the caller's own arguments (an object passed in), the hooks
