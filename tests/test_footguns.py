@@ -20,8 +20,9 @@ SILENT MISMATCHES (wrong results, no error):
                                                is_grad_enabled`, torch._C's) replays the branch it was traced
                                                under. Call torch.is_grad_enabled() by that name
   module_changes_without_tensors        MED   forward hooks added after the first call, a parameter-free submodule
-                                               swapped (ReLU -> Tanh), a global / closure / dict slot rebound to a
-                                               new module: the trace keeps the old. Call .reset() after such edits
+                                               swapped for one with the same guarded values (Tanh -> Sigmoid), a
+                                               global / closure / dict slot rebound to a new module: the trace
+                                               keeps the old. Call .reset() after such edits
   shared_state_across_threads           MED   two jitted functions donating the same state, called from two
                                                threads: one's capture puts the state back over the other's update.
                                                Serialize such calls (a lock of your own)
@@ -133,12 +134,17 @@ def test_grad_mode_read_under_another_name():
 
 
 def test_module_changes_without_tensors():
+    """A parameter-free submodule swapped for one whose guarded values differ (ReLU's `inplace`, Tanh has none) is
+    seen: the module tree changed, so what the function reads is scanned again. One swapped for a module with the
+    same guarded values (Tanh for Sigmoid: none) is not."""
     m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     f, x = fgraph.jit(m, mode="PIECEWISE"), -torch.ones(1, 2)
     with torch.no_grad():
         f(x)
         m[1] = torch.nn.Tanh()
-        assert not torch.equal(f(x), m(x))  # the trace still applies ReLU
+        assert torch.equal(f(x), m(x))  # ReLU's guard gone: another signature
+        m[1] = torch.nn.Sigmoid()
+        assert not torch.equal(f(x), m(x))  # the trace still applies Tanh
         f.reset()
         assert torch.equal(f(x), m(x))  # the fix: reset after editing the module
 

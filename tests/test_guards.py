@@ -264,3 +264,63 @@ def test_a_partials_keywords_are_read_as_they_are_at_each_call(mode):
     assert j(x).tolist() == p(x).tolist() == [10.0, 10.0]
     p.keywords["s"] = 3.0
     assert j(x).tolist() == j(x).tolist() == [15.0, 15.0]
+
+
+class Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+class Scaled(torch.nn.Module):
+    scale = 2.0  # a class attribute: an instance may set its own later
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.perm = torch.nn.Linear(4, 4), [3, 2, 1, 0]
+
+    def forward(self, x):
+        return self.lin(x)[:, self.perm] * self.scale
+
+    @fgraph.jit
+    def step(self, x):  # a jitted method reads what it names, whatever forward names
+        return self.lin(x) * self.offset
+
+
+class Child(Scaled):
+    def forward(self, x):  # the base's forward reads `scale`
+        return super().forward(x) + 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_module_attributes_are_guarded_wherever_the_code_that_reads_them_is(mode):
+    """A submodule replaced by one with other values (LayerNorm's eps), a class attribute an instance overrides, a
+    base class's forward (super().forward), a jitted method's own names, a list attribute changed in place or
+    rebound: each read anew, as eager reads it."""
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        m = Normed()
+        f = fgraph.jit(m, mode=mode)
+        f(x), f(x)
+        m.norm = torch.nn.LayerNorm(4, eps=10.0)
+        assert torch.equal(f(x), m(x))
+        for cls in (Scaled, Child):
+            m = cls()
+            f = fgraph.jit(m, mode=mode)
+            f(x), f(x)
+            m.scale = 5.0
+            assert torch.equal(f(x), m(x))
+            m.perm[0], m.perm[3] = 0, 3
+            assert torch.equal(f(x), m(x))
+            m.perm = [1, 0, 2, 3]
+            assert torch.equal(f(x), m(x)) and torch.equal(f(x), m(x))
+        m = Scaled()
+        m.offset = 2.0
+        m.step(x), m.step(x)
+        m.offset = 3.0
+        with fgraph.disable_jit():
+            want = m.step(x)
+        assert torch.equal(m.step(x), want)

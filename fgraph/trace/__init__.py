@@ -8,16 +8,16 @@ hold, traced as device-only equivalents (`foreign_decompositions`); torch 2.11's
 traces and compiles (`fake_slices`).
 """
 
+from ._autograd import check_transforms as check_transforms
+from ._autograd import refuse_backward as refuse_backward
 from ._callable import Inlined as Inlined
 from ._callable import LazyParameters as LazyParameters
 from ._callable import Lifted as Lifted
 from ._callable import check_call as check_call
-from ._callable import check_transforms as check_transforms
 from ._callable import context as context
 from ._callable import describe as describe
 from ._callable import invoke as invoke
 from ._callable import plain_signature as plain_signature
-from ._callable import refuse_backward as refuse_backward
 from ._foreign import foreign_decompositions as foreign_decompositions
 from ._foreign import grouped_mm_by_expert as grouped_mm_by_expert
 from ._lifted_view import LiftedView as LiftedView

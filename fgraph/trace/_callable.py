@@ -21,7 +21,6 @@ import types
 import attrs
 import torch
 import torch.utils._pytree as pytree
-from torch._C import _functorch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -116,6 +115,7 @@ class Lifted:
         # the containers walked into (CONFIG, a closure's list), where each lives, with the object found there: the
         # places above hold the containers themselves, so a name rebound to a new one means a scan again (moved)
         self.containers: list[tuple[Place, object]] = []
+        self.tree: list[tuple[torch.nn.Module, list]] = []  # each lifted module's submodules as scanned
         self._taken, self._seen = set(self.params), set()
         self._callable(fn)
 
@@ -124,7 +124,7 @@ class Lifted:
             self._module("self", fn)
             self._function(type(fn).forward, 0)
         elif isinstance(fn, types.MethodType):
-            self._holder("self", fn.__self__)
+            self._holder("self", fn.__self__, getattr(fn.__func__, "__code__", None))
             self._function(fn.__func__, 0)
         elif isinstance(fn, functools.partial):  # partial(step, params): its positional arguments, by parameter name
             # (its keywords are defaults of its signature: arguments)
@@ -148,7 +148,9 @@ class Lifted:
 
     def moved(self) -> bool:
         """Whether a container walked into is no longer where it was found (`CONFIG = {...}` rebound)."""
-        return any(_read(p.kind, p.holder, p.key) is not v for p, v in self.containers)
+        return any(_read(p.kind, p.holder, p.key) is not v for p, v in self.containers) or any(
+            list(m.modules()) != subs for m, subs in self.tree
+        )
 
     def reads_tensors(self) -> bool:
         """Whether it reads tensors (not only guarded Python values): what a backward through its outputs needs."""
@@ -180,26 +182,41 @@ class Lifted:
                 names.extend(f"{name}.{k}" for k, sub in m.named_modules() if sub.training)
         return tuple(names)
 
-    def _module(self, name: str, m: torch.nn.Module):
+    def _module(self, name: str, m: torch.nn.Module, code=None):
         if id(m) in self._seen:
             return
         self._seen.add(id(m))
         name = self._name(name)
         self.modules.append(LiftedModule(name, m))
+        self.tree.append((m, list(m.modules())))
         for sub_name, sub in m.named_modules():  # plain tensor attributes (neither parameter nor buffer)
             # and the Python values its forward names (`self.temp`): a name its code does not hold is not read
-            read = set(_global_names(type(sub).forward.__code__)) if hasattr(type(sub).forward, "__code__") else ()
-            for k, v in vars(sub).items():
+            # (every forward in its MRO: super().forward(x); the jitted method's own code for `self`)
+            read = set()
+            for c in type(sub).__mro__:
+                f = vars(c).get("forward")
+                if hasattr(f, "__code__"):
+                    read.update(_global_names(f.__code__))
+            if code is not None and sub is m:
+                read.update(_global_names(code))
+            inst = vars(sub)
+            cls = [k for k in sorted(read - inst.keys()) if hasattr(type(sub), k)]  # class attributes read too
+            for k in [*inst, *cls]:  # (`scale = 2.0` in the class body, an instance's own set later)
+                v = inst[k] if k in inst else getattr(type(sub), k)
                 at = f"{name}.{sub_name}.{k}" if sub_name else f"{name}.{k}"
                 if isinstance(v, torch.Tensor):
-                    self.slots.append(Place(at, "attr", sub, k))
-                elif k in read and k != "training" and not k.startswith("_") and guardable(v):
-                    self.guards.append(Place(at, "attr", sub, k))
+                    if k in inst:
+                        self.slots.append(Place(at, "attr", sub, k))
+                elif k in read and k != "training" and not k.startswith("_"):
+                    if guardable(v):
+                        self.guards.append(Place(at, "attr", sub, k))
+                    elif k in inst and isinstance(v, (dict, list)):  # `self.perm = [2, 0, 1]`: item by item
+                        self._value(at, v, "attr", sub, k, 1)
 
-    def _holder(self, name: str, obj):
+    def _holder(self, name: str, obj, code=None):
         """`self` of a bound method: a module, or an object whose tensor / module attributes the method reads."""
         if isinstance(obj, torch.nn.Module):
-            self._module(name, obj)
+            self._module(name, obj, code)
             return
         slots = [k for c in type(obj).__mro__ for k in getattr(c, "__slots__", ()) if hasattr(obj, k)]
         for k in [*getattr(obj, "__dict__", {}), *slots]:
@@ -435,57 +452,3 @@ def context(lifted: Lifted) -> tuple:
     state, training = torch_state(), lifted.training() if lifted else ()
     guards = guard_values(lifted) if lifted else ()
     return ((("<torch>", state),) if state else ()) + ((("<training>", training),) if training else ()) + guards
-
-
-class _InferenceOnly(torch.autograd.Function):
-    """An output of a jitted call whose function reads tensors that require grad, made with grad mode on.
-
-    As in eager, it requires grad; unlike eager, a backward through it is refused: the call ran captured graphs
-    over the parameters read as data, so there is no gradient to give them (torch would say only that "element 0 of
-    tensors does not require grad")."""
-
-    @staticmethod
-    def forward(ctx, x, anchor, fname):  # anchor: a leaf that requires grad, so the output does too
-        ctx.fname = fname
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise FgraphError(
-            f"fgraph.jit({ctx.fname}): a backward through the output of a jitted call; a jitted call is inference "
-            "only (its graphs read the parameters as data), so no gradient reaches them",
-            "train with the plain function or module (fgraph.disable_jit(), or call the module itself), and call "
-            "the jitted one for inference under torch.no_grad()",
-        )
-
-
-_ANCHOR = torch.zeros((), requires_grad=True, device="cpu")
-
-
-def refuse_backward(fname: str, lifted: Lifted, out, keep: tuple = ()):
-    """The call's outputs, each floating tensor marked so that a backward through it is an fgraph error, when grad
-    mode is on and the function read tensors that require grad (`lifted.grads`); `keep`: objects handed back as
-    they are (donated state the function returns)."""
-    if not (lifted and lifted.grads and torch.is_grad_enabled()):
-        return out
-    kept = {id(k) for k in keep}
-    return pytree.tree_map(
-        lambda t: (
-            _InferenceOnly.apply(t, _ANCHOR, fname) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        ),
-        out,
-        is_leaf=lambda x: id(x) in kept,
-    )
-
-
-def check_transforms(fname: str) -> None:
-    """Refuse vmap / grad / jacrev (torch.func) over a jitted call.
-
-    Its inputs would be functorch wrappers, which a captured graph cannot see through."""
-    if _functorch.peek_interpreter_stack() is not None:  # (torch.compile never gets here: Jitted.__call__)
-        raise FgraphError(
-            f"fgraph.jit({fname}): called under a torch.func transform (vmap, grad, jacrev, ...); a jitted "
-            "call replays captured graphs, which a transform cannot batch or differentiate",
-            "jit the transformed plain function instead (fgraph.jit(torch.func.vmap(f)) for the f you jitted), or "
-            "call the plain function under the transform",
-        )
