@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._errors import FgraphError
+from ._signature import static_key  # (by type and value: 1, 1.0 and True apart; 0.0 and -0.0 too)
 
 KeyPath = tuple  # of torch.utils._pytree key entries
 keystr = pytree.keystr
@@ -260,19 +261,10 @@ def holds(tree: Any, leaves: list, spec: pytree.TreeSpec) -> bool:
     return now_spec == spec and len(now) == len(leaves) and all(a is b for a, b in zip(now, leaves))
 
 
-def typed_key(v: Any) -> Any:
-    """A value in a tree's structure (a dict key, a record's static field) as signatures key it: by type and value,
-    as statics are (fgraph._signature.static_key): 1, 1.0 and True apart, 0.0 and -0.0 apart (TreeSpec compares
-    them with ==, which merges them)."""
-    t = type(v)
-    if t is float:
-        return t, v.hex()
-    return (t, tuple(map(typed_key, v))) if issubclass(t, tuple) else (t, v)
-
-
 def structure_key(spec: pytree.TreeSpec) -> tuple | None:
-    """The dict keys and record static fields of a structure by type and value, where any is not an int or a str
-    (only then can == merge two of them); else None."""
+    """The dict keys and record static fields of a structure by type and value (static_key: TreeSpec compares them
+    with ==, which merges 1, 1.0 and True), where any is not an int or a str (only then can == merge two); else
+    None."""
     out, plain = [], True
 
     def visit(sp):
@@ -281,7 +273,7 @@ def structure_key(spec: pytree.TreeSpec) -> tuple | None:
             return
         if sp.type is dict or sp.type in _RECORDS:
             vals = tuple(sp.context)
-            out.append(tuple(map(typed_key, vals)))
+            out.append(tuple(map(static_key, vals)))
             plain = plain and all(type(v) in (int, str) for v in vals)
         for c in _children(sp):
             visit(c)
@@ -298,7 +290,7 @@ def flattener(spec: pytree.TreeSpec):
     path flattens the batch argument on every call. Generated as straight-line Python per structure (one attribute
     or item read and one type check per node, no recursion), much cheaper than a recursive walk
     (docs/performance.md)."""
-    env, lines, leaves = {"_nodes": pytree.SUPPORTED_NODES, "_tuple": tuple, "_typed": typed_key}, [], []
+    env, lines, leaves = {"_nodes": pytree.SUPPORTED_NODES, "_tuple": tuple, "_typed": static_key}, [], []
 
     def const(v):
         env[f"c{len(env)}"] = v
@@ -318,12 +310,12 @@ def flattener(spec: pytree.TreeSpec):
                 got = "".join(f"{var}.{n}, " for n in static)
                 lines.append(f"if ({got}) != {const(ctx)}: return None")
                 if not all(type(v) is str for v in ctx):  # (1, 1.0 and True are equal: by type and value too)
-                    lines.append(f"if _typed(({got})) != {const(typed_key(tuple(ctx)))}: return None")
+                    lines.append(f"if _typed(({got})) != {const(static_key(tuple(ctx)))}: return None")
             reads = [f"{var}.{n}" for n in dynamic]
         elif typ is dict:
             lines.append(f"if type({var}) is not dict or list({var}) != {const(list(ctx))}: return None")
             if not all(type(k) is str for k in ctx):  # (1, 1.0 and True are equal keys: by type and value too)
-                lines.append(f"if _typed(_tuple({var})) != {const(typed_key(tuple(ctx)))}: return None")
+                lines.append(f"if _typed(_tuple({var})) != {const(static_key(tuple(ctx)))}: return None")
             reads = [f"{var}[{const(k)}]" for k in ctx]
         elif typ in (list, tuple) or pytree.is_namedtuple_class(typ):
             lines.append(f"if type({var}) is not {const(typ)} or len({var}) != {len(kids)}: return None")

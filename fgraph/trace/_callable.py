@@ -147,7 +147,8 @@ class Lifted:
         return bool(self.modules or self.slots or self.guards)
 
     def moved(self) -> bool:
-        """Whether a container walked into is no longer where it was found (`CONFIG = {...}` rebound)."""
+        """Whether a container walked into is no longer where it was found (`CONFIG = {...}` rebound), or a lifted
+        module's submodules are not the ones scanned (one replaced: its values are guarded anew)."""
         return any(_read(p.kind, p.holder, p.key) is not v for p, v in self.containers) or any(
             list(m.modules()) != subs for m, subs in self.tree
         )
@@ -439,7 +440,7 @@ def check_call(fname: str, lifted: Lifted, statics: dict, dynamic: dict) -> dict
                     "plain function (fgraph.disable_jit())",
                 )
     if not lifted.rescanned or lifted.moved():  # the first call: what the function reads now (globals assigned
-        lifted.rescanned = True  # after the decorator); a container rebound since: what it holds now
+        lifted.rescanned = True  # after the decorator); a container rebound or a submodule replaced since: anew
         lifted.scan()
     return {**dynamic, **lifted.values()} if lifted else dynamic
 

@@ -33,8 +33,7 @@ from ._slice_compat import fake_slices
 
 def user_line(skip_ops: bool = True) -> str:
     """file:line of the innermost frame outside torch and fgraph (the user's code that caused an op)."""
-    fn, line = _user_frame()
-    return "<unknown>" if fn is None else f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{line}"
+    return _where(*_user_frame())
 
 
 def _user_frame() -> tuple[str | None, int]:
@@ -44,6 +43,10 @@ def _user_frame() -> tuple[str | None, int]:
             return f.f_code.co_filename, f.f_lineno
         f = f.f_back
     return None, 0
+
+
+def _where(fn: str | None, line: int) -> str:
+    return "<unknown>" if fn is None else f"{os.path.relpath(fn) if not fn.startswith('<') else fn}:{line}"
 
 
 def _package_of(path: str | None) -> str | None:
@@ -102,9 +105,9 @@ class _RejectHostSyncs(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         what = _host_sync(func)
         if what is not None:
-            path, _ = _user_frame()
+            path, line = _user_frame()
             raise TraceError(
-                f"fgraph.jit({self.fname}): {what} at {user_line()} needs the tensor's value on the host, "
+                f"fgraph.jit({self.fname}): {what} at {_where(path, line)} needs the tensor's value on the host, "
                 "which a captured graph cannot provide (it replays without running Python)",
                 _host_sync_fix(path),
             )
