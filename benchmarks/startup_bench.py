@@ -1,6 +1,6 @@
 """Start-up: the seconds a user waits before generating, each way, every one a fresh process.
 
-  python3 -m benchmarks.startup_bench [--preset qwen2.5-0.5b] [--backend flash_attn] [--out results/startup.jsonl]
+  python3 -m benchmarks.startup_bench [--preset qwen2.5-0.5b] [--backend flash_attn] [--out DIR or FILE.jsonl]
 
 Rows (one JSON line each):
   fgraph            `python -m examples.generate --preset P --num-prompts 8 --max-new-tokens 64 --no-compile`
@@ -66,9 +66,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--backend", default="flash_attn")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "startup.jsonl"))
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"), help="a folder, or a .jsonl file")
     p.add_argument("--child", choices=["torch_compile"])
     a = p.parse_args()
+    if not a.out.endswith(".jsonl"):  # a folder, as the other benchmarks' --out
+        a.out = os.path.join(a.out, "startup.jsonl")
     if a.child:
         child_torch_compile(a.preset, a.backend)
         return
