@@ -22,7 +22,8 @@ makes the largest); `--cache caller` passes one early-initialised StaticCache pe
 are checked against eager's before timing (with its DynamicCache, and with the static cache: the same math as the
 compiled contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager
 repeats itself, and `first_different_token` where tokens part); rounds alternate between contenders, after two untimed rounds; decode tokens/s =
-B * (N - 1) / (t(N) - t(1)) over generate calls of N and 1 new tokens; median and spread over rounds. One JSON line per
+B * (N - 1) / (t(N) - t(1)) over generate calls of N and 1 new tokens; median and spread over rounds, and
+`vs_compile_paired`: the median of each round's rate over torch.compile's in that round. One JSON line per
 cell to $OUT/hf_bench.jsonl (and stdout), as each is measured.
 """
 
@@ -83,6 +84,14 @@ def decode_rates(batch: int, new: int, pairs: list[tuple[float, float]]) -> list
     return [batch * (new - 1) / (tn - t1) for t1, tn in pairs if tn > t1]
 
 
+def paired_speedup(pairs: list[tuple[float, float]], peer: list[tuple[float, float]]) -> float | None:
+    """The median over rounds of a contender's decode rate over its peer's in the same round: a round's drift (the
+    host's load changes between rounds) moves both. Rounds where either has no rate are left out; None if none is
+    left."""
+    ratios = [(pn - p1) / (tn - t1) for (t1, tn), (p1, pn) in zip(pairs, peer) if tn > t1 and pn > p1]
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.hf_bench", description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, a tiny model, no torch.compile")
@@ -129,7 +138,7 @@ def main(argv=None):
         m.load_state_dict(base.state_dict())
         if args.compile == "forward":
             m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
-        contenders["hf_compile_static"] = m
+        contenders[PEER] = m
     m = make_model(smoke, device, dtype, arch=args.arch)
     m.load_state_dict(base.state_dict())
     hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=False)  # eager's kernels, graphed
@@ -226,6 +235,8 @@ def main(argv=None):
                 "generate_s": {1: [round(t, 4) for t, _ in pairs], new: [round(t, 4) for _, t in pairs]},
                 "first_generate_s": first_s[name],
             }  # fmt: skip
+            if name != PEER and PEER in times:
+                row["vs_compile_paired"] = paired_speedup(pairs, list(zip(times[PEER][1], times[PEER][new])))
             if name.startswith("hf_fgraph"):  # (its counts before the calls below)
                 s = contenders[name].forward.stats()
                 row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
@@ -331,6 +342,7 @@ def call_us(obj, attr: str, run) -> float:
 
 LOOP_TOKENS = 17
 WARM_ROUNDS = 2  # untimed rounds before the timed ones
+PEER = "hf_compile_static"  # the row each other row's vs_compile_paired is against
 
 
 def loop_us(model, gen, n: int = LOOP_TOKENS) -> float:

@@ -398,3 +398,14 @@ def test_the_hf_host_benchmark_times_the_parts_of_a_decode_call():
 
     got = hf_host.main(["--loops", "1", "--tokens", "4", "--parts"])
     assert 0 < got["proven"][0] < got["find"][0] < got["call"][0]  # the proof is part of find, find of the call
+
+
+def test_the_paired_speedup_is_the_median_of_each_rounds_ratio_and_skips_rounds_without_a_rate():
+    # (a host whose load drifts between rounds moves both contenders of a round: their ratio holds where the
+    # medians of each contender's own rates do not)
+    from benchmarks import hf_bench
+
+    mine = [(0.0, 0.1), (0.0, 0.2), (0.0, 0.4), (0.3, 0.3)]
+    peer = [(0.0, 0.2), (0.0, 0.4), (0.0, 0.8), (0.0, 0.1)]
+    assert hf_bench.paired_speedup(mine, peer) == 2.0
+    assert hf_bench.paired_speedup([(0.3, 0.3)], [(0.0, 0.1)]) is None
