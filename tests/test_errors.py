@@ -152,6 +152,38 @@ def test_write_into_a_non_donated_input():
         traced(f, torch.ones(3, 2), {"w": torch.ones(2, 2)})
 
 
+@pytest.mark.parametrize(
+    "change, donate",
+    [
+        (lambda w: setattr(w, "data", w * 2), ()),
+        (lambda w: setattr(w, "data", w * 2), ("w",)),
+        (lambda w: w.set_(w * 2), ("w",)),
+        (lambda w: w.t_(), ("w",)),
+        (lambda w: w.transpose_(0, 1), ("w",)),
+        (lambda w: w.unsqueeze_(0), ("w",)),
+    ],
+    ids=["data", "data-donated", "set_", "t_", "transpose_", "unsqueeze_"],
+)
+def test_changing_an_inputs_memory_or_strides_in_place_is_refused(change, donate):
+    """A graph reads and writes an input's memory as passed: `.data =` (which make_fx does not record), set_ and
+    the in-place views would be replayed over the old layout. Value writes into donated state still work."""
+
+    def f(x, w):
+        change(w)
+        return x @ w.reshape(2, 2)
+
+    with pytest.raises(TraceError, match="changes the memory, shape or strides of w in place"):
+        traced(f, torch.ones(3, 2), torch.arange(4.0).reshape(2, 2), donate=donate)
+
+    def scaled(x, w):
+        w.mul_(2)
+        return x @ w
+
+    w = torch.eye(2)
+    assert torch.equal(traced(scaled, torch.ones(3, 2), w, donate=("w",)), 2 * torch.ones(3, 2))
+    assert torch.equal(w, 2 * torch.eye(2))
+
+
 def test_a_donated_tensor_passed_again_as_another_argument_is_named_as_such():
     def upd(state, x, other):  # written through the donated name, read through the other
         state.add_(x.sum(0))
@@ -510,3 +542,6 @@ def test_a_python_operation_a_batch_size_symbol_does_not_take_is_a_trace_error()
     with pytest.raises(fgraph.TraceError, match=r"divmod\(\).*test_errors\.py:\d+: a batch size is a symbol") as e:
         f(torch.ones(3, 2))
     assert "n // k, n % k instead of divmod(n, k)" in e.value.fix
+    hashed = fgraph.jit(lambda x: {x.shape[0]: x}[x.shape[0]], batch={"x": Batched()}, buckets=[4], mode="PIECEWISE")
+    with pytest.raises(fgraph.TraceError, match=r"unhashable.*test_errors\.py:\d+: a batch size is a symbol"):
+        hashed(torch.ones(3, 2))

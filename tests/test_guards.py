@@ -324,3 +324,52 @@ def test_module_attributes_are_guarded_wherever_the_code_that_reads_them_is(mode
         with fgraph.disable_jit():
             want = m.step(x)
         assert torch.equal(m.step(x), want)
+
+
+def test_class_attributes_of_a_plain_object_and_classmethods_are_guarded():
+    """A jitted method of a plain object (not a module) reads a class attribute: a change to the class's, or an
+    instance's own set later, is another signature, as a module's are. A classmethod's class, and an object that
+    holds its own bound method (`self.cb = self.g`), are scanned once (no endless walk)."""
+    x = torch.ones(3, 2)
+
+    class Plain:
+        scale = 2.0
+
+        @fgraph.jit(batch={"x": Batched()})
+        def f(self, x):
+            return x * self.scale
+
+    p = Plain()
+    assert torch.equal(p.f(x), x * 2)
+    Plain.scale = 5.0
+    assert torch.equal(p.f(x), x * 5)
+    p.scale = 7.0
+    assert torch.equal(p.f(x), x * 7)
+
+    class WithClassmethod:
+        scale = 2.0
+
+        @classmethod
+        def c(cls, x):
+            return x * cls.scale
+
+    c = fgraph.jit(WithClassmethod.c, batch={"x": Batched()})
+    assert torch.equal(c(x), x * 2)
+    WithClassmethod.scale = 5.0
+    assert torch.equal(c(x), x * 5)
+
+    class Callback:
+        def __init__(self):
+            self.cb, self.k = self.g, 3.0
+
+        def g(self, x):
+            return x * self.k
+
+        def f(self, x):
+            return self.cb(x)
+
+    a = Callback()
+    f = fgraph.jit(a.f, batch={"x": Batched()})
+    assert torch.equal(f(x), x * 3)
+    a.k = 4.0
+    assert torch.equal(f(x), x * 4)

@@ -246,7 +246,7 @@ def test_oversize_runs_eagerly_and_is_counted():
     out, _ = f(params, state, {"x": x}, routine="decode")
     torch.testing.assert_close(out, eager(params, {"x": x}, routine="decode"))
     assert (
-        f.stats()["fallbacks"] == {"unseen": 0, "oversize": 1, "cap": 0, "oom": 0, "empty": 0, "init": 0}
+        f.stats()["fallbacks"] == {"unseen": 0, "oversize": 1, "cap": 0, "oom": 0, "empty": 0, "init": 0, "branch": 0}
         and not f.entries
     )
 

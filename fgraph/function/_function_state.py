@@ -55,7 +55,7 @@ class FunctionState:
         self.fastpath = FastPath(name, signature, options.static, options.batch, options.buckets)
         self.cache = Cache(self, self.fastpath)
         self.sealed = False  # capture() ran: unseen signatures run eagerly (or raise with strict) from now on
-        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0, "init": 0}
+        self.fallbacks = {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0, "init": 0, "branch": 0}
         self.logged: set = set()  # warnings already logged once
         self.initialising: set = set()  # signatures whose calls make donated state's tensors: run eagerly
         # the same calls by `_call_key`: found again without binding (which reads every lifted tensor: costly for an
@@ -179,6 +179,8 @@ class FunctionState:
                 self.cache.warn_retraces(call)
         elif entry.slots is not None and (moved := entry.slots.diverged(call.leaves)):
             self.cache.recapture(entry, call, moved)
+        if (broken := entry.traced.breaks_at(call.n)) is not None:  # eager branches otherwise at this N: its answer
+            return self.fallback(view, "branch", call, *branch_why(call, broken))
         check_lengths(self.name, entry.traced.tied, call.leaves)
         check_aliases(self.name, entry.traced, call.leaves, call.specs)
         first = contextlib.nullcontext() if entry.stats.calls else self.padded_meets_unbatched(view, call, False)
@@ -236,3 +238,12 @@ class FunctionState:
             if k in tree and is_seen_into(call.bound.get(k)):
                 tree[k] = call.bound[k]
         return T.refuse_backward(self.name, view.lifted, T.invoke(view, tree, call.statics), view.donated(call))
+
+
+def branch_why(call, broken: str) -> tuple[str, str]:
+    """What and fix of a call run eagerly because its N breaks what its bucket's trace assumed of the batch size."""
+    return (
+        f"a call of N={call.n} rows breaks what its bucket {call.sig.bucket}'s trace assumed of the batch size "
+        f"({broken}): Python code (the function's or an op's) takes another branch there",
+        f"add {call.n} to buckets=[...] (a trace of its own), or compute with tensors instead of Python on the size",
+    )

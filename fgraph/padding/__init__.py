@@ -15,10 +15,12 @@ from ._mixing import Finding as Finding
 from ._mixing import check_aliases as check_aliases
 from ._mixing import check_lengths as check_lengths
 from ._mixing import find_mixing as find_mixing
+from ._mixing import size_guards as size_guards
 from ._mixing import tied_lengths as tied_lengths
 from ._outputs import cut_error as cut_error
 from ._outputs import output_rows as output_rows
 from ._outputs import output_sizes as output_sizes
+from ._outputs import refuse_formatted_sizes as refuse_formatted_sizes
 from ._outputs import refuse_opaque_outputs as refuse_opaque_outputs
 from ._outputs import refuse_shrinking_outputs as refuse_shrinking_outputs
 from ._random import random_draws as random_draws

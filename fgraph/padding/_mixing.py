@@ -186,6 +186,24 @@ def find_mixing(
     return list(found.values())
 
 
+def size_guards(axes: BatchAxes) -> list:
+    """What a symbolic trace assumed of its batch sizes (its guards on them, from the user's code or torch's: `N > 4`,
+    `len(x)`'s N == 8, an even N for `tensor_split`), but ties between two sizes and what Batched(mixes=True) says is
+    intended. The trace holds at each bucket it serves; a call of N rows padded up to one is answered by it only where
+    every one also holds at N: elsewhere eager takes another branch (FunctionState runs that call eagerly)."""
+    out = []
+    for g in axes.env.guards:
+        expr = g.expr
+        if isinstance(expr, sympy.Eq) and all(side.free_symbols for side in expr.args):
+            continue  # a tie (checked per call: check_lengths)
+        if not expr.free_symbols & (set(axes.raw) | axes.symbols):
+            continue
+        syms = set().union(*(axes.syms_of_expr(s) for s in expr.free_symbols))
+        if not (axes.intended(syms) or axes.intended_raw(expr.free_symbols)):
+            out.append(expr)
+    return out
+
+
 def _same_for_every_call(expr, axes: BatchAxes, buckets) -> bool:
     """Whether a guard on the batch size holds for every call this trace serves: for each bucket where it holds
     (the trace serves only those), for every batch size padded up to that bucket. Then eager takes the same branch

@@ -44,6 +44,8 @@ _CONTRACT.update({"dot": (0, 0), "vdot": (0, 0), "addmv": (1, 1)})
 # ops that read rows by index or only read metadata: they do not combine rows
 _READS = {"index", "index_select", "gather", "take", "take_along_dim", "embedding", "select", "slice", "narrow"}
 _READS |= {"unbind", "split", "split_with_sizes", "unsafe_split", "chunk", "as_strided", "expand", "copy_", "copy"}
+# ops cutting a dim into pieces of given sizes: a piece after one sized by the batch starts at a padded row
+_SPLITS = {"split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes"}
 # layout ops that can put padded rows before real ones along a batch-sized dim (real rows no longer a prefix)
 _VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias"}
 # ops sliding a window along their spatial dims (2 on, after batch and channels)
@@ -255,6 +257,27 @@ def selects(node: fx.Node, ctx: Ctx) -> Hit | None:
     return None
 
 
+def splits(node: fx.Node, ctx: Ctx) -> Hit | None:
+    """split along a batch dim into pieces whose sizes are computed from the batch size (`x.chunk(2)`,
+    `x.split(n // 2)`): every piece after the first starts at the bucket's row, not the call's.
+
+    A constant size (`x.split(2)`) keeps each piece's rows the call's; its count is a branch on N (a guard)."""
+    first = ctx.first
+    if first is None or not ctx.dims:
+        return reads(node, ctx)
+    d = _fx.arg(node, "dim", 0) % first.dim()
+    if d not in ctx.dims:
+        return reads(node, ctx)
+    size = _fx.arg(node, "split_sizes" if "sizes" in ctx.name else "split_size")
+    before = list(size)[:-1] if isinstance(size, (list, tuple)) else [size]  # sizes that place a later piece
+    before = [_fx.val(s) if isinstance(s, fx.Node) else s for s in before]  # (a size traced as a node: its value)
+    whole = ctx.axes.canon(first.shape[d])
+    sized = [s for s in before if ctx.axes.syms_of(s) and ctx.axes.canon(s) != whole]
+    if sized:
+        return ctx.syms, f"splits at {ctx.axes.name(sized[0])}, computed from the padded batch size (a padded row)"
+    return reads(node, ctx)
+
+
 def counts(node: fx.Node, ctx: Ctx) -> Hit | None:
     """arange from a start computed from the batch size (`arange(n - 1, -1, -1)`): it counts from the padded one.
 
@@ -364,6 +387,7 @@ RULES: dict[str, Rule] = {
     "arange": counts,
     "select": selects,
     "slice": selects,
+    **dict.fromkeys(_SPLITS, splits),
     **dict.fromkeys(_CONTRACT, contracts),
     **dict.fromkeys(_VALUES, values),
     **dict.fromkeys(_SPANS, spans),
@@ -375,10 +399,37 @@ RULES.update({name: _indexed(RULES.get(name, reduces)) for name in _INDEXES})
 PREFIXES: dict[str, Rule] = {"_scaled_dot_product": attends, "new_": reads, "sym_": reads}
 
 
+def _numbers(rule: Rule) -> Rule:
+    """`rule`, after a check of the op's Scalar arguments (`number` in its schema: a fill value, `alpha`, `value`):
+    a batch size passed there is a value, the bucket's (`x.new_full((2,), n)`, `x.index_fill(1, i, n)`,
+    `torch.addmm(x, a, b, alpha=n)`), whatever kind the op is of; its shape arguments (`SymInt`) are not values."""
+
+    @functools.wraps(rule)
+    def checked(node: fx.Node, ctx: Ctx) -> Hit | None:
+        schema = getattr(node.target, "_schema", None)
+        for i, a in enumerate(schema.arguments if schema is not None else ()):
+            if "number" not in str(a.type) or a.kwarg_only and a.name not in node.kwargs:
+                continue
+            v = _fx.val(node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name))
+            e = v.node.expr if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) else None
+            if e is not None and ctx.axes.syms_of_expr(e):
+                return ctx.axes.syms_of_expr(e), f"uses {ctx.axes.name(e)} as a value: the bucket's, not the call's"
+        return rule(node, ctx)
+
+    return checked
+
+
 def rule_of(name: str) -> Rule:
     """The rule for an op: its own, else its prefix's, else `values` (a batch size passed as a scalar argument is
-    a value: `linspace(0, n, k)`, `full_like(x, n)`, `ones << n`), then `reduces`."""
-    rule = RULES.get(name)
+    a value: `linspace(0, n, k)`, `full_like(x, n)`, `ones << n`), then `reduces`. Every op's Scalar arguments are
+    checked first (_numbers), but arange's, whose end is a shape (`arange(n)`: `counts`)."""
+    rule = _RULES_OF.get(name)
     if rule is None:
-        rule = next((r for p, r in PREFIXES.items() if name.startswith(p)), values)
+        rule = RULES.get(name)
+        if rule is None:
+            rule = next((r for p, r in PREFIXES.items() if name.startswith(p)), values)
+        rule = _RULES_OF[name] = rule if name == "arange" or rule is values else _numbers(rule)
     return rule
+
+
+_RULES_OF: dict[str, Rule] = {}

@@ -6,6 +6,7 @@ the batch grows, else at the call)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import sympy
@@ -132,4 +133,27 @@ def refuse_opaque_outputs(fname: str, out, leaves: list) -> None:
                 "cannot see into (a captured graph would hand back the traced tensors)",
                 f"return its tensors in a dict, tuple or NamedTuple, make {type(v).__qualname__} a dataclass or attrs "
                 "class, or register it with fgraph.register / torch.utils._pytree.register_pytree_node",
+            )
+
+
+def refuse_formatted_sizes(fname: str, out, leaves: list) -> None:
+    """Refuse a string output that spells a batch size as the trace saw it (`f"{x.shape[0]}"` is "s26" there).
+
+    A string is handed back as traced on every call, so it would hold the symbol's name, never the call's size: a
+    TraceError naming its key path instead."""
+    env = getattr(torch._guards.detect_fake_mode(), "shape_env", None)
+    new = hasattr(env, "backed_var_to_val")  # (torch 2.13's name; var_to_val before, deprecated there)
+    vals = getattr(env, "backed_var_to_val", None) if new else getattr(env, "var_to_val", None)
+    names = sorted(str(s) for s in vals or ())
+    if not names:
+        return
+    symbol = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    for i, v in enumerate(leaves):
+        if isinstance(v, str) and symbol.search(v):
+            p = flatten_with_paths(out)[0][i][0]
+            where = f"output {path_str(p)}" if p else "the output"
+            raise TraceError(
+                f"fgraph.jit({fname}): {where} is a string made from a batch size ({v!r}): the size is a symbol while "
+                "fgraph traces, and a string is handed back as traced on every call, never with the call's size",
+                "return the size itself (x.shape[0]: each call's), and format it outside the jitted function",
             )

@@ -219,6 +219,19 @@ class Lifted:
         if isinstance(obj, torch.nn.Module):
             self._module(name, obj, code)
             return
+        inst = getattr(obj, "__dict__", {})
+        if code is not None and not isinstance(obj, type):
+            # class attributes its method reads (`scale = 2.0` in the class body), read through the instance: a
+            # change to the class's, or an instance's own set later, is another signature (as a module's are)
+            for k in sorted(set(_global_names(code)) - set(inst)):
+                at = f"{name}.{k}"
+                cls_has = hasattr(type(obj), k) and guardable(getattr(type(obj), k))
+                if cls_has and not k.startswith("_") and (at, id(obj)) not in self._seen:
+                    self._seen.add((at, id(obj)))
+                    self.guards.append(Place(at, "attr", obj, k))
+        if id(obj) in self._seen:  # scanned already: a bound method of it among its attributes (`self.cb = self.g`,
+            return  # a classmethod's class holding that classmethod)
+        self._seen.add(id(obj))
         slots = [k for c in type(obj).__mro__ for k in getattr(c, "__slots__", ()) if hasattr(obj, k)]
         for k in [*getattr(obj, "__dict__", {}), *slots]:
             self._value(f"{name}.{k}", getattr(obj, k), "attr", obj, k, 1)
@@ -231,7 +244,7 @@ class Lifted:
         elif isinstance(v, Inlined):  # called while this traces, it is inlined: what it reads is read here
             self._value(name, v.fn, kind, holder, key, depth)
         elif isinstance(v, types.MethodType) and user_code(v.__func__):
-            self._holder(name, v.__self__)
+            self._holder(name, v.__self__, getattr(v.__func__, "__code__", None))
             self._function(v.__func__, depth + 1)
         elif isinstance(v, types.FunctionType) and user_code(v):
             self._function(v, depth + 1)

@@ -295,7 +295,8 @@ def trace(
                 f"({name}): Python control flow or shapes that come from data cannot be captured",
                 "use torch.where / masking instead of `if tensor`, keep shapes static",
             ).with_traceback(frames_of(e)) from cause(e)
-        if isinstance(e, TypeError) and "'SymInt'" in str(e):  # a batch size (a symbol) where Python wants an int
+        # a batch size (a symbol) where Python wants an int, or hashes it (`{n: x}`, `hash(n)`)
+        if isinstance(e, TypeError) and ("'SymInt'" in str(e) or "non-nested SymInt" in str(e)):
             raise TraceError(
                 f"fgraph.jit({fname}): {str(e).splitlines()[0]} at {_tb_line(e)}: a batch size is a symbol while "
                 "fgraph traces, and this Python operation does not take one",

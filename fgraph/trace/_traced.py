@@ -9,6 +9,7 @@ import sys
 import time
 from typing import NamedTuple
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -55,10 +56,13 @@ class Traced:
             dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
             passed = {name: tree_flatten(v) for name, v in dyn.items()}
             before = {name: (flatten_with_paths(dyn[name])[0], static_attrs(dyn[name])) for name in donated}
+            layouts = [_layout(t) for t in tensors]
             out = invoke(jitted, dyn, call.statics)
+            _refuse_relayout(fname, tensors, layouts, [self.paths[i] for i in tensor_ix])
             self.state_change = _state_change(fname, donated, dyn, before)
             out_leaves, self.out_spec = tree_flatten(out)
             padding.refuse_opaque_outputs(fname, out, out_leaves)
+            padding.refuse_formatted_sizes(fname, out, out_leaves)
             # the caller's own donated argument handed back wherever it is returned (`return logits, state`, an HF
             # output's `.cache`; no unflattening per call) if it holds what was passed; one the function stored
             # into (state["h"] = h) is traced. Only donated arguments: any other input returned, lifted tensors
@@ -167,6 +171,8 @@ class Traced:
         the trace ties to one batch size and the indexes padded rows take (checked per bucket: `bounds`)."""
         self.axes = self.mixing = self.flow = None
         self.tied, self.bounds = [], []
+        # what the trace assumed of the batch sizes, and the sizes checked against it: None, nothing assumed
+        self.size_guards, self.sizes_ok, self._sizes_broken = [], None, {}
         if self.shapes is None:
             return
         batched = [(self.paths[i], i, call.specs[i].axis, call.specs[i]) for i in self.batched_ix]
@@ -179,6 +185,8 @@ class Traced:
         padding.check_bounds(jitted.name, self.bounds, self.flow, (call.sig.bucket, call.n), ph_paths, lifted)
         self.mixing = padding.find_mixing(gm, self.axes, set(jitted.options.scratch), ph_paths, jitted.options.buckets)
         self.tied = padding.tied_lengths(self.axes)
+        self.size_guards = padding.size_guards(self.axes)
+        self.sizes_ok = set() if self.size_guards else None
         padding.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
         for f in self.mixing:
             _visible(
@@ -187,6 +195,21 @@ class Traced:
                 f"padding is visible: {f}; calls padded to a bucket differ from the unpadded call",
                 "mask the padded rows, or declare Batched(mixes=True) if intended",
             )
+
+    def breaks_at(self, n: int | None) -> str | None:
+        """The first of the trace's assumptions on its batch sizes that a call of n rows breaks (eager branches
+        otherwise there than at the bucket), else None. Checked once per n: `sizes_ok` holds those that keep them
+        all, which the replay path serves."""
+        if self.sizes_ok is None or n is None or n in self.sizes_ok:
+            return None
+        broken = self._sizes_broken.get(n)
+        if broken is None:
+            broken = next((self.axes.name(e) for e in self.size_guards if self.axes.at(e, n) is sympy.false), None)
+            if broken is None:
+                self.sizes_ok.add(n)
+                return None
+            self._sizes_broken[n] = broken
+        return broken
 
     def fits(self, bucket: int | None) -> bool:
         if self.shapes is None:
@@ -395,3 +418,24 @@ def _same(a, b) -> bool:
         return a is b or type(a) is type(b) and bool(a == b)
     except Exception:
         return False
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """An input's memory and metadata: its storage, shape, strides and offset."""
+    return t.untyped_storage()._cdata, tuple(t.shape), t.stride(), t.storage_offset()
+
+
+def _refuse_relayout(fname: str, tensors, layouts: list, paths: list[str]) -> None:
+    """Refuse a call that changed an input's memory or metadata in place (`w.data = u`, `w.set_(u)`, `w.t_()`,
+    `w.unsqueeze_(0)`, `w.resize_(n)`).
+
+    make_fx records none of `.data =` and traces the rest as ops over the placeholder, while a graph reads and writes
+    the tensor's memory as captured: the jitted call would hand back the input as it was, and compute with it."""
+    for t, was, path in zip(tensors, layouts, paths):
+        if _layout(t) != was:
+            raise TraceError(
+                f"fgraph.jit({fname}): the function changes the memory, shape or strides of {path} in place "
+                "(`.data =`, set_, resize_, t_, unsqueeze_, ...), which a captured graph cannot replay: it reads and "
+                "writes the tensor as passed",
+                "compute a new tensor and return it (w = w.t(), w = u) instead of changing the input in place",
+            )

@@ -96,9 +96,15 @@ def test_greedy_tokens_identical_to_eager(backend, mode):
         stats = eng.step_fn.stats()
         diff = first_difference(want, got)
         assert diff is None, f"backend={backend} mode={mode}: {diff}"
-        assert stats["fallbacks"] == {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0, "init": 0}, stats[
-            "fallbacks"
-        ]
+        assert stats["fallbacks"] == {
+            "unseen": 0,
+            "oversize": 0,
+            "cap": 0,
+            "oom": 0,
+            "empty": 0,
+            "init": 0,
+            "branch": 0,
+        }, stats["fallbacks"]
         if mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):  # every step replays graphs
             assert stats["total"]["replays"] == stats["total"]["calls"] > 0, stats["total"]
         else:  # FULL_DECODE_ONLY: decode steps replay, mixed ones run the traced program eagerly
@@ -207,6 +213,7 @@ def test_inductor_pieces_as_close_to_eager_as_torch_compile(backend):
         "cap": 0,
         "oom": 0,
         "empty": 0,
+        "branch": 0,
     }
 
 

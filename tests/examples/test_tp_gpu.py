@@ -47,6 +47,7 @@ def generate_all(build, *a, **kw) -> list[list[int]]:
             "oom": 0,
             "empty": 0,
             "init": 0,
+            "branch": 0,
         }
     del eng
     gc.collect()  # its graphs go now, before the process group at the end of the rank

@@ -9,6 +9,7 @@ back with eager's values.
 """
 
 import dataclasses
+import logging
 from typing import NamedTuple
 
 import attrs
@@ -339,3 +340,47 @@ def test_a_cpu_replay_writes_every_output_where_it_was_recorded(tree, seed):
     for old, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
         assert old is new if not isinstance(old, torch.Tensor) else torch.equal(old, new)
     assert memory == [(t.data_ptr(), t.stride()) for t in pytree.tree_leaves(recorded) if isinstance(t, torch.Tensor)]
+
+
+def test_a_string_formatted_from_a_batch_size_is_refused_and_other_strings_come_back():
+    """A string is handed back as traced, where a batch size is a symbol ("s26"): one spelling a size would never be
+    the call's, so it is a TraceError naming its key path; a string that is no size comes back as it is."""
+    spelled = fgraph.jit(lambda x: (x + 1, {"n": f"{x.shape[0]} rows"}), batch={"x": Batched()})
+    with pytest.raises(fgraph.TraceError, match=r"output \[1\]\['n'\] is a string made from a batch size"):
+        spelled(torch.ones(3, 2))
+    plain = fgraph.jit(lambda x: (x + 1, "s1 rows"), batch={"x": Batched()})
+    assert plain(torch.ones(3, 2))[1] == "s1 rows"
+
+
+def branch_on_size(x):
+    return x * 2 if x.shape[0] > 4 else x * 3
+
+
+ASSUMING = {  # functions whose trace at bucket 8 assumes something of N, and the N in 1..8 that break it
+    "branch": (branch_on_size, {1, 2, 3, 4}),
+    "len": (lambda x: (x * 2, len(x)), set(range(1, 8))),  # len() pins N to the bucket's
+    "unbind": (lambda x: x.unbind(0), set(range(1, 8))),  # as many outputs as rows
+    "tensor_split": (lambda x: x.tensor_split(2)[0] * 1, {1, 3, 5, 7}),  # its pieces' sizes, traced for an even N
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(ASSUMING))
+def test_a_call_breaking_what_its_trace_assumed_of_n_runs_eagerly_with_eagers_answer(name, mode, caplog):
+    """A trace holds at the buckets it serves; a call of N rows padded up to one is answered by its graphs only where
+    every assumption the trace took about the batch size (its guards: the function's branches, len(), an op's own
+    shape rules) holds at N too. Elsewhere eager takes another branch: that call runs eagerly, counted and logged
+    once, with the fix. A size that keeps them is served by the replay path once one slow call has checked it."""
+    fn, breaking = ASSUMING[name]
+    f = fgraph.jit(fn, batch={"x": Batched()}, buckets=[8], mode=mode)
+    sizes = (8, 5, 3, 5, 6, 8, 3, 8)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for n in sizes:
+            x = torch.arange(2.0 * n).reshape(n, 2)
+            got, want = f(x), eager(fn, x)
+            assert len(leaves(got)) == len(leaves(want)), (n, got, want)
+            assert_same_values(got, want)
+    s = f.stats()
+    assert s["fallbacks"]["branch"] == sum(n in breaking for n in sizes)
+    assert "rows breaks what its bucket 8's trace assumed" in caplog.text and "add " in caplog.text
+    assert s["total"]["fast"] >= 1  # (the third call of 8 at least)

@@ -107,6 +107,22 @@ def rolled_by_size(x):  # a shift by the batch size, along another axis
     return x.roll(x.shape[0], 1)
 
 
+def new_full_of_size(x):  # the batch size as a Scalar argument of an op of another kind (a factory, by shape)
+    return x.new_full((2,), x.shape[0])
+
+
+def size_as_alpha(x):  # ... of a contraction
+    return torch.addmm(x, x, torch.eye(3), alpha=x.shape[0])
+
+
+def index_filled_with_size(x):  # ... of a scatter
+    return x.index_fill(1, torch.tensor([0]), x.shape[0])
+
+
+def halves(x):  # pieces sized from the batch size: the second starts at the bucket's middle row, not the call's
+    return x.split([x.shape[0] // 2, x.shape[0] - x.shape[0] // 2])
+
+
 def last_row_masked(x):
     return torch.where((torch.arange(x.shape[0]) == x.shape[0] - 1)[:, None], 0.0, x)
 
@@ -166,6 +182,10 @@ MIXING = {
     filled_with_size: "aten.full_like",
     ramp_to_size: "aten.linspace",
     rolled_by_size: "aten.roll",
+    new_full_of_size: "aten.new_full",
+    size_as_alpha: "aten.addmm",
+    index_filled_with_size: "aten.index_fill",
+    halves: "aten.split_with_sizes",
     last_row_masked: "aten.eq",
     normalized_over_rows: "aten.native_layer_norm",
     instance_normalized: "aten._native_batch_norm_legit",
@@ -204,8 +224,10 @@ def test_a_prefix_cut_by_a_negative_end_is_the_calls_own_and_not_reported(mode, 
     before each. A negative start or index (`x[-1]`) is reported."""
 
     def lengths(x, offsets):
-        # x[: n - 1]: an end computed from the size, a prefix too; a running sum depends on earlier rows only
-        return offsets[1:] - offsets[:-1], x[:-1] * 2, x[: x.shape[0] - 1] * 3, running_total(x)
+        # x[: n - 1]: an end computed from the size, a prefix too; a running sum depends on earlier rows only; the
+        # piece after a constant-sized one starts at a real row
+        rest = x.split([1, x.shape[0] - 1])[1] * 4
+        return offsets[1:] - offsets[:-1], x[:-1] * 2, x[: x.shape[0] - 1] * 3, running_total(x), rest
 
     f = fgraph.jit(lengths, batch={"x": Batched(), "offsets": Batched(pad="ramp", extra=1)}, buckets=[8], mode=mode)
     with caplog.at_level(logging.WARNING, logger="fgraph"):
@@ -502,15 +524,20 @@ def test_an_output_that_shrinks_as_the_batch_grows_is_a_trace_error(mode):
         f(torch.arange(8.0), torch.ones(3))
 
 
-def test_an_output_whose_size_padding_changes_is_an_error_not_a_torch_crash():
-    """The last chunk of `x.split(2)`: 1 row for 3 rows, but the trace at bucket 8 gives 2; no cut is right."""
+def test_an_output_whose_size_padding_changes_is_eagers_or_an_error_not_a_torch_crash():
+    """The last chunk of `x.split(2)`: 1 row for 3 rows, but the trace at bucket 8 gives 2; no cut is right. The
+    trace assumed 4 chunks (N in 7..8): a call of 3 breaks that, so it runs eagerly. Where a trace assumed nothing
+    a call breaks (`mixes=True` declares the split intended), it is a TraceError."""
 
     def last_pair(x):
         return x.split(2, 0)[-1] * 1
 
+    x = torch.arange(6.0).reshape(3, 2)
     f = fgraph.jit(last_pair, batch={"x": Batched()}, buckets=[8], mode="NONE")
+    assert torch.equal(f(x), last_pair(x)) and f.stats()["fallbacks"]["branch"] == 1
+    f = fgraph.jit(last_pair, batch={"x": Batched(mixes=True)}, buckets=[8], mode="NONE")
     with pytest.raises(fgraph.TraceError, match=r"output 0's size along dim 0 in this call is not within the rows"):
-        f(torch.ones(3, 2))
+        f(x)
 
 
 def test_writes_into_declared_scratch_or_into_batched_tensors_are_not_reported(caplog):
