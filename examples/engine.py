@@ -481,6 +481,11 @@ def build(cfg: llama.LlamaConfig, params: llama.Params, *, backend: str = "auto"
     (of `cfg`'s KV heads: a tensor-parallel rank passes its own config) and makes the step with
     `make_step(cfg, backend, max_seq_len)` (llama's; qwen2_moe and tp pass theirs, and tp its Engine class)."""
     device = params.embed.device
+    # sizes checked before they size the cache (a float or a str failed inside torch.zeros, a negative page size
+    # was reported as a negative num_pages)
+    max_seqs, max_seq_len = request.integer(max_seqs, "max_seqs", 1), request.integer(max_seq_len, "max_seq_len", 1)
+    page_size = None if page_size is None else request.integer(page_size, "page_size", 1)
+    num_pages = None if num_pages is None else request.integer(num_pages, "num_pages", 2)
     # its metadata is declared batched (A.metadata_batching): padded to each bucket, FlashInfer's mixed kernel fits
     backend = A.resolve_backend(backend, device, cfg.head_dim, params.embed.dtype, padded_metadata=True)
     page_size = page_size or A.page_size_for(backend)

@@ -20,12 +20,17 @@ same whatever else runs with it (every request is seeded with it, as vLLM's Samp
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while torch imports (seconds): "interrupted" and 130, as main() promises
+    signal.signal(signal.SIGINT, lambda *_: (print("interrupted", file=sys.stderr), sys.stderr.flush(), os._exit(130)))
+
 import argparse
 import contextlib
 import json
 import math
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -259,10 +264,10 @@ def prompts_of(args, cfg, tokenizer) -> list[list[int]]:
 
 
 def _rank_main(tp, argv):  # one tensor-parallel rank of a spawned run (module level: spawn pickles it)
-    return main(argv)
+    return main(argv, quiet=tp.rank != 0)  # rank 0 speaks for all: the ranks run in lockstep, so fail alike
 
 
-def main(argv=None) -> dict:
+def main(argv=None, quiet: bool = False) -> dict:
     """Run the command line; a user's error ends it (SystemExit) with one line on stderr, unless --debug."""
     args = parse_args(argv)
     try:
@@ -273,6 +278,8 @@ def main(argv=None) -> dict:
         if isinstance(e, KeyboardInterrupt):
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
+        if quiet:
+            raise SystemExit(1) from None
         what = f"{e.what} (fix: {e.fix})" if isinstance(e, fgraph.FgraphError) and e.fix else getattr(e, "what", e)
         kind = "" if isinstance(e, fgraph.FgraphError) else f"{type(e).__name__}: "
         print(f"error: {kind}{what} [--debug shows the traceback]".replace("\n", " "), file=sys.stderr)
@@ -287,7 +294,16 @@ def _main(args, argv) -> dict:
         )
     if args.tp > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:  # not under torchrun
         tensor_parallel.local_config(config_of(args), args.tp)  # a split that cannot work: one error, before spawning
-        return tensor_parallel.launch(_rank_main, args.tp, sys.argv[1:] if argv is None else list(argv))
+        try:
+            return tensor_parallel.launch(_rank_main, args.tp, sys.argv[1:] if argv is None else list(argv))
+        except torch.multiprocessing.ProcessExitedException as e:
+            rank0 = getattr(e, "exit_codes", [None])[0]
+            if rank0 in (1, 2, 130):
+                raise SystemExit(rank0) from None  # rank 0 said why, in one line
+            raise fgraph.FgraphError(
+                f"tensor-parallel rank {e.error_index} of {args.tp} exited with code {e.exit_code}",
+                "rerun with --debug to see that rank's traceback",
+            ) from None
     phases = {"imports": _since_start()}  # each phase's end, seconds since the process started
     tp = tensor_parallel.init() if args.tp > 1 else None
     if tp is not None and tp.world != args.tp:
@@ -374,4 +390,5 @@ def _main(args, argv) -> dict:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # main() answers Ctrl-C itself from here on
     main()

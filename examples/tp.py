@@ -273,6 +273,16 @@ def _exit_cleanly():
     os._exit(0)
 
 
+def _join(ctx, timeout: float) -> bool:
+    """ctx.join, with a grace period: ranks that fail alike (they run in lockstep) each end on their own, not
+    SIGTERMed, and the exception carries every rank's exit code (`exit_codes`)."""
+    try:
+        return ctx.join(timeout=timeout, grace_period=10.0)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        e.exit_codes = [p.exitcode for p in ctx.processes]
+        raise
+
+
 def launch(fn, world: int, *args, timeout_s: float | None = None, backend: str | None = None, all_reduce: str = "auto"):
     """Run `fn(tp, *args)` in `world` spawned processes, one per rank (fn: a module-level function); returns
     rank 0's result (all_reduce: as `init` takes it). A rank's exception is re-raised here; past `timeout_s`
@@ -288,7 +298,7 @@ def launch(fn, world: int, *args, timeout_s: float | None = None, backend: str |
         )
         deadline = time.monotonic() + (timeout_s or float("inf"))
         try:
-            while not ctx.join(timeout=min(1.0, max(0.01, deadline - time.monotonic()))):
+            while not _join(ctx, min(1.0, max(0.01, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
                     raise fgraph.FgraphError(
                         f"tensor-parallel launch: {world} ranks did not finish in {timeout_s} s "

@@ -308,3 +308,20 @@ def test_engine_options_that_would_fail_later_are_refused_when_it_is_made(tiny, 
     """max_seqs=0 admitted no request, and run() returned at once with every request still waiting."""
     with pytest.raises(RequestError, match=match):
         build(tiny, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(num_pages=2.0), r"num_pages=2.0 is not an integer"),
+        (dict(max_seqs=2.0), r"max_seqs=2.0 is not an integer"),
+        (dict(page_size=2.5), r"page_size=2.5 is not an integer"),
+        (dict(page_size=-4), r"page_size=-4 is out of range \[1, inf\)"),
+        (dict(max_seq_len=None), r"max_seq_len=None is not an integer"),
+    ],
+)
+def test_build_refuses_sizes_of_the_wrong_type_before_they_size_the_cache(tiny, kw, match):  # noqa: F811
+    """They failed inside torch.zeros ("zeros() takes 1 positional argument but 4 were given"), or as a negative
+    num_pages the caller never passed."""
+    with pytest.raises(RequestError, match=match):
+        build(tiny, **kw)
