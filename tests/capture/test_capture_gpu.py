@@ -38,15 +38,7 @@ def test_replay_is_bitwise_eager(mode, graphs_per_sig):
             # padded rows don't change real rows (row-wise math), so the same kernels on the same bucket agree bitwise
             ref = eager(params, toys_pad(x, f), routine)[:n]
             assert torch.equal(out, ref), (n, routine)
-    assert f.stats()["fallbacks"] == {
-        "unseen": 0,
-        "oversize": 0,
-        "cap": 0,
-        "oom": 0,
-        "empty": 0,
-        "init": 0,
-        "branch": 0,
-    }
+    assert not any(f.stats()["fallbacks"].values()), f.stats()["fallbacks"]
 
 
 def toys_pad(x, f):

@@ -96,15 +96,7 @@ def test_greedy_tokens_identical_to_eager(backend, mode):
         stats = eng.step_fn.stats()
         diff = first_difference(want, got)
         assert diff is None, f"backend={backend} mode={mode}: {diff}"
-        assert stats["fallbacks"] == {
-            "unseen": 0,
-            "oversize": 0,
-            "cap": 0,
-            "oom": 0,
-            "empty": 0,
-            "init": 0,
-            "branch": 0,
-        }, stats["fallbacks"]
+        assert not any(stats["fallbacks"].values()), stats["fallbacks"]
         if mode in ("PIECEWISE", "FULL", "FULL_AND_PIECEWISE"):  # every step replays graphs
             assert stats["total"]["replays"] == stats["total"]["calls"] > 0, stats["total"]
         else:  # FULL_DECODE_ONLY: decode steps replay, mixed ones run the traced program eagerly
@@ -206,15 +198,7 @@ def test_inductor_pieces_as_close_to_eager_as_torch_compile(backend):
                 f"fgraph FULL+C {err:.2e}, torch.compile {ref_err:.2e}"
             )
             assert err <= max(2 * ref_err, 2e-2) and err < 0.1, (backend, routine, n, err, ref_err)
-    assert f.stats()["total"]["replays"] == 4 and f.stats()["fallbacks"] == {
-        "init": 0,
-        "unseen": 0,
-        "oversize": 0,
-        "cap": 0,
-        "oom": 0,
-        "empty": 0,
-        "branch": 0,
-    }
+    assert f.stats()["total"]["replays"] == 4 and not any(f.stats()["fallbacks"].values())
 
 
 def test_compiled_engine_greedy_tokens_identical_to_eager_fp32():

@@ -17,7 +17,7 @@ def test_serve_bench_alternates_the_modes_and_reports_paired_gains(tmp_path, cap
     assert list(rows) == modes and d["info"]["repeats"] == 3
     for r in rows.values():
         assert len(r["throughput_runs"]) == 3 and min(r["throughput_runs"]) <= r["throughput_tok_s"]
-        assert r["fallbacks"] == {"unseen": 0, "oversize": 0, "cap": 0, "oom": 0, "empty": 0, "init": 0, "branch": 0}
+        assert not any(r["fallbacks"].values())
         assert r["replays"] > 0  # every run after the warm-up replays captured (host stand-in) graphs
     assert all(rows[m]["mismatched_requests"] == 0 and "buckets" not in rows[m] for m in modes[:2])
     assert "gain_paired" not in rows["PIECEWISE"]

@@ -40,15 +40,7 @@ def generate_all(build, *a, **kw) -> list[list[int]]:
         eng.add(p, max_new_tokens=NEW_TOKENS)
     tokens = eng.run(progress=False).tokens
     if kw["mode"] != "eager":
-        assert eng.step_fn.stats()["fallbacks"] == {
-            "unseen": 0,
-            "oversize": 0,
-            "cap": 0,
-            "oom": 0,
-            "empty": 0,
-            "init": 0,
-            "branch": 0,
-        }
+        assert not any(eng.step_fn.stats()["fallbacks"].values()), eng.step_fn.stats()["fallbacks"]
     del eng
     gc.collect()  # its graphs go now, before the process group at the end of the rank
     torch.cuda.synchronize()
