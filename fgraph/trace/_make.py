@@ -417,6 +417,16 @@ def check(
             outs = list(node.args[0])
             for i, o in enumerate(outs):
                 b = _fx.base_of(o)
+                t = getattr(gm, b.target, None) if isinstance(b, fx.Node) and b.op == "get_attr" else None
+                if isinstance(t, torch.Tensor):  # a real tensor reached where fgraph lifts none, returned as it is
+                    raise TraceError(
+                        f"fgraph.jit({fname}): output {i}, a tensor ({str(t.dtype).removeprefix('torch.')}"
+                        f"{list(t.shape)}) the function returns, is not one of its inputs (a captured graph would "
+                        "freeze its value and address)",
+                        "pass it as an argument (arguments are read in place, not copied); fgraph lifts the tensors "
+                        "held by closures, globals, modules, dicts and lists, not those inside other containers "
+                        "(tuples, objects) nor those a fgraph.repeated function reads",
+                    )
                 if isinstance(o, fx.Node) and b in placeholder_paths and not donated(b):
                     with gm.graph.inserting_before(node):
                         outs[i] = gm.graph.call_function(torch.ops.aten.clone.default, (o,))

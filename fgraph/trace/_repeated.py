@@ -28,6 +28,7 @@ from torch.fx.experimental import proxy_tensor as pt
 
 from .._errors import FgraphError, TraceError
 from .._pytree import tree_flatten
+from .._signature import static_key
 from ._compiling import dynamo_compiling
 from ._errors import op_label
 
@@ -48,7 +49,7 @@ def _signature(leaves: list) -> tuple:
     return tuple(
         (_dims(x.shape), _dims(x.stride()), x.dtype, x.device, first.setdefault(id(x), i))
         if isinstance(x, torch.Tensor)
-        else (type(x), x)
+        else static_key(x)  # by type and value, a float by its hex: 0.0 and -0.0 apart (copysign, 1 / x)
         for i, x in enumerate(leaves)
     )
 

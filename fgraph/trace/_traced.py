@@ -27,6 +27,17 @@ from ._make import check, trace
 from ._split import Program, breaks_filter, split
 
 
+def _fed_by(gm: fx.GraphModule, sources: set) -> set:
+    """The tensor nodes whose values depend on `sources` (the batched placeholders' rows): a forward pass over the
+    graph. Not through sizes: a value computed from the batch size alone (`len.add_(x.shape[0])`) is no padded row."""
+    fed = set(sources)
+    for node in gm.graph.nodes:
+        if node not in fed and any(n in fed for n in node.all_input_nodes):
+            if not isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+                fed.add(node)
+    return fed
+
+
 class InitialisesState(Exception):
     """The call makes tensors of a donated object that held none there (a lazily made cache): it runs eagerly."""
 
@@ -150,7 +161,16 @@ class Traced:
             i for ph, i in zip(placeholders, tensor_ix) if ph in writes and call.specs[i] is not None
         }
         self.written_ix = [*self.written, *sorted(self.written_batched)]  # every leaf the program writes
-        self.scratch = {i for i in self.written if root_of(self.paths[i]) in jitted.options.scratch}
+        # scratch: only the leaves every write of which comes from the batched inputs (padded rows land in the scratch
+        # area); one written otherwise (a length counter beside the KV pages) is put back like any donated leaf
+        scratch = {ph for ph, i in zip(placeholders, tensor_ix) if root_of(self.paths[i]) in jitted.options.scratch}
+        fed = _fed_by(gm, {ph for ph, i in zip(placeholders, tensor_ix) if call.specs[i] is not None})
+        padded_writes = {ph: True for ph in scratch}
+        for node in gm.graph.nodes:
+            for t in write_targets(node):
+                if (b := base_of(t)) in padded_writes and not any(n in fed for n in node.all_input_nodes):
+                    padded_writes[b] = False
+        self.scratch = {i for ph, i in zip(placeholders, tensor_ix) if i in self.written and padded_writes.get(ph)}
         self._padding(jitted, call, gm, ph_paths)
         self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
         self._direct: dict[str, fx.GraphModule] = {}

@@ -229,3 +229,20 @@ def test_inductor_compiles_the_pieces_of_copied_layers():
     want, _ = step(params, llama.init_cache(cfg, pages + 1, 4, torch.float32, "cpu"), batch, "decode")
     assert _repeated.stats["copied"] - before == 2
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_float_argument_keys_its_template_by_sign():
+    """0.0 and -0.0 compare equal, but copysign (or 1 / x) tells them apart: each gets its own template, as statics
+    and Python scalars are keyed by a float's hex."""
+
+    @fgraph.repeated
+    def signed(x, s):
+        return x + torch.copysign(torch.ones_like(x), s)
+
+    def two(x):
+        return signed(x, 0.0), signed(x, -0.0)
+
+    f = fgraph.jit(two, batch={"x": fgraph.Batched()}, buckets=[4])
+    x = torch.rand(3, 2)
+    for got, want in zip(f(x), two(x)):
+        assert torch.equal(got, want)
