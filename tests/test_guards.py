@@ -373,3 +373,48 @@ def test_class_attributes_of_a_plain_object_and_classmethods_are_guarded():
     assert torch.equal(f(x), x * 3)
     a.k = 4.0
     assert torch.equal(f(x), x * 4)
+
+
+OPS = {"act": lambda x: x * 2}
+LST = [1.0, 2.0]
+OPTIONS = frozenset({"double"})
+
+
+def _times_two(x):
+    return x * 2
+
+
+helper = _times_two
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rebound_helper_function_and_a_resized_container_are_seen(mode):
+    """A global function rebound to another (`helper = other`, `OPS["act"] = lambda ...`) is guarded by identity;
+    a global list or dict is guarded by its length too, so an item appended, popped or added is another signature
+    (a list shorter than when traced is read without an internal error)."""
+    global helper
+    calls = [lambda x: helper(x), lambda x: OPS["act"](x), lambda x: x * sum(LST)]
+    jitted = [jit(g, mode) for g in calls]
+    try:
+        for f, g in zip(jitted, calls):
+            same(f, g, X)
+        helper, OPS["act"] = (lambda x: x * 3), (lambda x: x * 5)
+        LST.append(3.0)
+        for f, g in zip(jitted, calls):
+            same(f, g, X)
+        LST[:] = [1.0]
+        same(jitted[2], calls[2], X)
+    finally:
+        helper, OPS["act"], LST[:] = _times_two, (lambda x: x * 2), [1.0, 2.0]
+
+
+def test_a_value_no_guard_compares_is_listed_by_explain_and_refused_under_strict():
+    def by_option(x):
+        return x * (2.0 if "double" in OPTIONS else 3.0)
+
+    f = jit(by_option, "PIECEWISE")
+    same(f, by_option, X)
+    assert "not guarded: OPTIONS" in str(fgraph.explain(f))
+    strict = fgraph.jit(by_option, batch={"x": Batched()}, buckets=[4], strict=True)
+    with pytest.raises(fgraph.TraceError, match="OPTIONS"):
+        strict(X)

@@ -112,9 +112,11 @@ class Lifted:
         # are: each call's signature holds them (`context`), so a changed one is another signature
         self.guards: list[Place] = []
         self.unguarded: list[str] = []  # containers too large to guard value by value (explain lists them)
+        self.objects: set[str] = set()  # of those, values of no guardable kind (Lifted._unguarded)
         # the containers walked into (CONFIG, a closure's list), where each lives, with the object found there: the
         # places above hold the containers themselves, so a name rebound to a new one means a scan again (moved)
         self.containers: list[tuple[Place, object]] = []
+        self.sizes: list[int] = []  # each container's length as scanned
         self.tree: list[tuple[torch.nn.Module, list]] = []  # each lifted module's submodules as scanned
         self._taken, self._seen = set(self.params), set()
         self._callable(fn)
@@ -149,8 +151,10 @@ class Lifted:
     def moved(self) -> bool:
         """Whether a container walked into is no longer where it was found (`CONFIG = {...}` rebound), or a lifted
         module's submodules are not the ones scanned (one replaced: its values are guarded anew)."""
-        return any(_read(p.kind, p.holder, p.key) is not v for p, v in self.containers) or any(
-            list(m.modules()) != subs for m, subs in self.tree
+        return (
+            any(_read(p.kind, p.holder, p.key) is not v for p, v in self.containers)
+            or any(len(v) != n for (_, v), n in zip(self.containers, self.sizes))
+            or any(list(m.modules()) != subs for m, subs in self.tree)
         )
 
     def reads_tensors(self) -> bool:
@@ -247,20 +251,42 @@ class Lifted:
             self._holder(name, v.__self__, getattr(v.__func__, "__code__", None))
             self._function(v.__func__, depth + 1)
         elif isinstance(v, types.FunctionType) and user_code(v):
+            # the function itself (`helper = other`, `OPS["act"] = lambda ...`): by identity, and what it reads
+            self.guards.append(Place(name, kind, holder, key))
             self._function(v, depth + 1)
+        elif isinstance(v, functools.partial) and user_code(v.func):
+            self.guards.append(Place(name, kind, holder, key))
+            for i, a in enumerate(v.args):
+                self._value(f"{name}.args[{i}]", a, "parg", v, i, depth + 1)
+            self._value(f"{name}.func", v.func, "attr", v, "func", depth)
         elif guardable(v):
             self.guards.append(Place(name, kind, holder, key))
         elif isinstance(v, (dict, list)) and depth <= 3 and len(v) <= 4096:  # CONFIG["w"]: swapped in the container
             self.containers.append((Place(name, kind, holder, key), v))
+            self.sizes.append(len(v))  # an item appended, popped or a key added: guarded by the length, scanned anew
+            self.guards.append(Place(f"len({name})", "len", v, None))
             items = list(v.items() if isinstance(v, dict) else enumerate(v))
             plain = [(k, x) for k, x in items if guardable(x)]
             if len(plain) > MAX_GUARDS:
                 self.unguarded.append(name)
             for k, x in items:
-                if isinstance(x, (torch.Tensor, torch.nn.Module, dict, list)) or (
-                    len(plain) <= MAX_GUARDS and guardable(x)
-                ):
+                if isinstance(
+                    x, (torch.Tensor, torch.nn.Module, dict, list, types.FunctionType, functools.partial)
+                ) or (len(plain) <= MAX_GUARDS and guardable(x)):
                     self._value(f"{name}[{k!r}]", x, "item", v, k, depth + 1)
+                elif not guardable(x):
+                    self._unguarded(f"{name}[{k!r}]", x)
+        else:
+            self._unguarded(name, v)
+
+    def _unguarded(self, name, v):
+        """A value the trace may bake in that no guard compares (an object, a set, a long tuple, a numpy scalar, a
+        container past the scan's depth): listed by explain, refused under strict."""
+        if v is None or isinstance(v, (types.ModuleType, type, torch.nn.Module, torch.Tensor)) or callable(v):
+            return  # (modules such as `torch` and `F`, classes, functions and other callables: code, not values)
+        if name not in self.unguarded:
+            self.unguarded.append(name)
+            self.objects.add(name)
 
     def _function(self, fn, depth: int):
         if not isinstance(fn, types.FunctionType) or id(fn) in self._seen or depth > 3:
@@ -327,7 +353,11 @@ def _read(kind, holder, key):
     if kind == "global":
         return holder.get(key)
     if kind == "item":
-        return holder[key] if isinstance(holder, list) and key < len(holder) else holder.get(key)
+        if isinstance(holder, list):
+            return holder[key] if key < len(holder) else None
+        return holder.get(key)
+    if kind == "len":
+        return len(holder)
     if kind == "parg":
         return holder.args[key]
     return getattr(holder, key, None)
@@ -381,9 +411,9 @@ MAX_GUARDS = 64  # Python values of one container guarded one by one; past it, l
 def guardable(v, depth: int = 0) -> bool:
     """Whether v is a Python value a trace bakes in and a guard compares cheaply: None, a bool, int, float, str or
     enum member, or a short tuple of them."""
-    if v is None or type(v) in (bool, int, float, str) or isinstance(v, enum.Enum):
+    if v is None or type(v) in (bool, int, float, str, torch.dtype, torch.device) or isinstance(v, enum.Enum):
         return True
-    return type(v) is tuple and depth < 2 and len(v) <= 16 and all(guardable(x, depth + 1) for x in v)
+    return type(v) in (tuple, torch.Size) and depth < 2 and len(v) <= 16 and all(guardable(x, depth + 1) for x in v)
 
 
 def guard_values(lifted: Lifted) -> tuple:

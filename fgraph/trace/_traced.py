@@ -128,14 +128,19 @@ class Traced:
                 "runs draw too)",
                 "draw the noise outside and pass it in",
             )
-        # Python values the trace reads but no guard compares (containers too large): baked in, said once
+        # Python values the trace reads but no guard compares (containers too large, objects): baked in, said once
         self.unguarded = list(jitted.lifted.unguarded)
         for name in self.unguarded:
+            why = (
+                "is a value no guard compares (an object, a set, a long or nested tuple, a scalar of another type "
+                "than bool, int, float or str, a container past the scan's depth)"
+                if name in jitted.lifted.objects
+                else "holds too many Python values to guard one by one"
+            )
             _visible(
                 jitted,
                 ("unguarded", name),
-                f"`{name}` holds too many Python values to guard one by one: the trace reads them once, and a change "
-                "to them is not seen",
+                f"`{name}` {why}: the trace reads it once, and a change to it is not seen",
                 "pass the values the function reads as arguments (static= for those that choose the program)",
             )
         is_break = breaks_filter(jitted.options.breaks)
