@@ -26,6 +26,10 @@ SILENT MISMATCHES (wrong results, no error):
   shared_state_across_threads           MED   two jitted functions donating the same state, called from two
                                                threads: one's capture puts the state back over the other's update.
                                                Serialize such calls (a lock of your own)
+  values_read_through_another_module    MED   `cfg.SCALE` of another Python module (`math.pi`, torch's backend
+                                               and deterministic flags), a module's `_private` attribute, property
+                                               or `getattr(self, "k")`: not guarded, not listed by explain. Pass
+                                               the value as an argument (static= if it picks the program)
   cublas_reduction_flags                 MED   allow_bf16/fp16_reduced_precision_reduction toggled between calls:
                                                graphs keep the GEMM kernels chosen at capture (rounding only; the
                                                settings that change dtypes or TF32 are part of the signature)
@@ -48,6 +52,7 @@ FIXED (pinned so they stay fixed; the full specs: tests/test_semantics.py, test_
 """
 
 import logging
+import types
 
 import pytest
 import torch
@@ -131,6 +136,21 @@ def test_grad_mode_read_under_another_name():
     with torch.no_grad():
         assert f(torch.ones(2)).tolist() == [3.0, 3.0]
     assert f(torch.ones(2)).tolist() == [3.0, 3.0]  # eager gives [2.0, 2.0]: grad mode is on
+
+
+CFG = types.ModuleType("cfg")  # another Python module, as `import cfg` gives
+CFG.SCALE = 2.0
+
+
+def test_values_read_through_another_module():
+    f = fgraph.jit(lambda x: x * CFG.SCALE, mode="PIECEWISE")
+    assert f(torch.ones(2)).tolist() == [2.0, 2.0]
+    CFG.SCALE = 3.0
+    try:
+        assert f(torch.ones(2)).tolist() == [2.0, 2.0]  # eager gives [3.0, 3.0]: the module's attribute is not guarded
+        assert f.reset() is None and f(torch.ones(2)).tolist() == [3.0, 3.0]  # the fix here: reset after the edit
+    finally:
+        CFG.SCALE = 2.0
 
 
 def test_module_changes_without_tensors():
