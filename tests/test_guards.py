@@ -4,6 +4,7 @@ plain function's answer (a new signature, traced again), in every mode, and the 
 
 import enum
 import logging
+import types
 
 import pytest
 import torch
@@ -418,3 +419,26 @@ def test_a_value_no_guard_compares_is_listed_by_explain_and_refused_under_strict
     strict = fgraph.jit(by_option, batch={"x": Batched()}, buckets=[4], strict=True)
     with pytest.raises(fgraph.TraceError, match="OPTIONS"):
         strict(X)
+
+
+SETTINGS = types.ModuleType(
+    "settings"
+)  # the user's own module, as `import settings` gives (a file outside installed packages)
+SETTINGS.SCALE = 2.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_attribute_of_the_users_own_module_is_guarded(mode):
+    """`settings.SCALE` read from the user's module `settings` is guarded as a global is: changed, it is another
+    signature. (Modules of torch and installed packages are not scanned: their attributes are code, not settings.)"""
+
+    def scaled_by_module(x):
+        return x * SETTINGS.SCALE
+
+    f = jit(scaled_by_module, mode)
+    same(f, scaled_by_module, X)
+    SETTINGS.SCALE = 3.0
+    try:
+        same(f, scaled_by_module, X)
+    finally:
+        SETTINGS.SCALE = 2.0

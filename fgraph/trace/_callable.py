@@ -13,7 +13,6 @@ reparametrization, closure cells, globals) and swapped back after.
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import inspect
 import types
@@ -21,13 +20,13 @@ import types
 import attrs
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._errors import FgraphError, SignatureError
 from .._fx import user_code
 from .._pytree import flatten_with_paths
 from .._signature import Guard, path_str, torch_state
+from ._places import MAX_GUARDS, Place, global_names, guardable, read, restore, user_module, write
 
 
 class Inlined:
@@ -56,17 +55,6 @@ def describe(fn) -> tuple[str, inspect.Signature]:
 def plain_signature(sig: inspect.Signature) -> bool:
     """Every parameter can be passed by name (what Jitted's replay path binds): no positional-only or *args."""
     return all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in sig.parameters.values())
-
-
-@attrs.frozen(eq=False)
-class Place:
-    """Where a lifted value lives: its leaf name, how it is held (`cell`, `global`, `item`, `parg` or `attr`), the
-    object holding it and its key there (_read, _write)."""
-
-    name: str
-    kind: str
-    holder: object
-    key: object
 
 
 @attrs.frozen(eq=False)
@@ -152,7 +140,7 @@ class Lifted:
         """Whether a container walked into is no longer where it was found (`CONFIG = {...}` rebound), or a lifted
         module's submodules are not the ones scanned (one replaced: its values are guarded anew)."""
         return (
-            any(_read(p.kind, p.holder, p.key) is not v for p, v in self.containers)
+            any(read(p.kind, p.holder, p.key) is not v for p, v in self.containers)
             or any(len(v) != n for (_, v), n in zip(self.containers, self.sizes))
             or any(list(m.modules()) != subs for m, subs in self.tree)
         )
@@ -197,22 +185,22 @@ class Lifted:
         for sub_name, sub in m.named_modules():  # plain tensor attributes (neither parameter nor buffer)
             # and the Python values its forward names (`self.temp`): a name its code does not hold is not read
             # (every forward in its MRO: super().forward(x); the jitted method's own code for `self`)
-            read = set()
+            named = set()
             for c in type(sub).__mro__:
                 f = vars(c).get("forward")
                 if hasattr(f, "__code__"):
-                    read.update(_global_names(f.__code__))
+                    named.update(global_names(f.__code__))
             if code is not None and sub is m:
-                read.update(_global_names(code))
+                named.update(global_names(code))
             inst = vars(sub)
-            cls = [k for k in sorted(read - inst.keys()) if hasattr(type(sub), k)]  # class attributes read too
+            cls = [k for k in sorted(named - inst.keys()) if hasattr(type(sub), k)]  # class attributes read too
             for k in [*inst, *cls]:  # (`scale = 2.0` in the class body, an instance's own set later)
                 v = inst[k] if k in inst else getattr(type(sub), k)
                 at = f"{name}.{sub_name}.{k}" if sub_name else f"{name}.{k}"
                 if isinstance(v, torch.Tensor):
                     if k in inst:
                         self.slots.append(Place(at, "attr", sub, k))
-                elif k in read and k != "training" and not k.startswith("_"):
+                elif k in named and k != "training" and not k.startswith("_"):
                     if guardable(v):
                         self.guards.append(Place(at, "attr", sub, k))
                     elif k in inst and isinstance(v, (dict, list)):  # `self.perm = [2, 0, 1]`: item by item
@@ -227,7 +215,7 @@ class Lifted:
         if code is not None and not isinstance(obj, type):
             # class attributes its method reads (`scale = 2.0` in the class body), read through the instance: a
             # change to the class's, or an instance's own set later, is another signature (as a module's are)
-            for k in sorted(set(_global_names(code)) - set(inst)):
+            for k in sorted(set(global_names(code)) - set(inst)):
                 at = f"{name}.{k}"
                 cls_has = hasattr(type(obj), k) and guardable(getattr(type(obj), k))
                 if cls_has and not k.startswith("_") and (at, id(obj)) not in self._seen:
@@ -299,10 +287,15 @@ class Lifted:
             except ValueError:  # not yet assigned
                 continue
             self._value(var, v, "cell", cell, None, depth)
-        g = fn.__globals__
-        for var in _global_names(code):
+        g, names = fn.__globals__, global_names(code)
+        for var in names:
             if var in g:
                 self._value(var, g[var], "global", g, var, depth)
+            if isinstance(g.get(var), types.ModuleType) and user_module(g[var]):
+                for k in sorted(set(names) & set(vars(g[var]))):  # `cfg.SCALE` of the user's own module `cfg`
+                    if guardable(getattr(g[var], k)) and (f"{var}.{k}", id(g[var])) not in self._seen:
+                        self._seen.add((f"{var}.{k}", id(g[var])))
+                        self.guards.append(Place(f"{var}.{k}", "attr", g[var], k))
 
     # -- per call ----------------------------------------------------------------------------------------------
     def values(self) -> dict[str, torch.Tensor]:
@@ -324,7 +317,7 @@ class Lifted:
                 self.names[f"{name}.{k}"] = Origin(i, k)
                 self.grads = self.grads or v.requires_grad
         for i, p in enumerate(self.slots, len(self.modules)):
-            v = _read(p.kind, p.holder, p.key)
+            v = read(p.kind, p.holder, p.key)
             if isinstance(v, torch.Tensor):
                 out[p.name] = v.detach() if v.requires_grad else v
                 self.names[p.name] = Origin(i, None)
@@ -341,60 +334,10 @@ class Lifted:
             for i, p in enumerate(self.slots, len(self.modules)):
                 o = self.names.get(p.name)
                 if p.name in values and o is not None and o.index == i:
-                    old = _read(p.kind, p.holder, p.key)
-                    _write(p.kind, p.holder, p.key, values[p.name])
-                    stack.callback(_restore, p.kind, p.holder, p.key, values[p.name], old)
+                    old = read(p.kind, p.holder, p.key)
+                    write(p.kind, p.holder, p.key, values[p.name])
+                    stack.callback(restore, p.kind, p.holder, p.key, values[p.name], old)
             yield
-
-
-def _read(kind, holder, key):
-    if kind == "cell":
-        return holder.cell_contents
-    if kind == "global":
-        return holder.get(key)
-    if kind == "item":
-        if isinstance(holder, list):
-            return holder[key] if key < len(holder) else None
-        return holder.get(key)
-    if kind == "len":
-        return len(holder)
-    if kind == "parg":
-        return holder.args[key]
-    return getattr(holder, key, None)
-
-
-def _reader(kind, holder, key):
-    """A callable reading the slot now, as `_read(kind, holder, key)` does: for a global, a cell or an attribute, a
-    partial of a C function (no bytecode per read on the replay path: LiftedView.proven)."""
-    if kind == "global":
-        return functools.partial(holder.get, key)
-    if kind == "cell":
-        return functools.partial(getattr, holder, "cell_contents")
-    if kind == "attr":
-        return functools.partial(getattr, holder, key, None)
-    return functools.partial(_read, kind, holder, key)
-
-
-def _restore(kind, holder, key, installed, old):
-    """Put a lifted slot's value back, unless the function stored a fake tensor of its own there.
-
-    That one is a value escaping the trace, left for the escape check to find where it was stored."""
-    now = _read(kind, holder, key)
-    if now is installed or not isinstance(now, FakeTensor):
-        _write(kind, holder, key, old)
-
-
-def _write(kind, holder, key, v):
-    if kind == "cell":
-        holder.cell_contents = v
-    elif kind in ("global", "item"):
-        holder[key] = v
-    elif kind == "parg":  # a partial's arguments are a tuple: the partial is re-made in place
-        args = list(holder.args)
-        args[key] = v
-        holder.__setstate__((holder.func, tuple(args), holder.keywords, holder.__dict__ or None))
-    else:  # (a module's plain tensor attribute, or any object's: past its __setattr__, frozen or not)
-        object.__setattr__(holder, key, v)
 
 
 def _positional_names(fn) -> list[str]:
@@ -405,29 +348,9 @@ def _positional_names(fn) -> list[str]:
     return [p.name for p in ps if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-MAX_GUARDS = 64  # Python values of one container guarded one by one; past it, listed as unguarded
-
-
-def guardable(v, depth: int = 0) -> bool:
-    """Whether v is a Python value a trace bakes in and a guard compares cheaply: None, a bool, int, float, str or
-    enum member, or a short tuple of them."""
-    if v is None or type(v) in (bool, int, float, str, torch.dtype, torch.device) or isinstance(v, enum.Enum):
-        return True
-    return type(v) in (tuple, torch.Size) and depth < 2 and len(v) <= 16 and all(guardable(x, depth + 1) for x in v)
-
-
 def guard_values(lifted: Lifted) -> tuple:
     """The guarded Python values as they are now, as signature entries (`Guard`: by type and value)."""
-    return tuple(Guard(g.name, _read(g.kind, g.holder, g.key)) for g in lifted.guards)
-
-
-def _global_names(code) -> list[str]:
-    """Names a code object (and the functions defined inside it) may read as globals."""
-    names = list(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names.extend(_global_names(c))
-    return names
+    return tuple(Guard(g.name, read(g.kind, g.holder, g.key)) for g in lifted.guards)
 
 
 def invoke(jitted, dynamic: dict, statics: dict):

@@ -27,7 +27,8 @@ from torch.nn.modules import module as _torch_module
 
 from .._errors import EscapeError
 from .._fx import user_code
-from ._callable import Inlined, _global_names
+from ._callable import Inlined
+from ._places import global_names
 
 _DEPTH, _BUDGET = 10, 20000  # how deep and how many objects the scan of one trace visits at most
 _SKIP = (types.ModuleType, type, types.BuiltinFunctionType, str, bytes, int, float, complex, bool, type(None))
@@ -123,7 +124,7 @@ class _Scan:
                 continue
             self.value(var, v, via, depth)
         g = fn.__globals__
-        for var in dict.fromkeys(_global_names(fn.__code__)):
+        for var in dict.fromkeys(global_names(fn.__code__)):
             if var in g:
                 self.value(var, g[var], via, depth)
 

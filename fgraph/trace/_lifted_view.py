@@ -16,7 +16,8 @@ import torch
 from torch.nn.modules import module as _module
 
 from .._signature import static_key
-from ._callable import Lifted, _reader
+from ._callable import Lifted
+from ._places import reader
 
 _generation = [0]  # bumped whenever a watched module registers a parameter, buffer or submodule
 _watched = weakref.WeakSet()  # every module a LiftedView proves (a lifted module and its submodules)
@@ -75,12 +76,12 @@ class LiftedView:
             self.keys.append(local)
         self.slots = list(lifted.slots)  # (Place: where each lives)
         # the containers the slots and guards live in, each where it was found (a rebound one: the slow path rescans)
-        self.container_readers = [_reader(p.kind, p.holder, p.key) for p, _ in lifted.containers]
+        self.container_readers = [reader(p.kind, p.holder, p.key) for p, _ in lifted.containers]
         self.container_values = [v for _, v in lifted.containers]
-        self.slot_readers = [_reader(p.kind, p.holder, p.key) for p in self.slots]  # (C partials, as the guards')
+        self.slot_readers = [reader(p.kind, p.holder, p.key) for p in self.slots]  # (C partials, as the guards')
         # the guarded Python values (Lifted.guards) as the slow call read them, by type and value (static_key)
         self.guards = list(lifted.guards)
-        self.guard_readers = [_reader(g.kind, g.holder, g.key) for g in self.guards]
+        self.guard_readers = [reader(g.kind, g.holder, g.key) for g in self.guards]
         self.guard_values = [read() for read in self.guard_readers]  # the very objects read: proven by identity
         self.guard_keys = list(map(static_key, self.guard_values))
         self.tensors = self._tensors()
