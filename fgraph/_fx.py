@@ -6,7 +6,9 @@ it)."""
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
+import types
 from typing import Any
 
 import torch
@@ -33,6 +35,13 @@ def user_code(fn) -> bool:
     """A Python function of the user's (not torch's, fgraph's, the standard library's or an installed package's)."""
     code = getattr(fn, "__code__", None)
     return code is not None and not code.co_filename.startswith(LIBRARY_DIRS)
+
+
+def user_module(m: types.ModuleType) -> bool:
+    """A module of the user's: its file outside torch, fgraph, the standard library and installed packages, or none
+    (made in code), built-in modules aside."""
+    f = getattr(m, "__file__", None)
+    return not f.startswith(LIBRARY_DIRS) if f is not None else m.__name__ not in sys.builtin_module_names
 
 
 def op_name(node: fx.Node) -> str:

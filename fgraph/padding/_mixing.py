@@ -166,10 +166,8 @@ def find_mixing(
         hit = rule_of(name)(node, Ctx(name, axes, flow, paths, scratch, ins, first, dims, syms))
         if hit is not None:
             add(node, *hit)
-    for g in axes.env.guards:
+    for g in size_guards(axes):
         expr = g.expr
-        if isinstance(expr, sympy.Eq) and all(side.free_symbols for side in expr.args):
-            continue  # two batch sizes found equal (tokens and positions): a tie, checked per call (check_lengths)
         line = _guard_line(g) if expr.free_symbols & set(axes.raw) else None
         if line is None and _fixes_a_size(expr, axes):
             # a size computed from the batch size turned into a number inside an op (`x[x.shape[0] - 1]`): the
@@ -180,27 +178,26 @@ def find_mixing(
         if _same_for_every_call(expr, axes, buckets):  # `if N != 1` with bucket 1 traced on its own
             continue
         f = Finding("branch", line, f"Python code depends on the batch size ({expr}), which is the bucket here")
-        syms = set().union(*(axes.syms_of_expr(s) for s in expr.free_symbols))
-        if not (axes.intended(syms) or axes.intended_raw(expr.free_symbols)):
-            found.setdefault((f.op, f.line), f)
+        found.setdefault((f.op, f.line), f)
     return list(found.values())
 
 
 def size_guards(axes: BatchAxes) -> list:
-    """What a symbolic trace assumed of its batch sizes (its guards on them, from the user's code or torch's: `N > 4`,
-    `len(x)`'s N == 8, an even N for `tensor_split`), but ties between two sizes and what Batched(mixes=True) says is
-    intended. The trace holds at each bucket it serves; a call of N rows padded up to one is answered by it only where
-    every one also holds at N: elsewhere eager takes another branch (FunctionState runs that call eagerly)."""
+    """What a symbolic trace assumed of its batch sizes: its guards on them (`.expr`), from the user's code or torch's
+    (`N > 4`, `len(x)`'s N == 8, an even N for `tensor_split`), but ties between two sizes (tokens and positions:
+    checked per call, check_lengths) and what Batched(mixes=True) says is intended. find_mixing reports those the
+    user's code took. The trace holds at each bucket it serves; a call of N rows padded up to one is answered by it
+    only where every one also holds at N: elsewhere eager takes another branch (FunctionState runs it eagerly)."""
     out = []
     for g in axes.env.guards:
         expr = g.expr
         if isinstance(expr, sympy.Eq) and all(side.free_symbols for side in expr.args):
-            continue  # a tie (checked per call: check_lengths)
+            continue  # a tie
         if not expr.free_symbols & (set(axes.raw) | axes.symbols):
             continue
         syms = set().union(*(axes.syms_of_expr(s) for s in expr.free_symbols))
         if not (axes.intended(syms) or axes.intended_raw(expr.free_symbols)):
-            out.append(expr)
+            out.append(g)
     return out
 
 

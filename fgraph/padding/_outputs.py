@@ -114,14 +114,19 @@ def _tensors_in(v, depth: int = 3) -> bool:
     return any(_tensors_in(x, depth - 1) for x in [*items, *attrs.values()])
 
 
+def _output_at(out, i: int) -> str:
+    """The i-th output leaf, by its key path, for an error."""
+    p = flatten_with_paths(out)[0][i][0]
+    return f"output {path_str(p)}" if p else "the output"
+
+
 def refuse_opaque_outputs(fname: str, out, leaves: list) -> None:
     """Refuse an output leaf of a class pytrees do not know that holds tensors.
 
     It would come back as traced (fake tensors that no replay updates): a TraceError naming its key path instead."""
     for i, v in enumerate(leaves):
         if not isinstance(v, torch.Tensor) and _tensors_in(v):
-            p = flatten_with_paths(out)[0][i][0]
-            where = f"output {path_str(p)}" if p else "the output"
+            where = _output_at(out, i)
             if transformers_cache(v):  # (use_cache's default): a class of transformers' the user cannot change
                 raise TraceError(
                     f"fgraph.jit({fname}): {where} is transformers' {type(v).__qualname__} (use_cache=True, the "
@@ -150,8 +155,7 @@ def refuse_formatted_sizes(fname: str, out, leaves: list) -> None:
     symbol = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
     for i, v in enumerate(leaves):
         if isinstance(v, str) and symbol.search(v):
-            p = flatten_with_paths(out)[0][i][0]
-            where = f"output {path_str(p)}" if p else "the output"
+            where = _output_at(out, i)
             raise TraceError(
                 f"fgraph.jit({fname}): {where} is a string made from a batch size ({v!r}): the size is a symbol while "
                 "fgraph traces, and a string is handed back as traced on every call, never with the call's size",

@@ -23,10 +23,10 @@ import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._errors import FgraphError, SignatureError
-from .._fx import user_code
+from .._fx import user_code, user_module
 from .._pytree import flatten_with_paths
 from .._signature import Guard, path_str, torch_state
-from ._places import MAX_GUARDS, Place, global_names, guardable, read, restore, user_module, write
+from ._places import MAX_GUARDS, Place, global_names, guardable, read, restore, write
 
 
 class Inlined:
@@ -101,10 +101,10 @@ class Lifted:
         self.guards: list[Place] = []
         self.unguarded: list[str] = []  # containers too large to guard value by value (explain lists them)
         self.objects: set[str] = set()  # of those, values of no guardable kind (Lifted._unguarded)
-        # the containers walked into (CONFIG, a closure's list), where each lives, with the object found there: the
-        # places above hold the containers themselves, so a name rebound to a new one means a scan again (moved)
-        self.containers: list[tuple[Place, object]] = []
-        self.sizes: list[int] = []  # each container's length as scanned
+        # the containers walked into (CONFIG, a closure's list), where each lives, with the object found there and its
+        # length: the places above hold the containers themselves, so a name rebound to a new one, or one grown or
+        # shrunk, means a scan again (moved)
+        self.containers: list[tuple[Place, object, int]] = []
         self.tree: list[tuple[torch.nn.Module, list]] = []  # each lifted module's submodules as scanned
         self._taken, self._seen = set(self.params), set()
         self._callable(fn)
@@ -139,10 +139,8 @@ class Lifted:
     def moved(self) -> bool:
         """Whether a container walked into is no longer where it was found (`CONFIG = {...}` rebound), or a lifted
         module's submodules are not the ones scanned (one replaced: its values are guarded anew)."""
-        return (
-            any(read(p.kind, p.holder, p.key) is not v for p, v in self.containers)
-            or any(len(v) != n for (_, v), n in zip(self.containers, self.sizes))
-            or any(list(m.modules()) != subs for m, subs in self.tree)
+        return any(read(p.kind, p.holder, p.key) is not v or len(v) != n for p, v, n in self.containers) or any(
+            list(m.modules()) != subs for m, subs in self.tree
         )
 
     def reads_tensors(self) -> bool:
@@ -215,17 +213,13 @@ class Lifted:
         if code is not None and not isinstance(obj, type):
             # class attributes its method reads (`scale = 2.0` in the class body), read through the instance: a
             # change to the class's, or an instance's own set later, is another signature (as a module's are)
-            for k in sorted(set(global_names(code)) - set(inst)):
-                at = f"{name}.{k}"
-                cls_has = hasattr(type(obj), k) and guardable(getattr(type(obj), k))
-                if cls_has and not k.startswith("_") and (at, id(obj)) not in self._seen:
-                    self._seen.add((at, id(obj)))
-                    self.guards.append(Place(at, "attr", obj, k))
+            names = set(global_names(code)) - set(inst)
+            self._attributes(name, obj, type(obj), {k for k in names if hasattr(type(obj), k) and k[0] != "_"})
         if id(obj) in self._seen:  # scanned already: a bound method of it among its attributes (`self.cb = self.g`,
             return  # a classmethod's class holding that classmethod)
         self._seen.add(id(obj))
         slots = [k for c in type(obj).__mro__ for k in getattr(c, "__slots__", ()) if hasattr(obj, k)]
-        for k in [*getattr(obj, "__dict__", {}), *slots]:
+        for k in [*inst, *slots]:
             self._value(f"{name}.{k}", getattr(obj, k), "attr", obj, k, 1)
 
     def _value(self, name, v, kind, holder, key, depth):
@@ -250,9 +244,8 @@ class Lifted:
         elif guardable(v):
             self.guards.append(Place(name, kind, holder, key))
         elif isinstance(v, (dict, list)) and depth <= 3 and len(v) <= 4096:  # CONFIG["w"]: swapped in the container
-            self.containers.append((Place(name, kind, holder, key), v))
-            self.sizes.append(len(v))  # an item appended, popped or a key added: guarded by the length, scanned anew
-            self.guards.append(Place(f"len({name})", "len", v, None))
+            self.containers.append((Place(name, kind, holder, key), v, len(v)))
+            self.guards.append(Place(f"len({name})", "len", v, None))  # an item appended, popped or a key added
             items = list(v.items() if isinstance(v, dict) else enumerate(v))
             plain = [(k, x) for k, x in items if guardable(x)]
             if len(plain) > MAX_GUARDS:
@@ -291,11 +284,17 @@ class Lifted:
         for var in names:
             if var in g:
                 self._value(var, g[var], "global", g, var, depth)
-            if isinstance(g.get(var), types.ModuleType) and user_module(g[var]):
-                for k in sorted(set(names) & set(vars(g[var]))):  # `cfg.SCALE` of the user's own module `cfg`
-                    if guardable(getattr(g[var], k)) and (f"{var}.{k}", id(g[var])) not in self._seen:
-                        self._seen.add((f"{var}.{k}", id(g[var])))
-                        self.guards.append(Place(f"{var}.{k}", "attr", g[var], k))
+            if isinstance(g.get(var), types.ModuleType) and user_module(g[var]):  # `cfg.SCALE` of the user's `cfg`
+                self._attributes(var, g[var], g[var], set(names) & set(vars(g[var])))
+
+    def _attributes(self, name: str, obj, owner, keys: set) -> None:
+        """Guard each of `keys` (attribute names the code reads) whose value on `owner` is guardable, read through
+        `obj`: a class's attributes through an instance (an instance's own set later shadows them), a module's."""
+        for k in sorted(keys):
+            at = f"{name}.{k}"
+            if guardable(getattr(owner, k)) and (at, id(obj)) not in self._seen:
+                self._seen.add((at, id(obj)))
+                self.guards.append(Place(at, "attr", obj, k))
 
     # -- per call ----------------------------------------------------------------------------------------------
     def values(self) -> dict[str, torch.Tensor]:

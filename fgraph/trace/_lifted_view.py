@@ -76,8 +76,8 @@ class LiftedView:
             self.keys.append(local)
         self.slots = list(lifted.slots)  # (Place: where each lives)
         # the containers the slots and guards live in, each where it was found (a rebound one: the slow path rescans)
-        self.container_readers = [reader(p.kind, p.holder, p.key) for p, _ in lifted.containers]
-        self.container_values = [v for _, v in lifted.containers]
+        self.container_readers = [reader(p.kind, p.holder, p.key) for p, _, _ in lifted.containers]
+        self.container_values = [v for _, v, _ in lifted.containers]
         self.slot_readers = [reader(p.kind, p.holder, p.key) for p in self.slots]  # (C partials, as the guards')
         # the guarded Python values (Lifted.guards) as the slow call read them, by type and value (static_key)
         self.guards = list(lifted.guards)

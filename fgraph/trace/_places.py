@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import enum
 import functools
-import sys
 import types
 
 import attrs
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-
-from .. import _fx
 
 
 @attrs.frozen(eq=False)
@@ -80,19 +77,11 @@ MAX_GUARDS = 64  # Python values of one container guarded one by one; past it, l
 
 
 def guardable(v, depth: int = 0) -> bool:
-    """Whether v is a Python value a trace bakes in and a guard compares cheaply: None, a bool, int, float, str or
-    enum member, or a short tuple of them."""
+    """Whether v is a Python value a trace bakes in and a guard compares cheaply: None, a bool, int, float, str,
+    torch dtype or device, or enum member, or a short tuple (or torch.Size) of them."""
     if v is None or type(v) in (bool, int, float, str, torch.dtype, torch.device) or isinstance(v, enum.Enum):
         return True
     return type(v) in (tuple, torch.Size) and depth < 2 and len(v) <= 16 and all(guardable(x, depth + 1) for x in v)
-
-
-def user_module(m: types.ModuleType) -> bool:
-    """A module of the user's (a file outside torch, fgraph and installed packages, or none: made in code)."""
-    f = getattr(m, "__file__", None)
-    return (
-        f is not None and not f.startswith(_fx.LIBRARY_DIRS) or f is None and m.__name__ not in sys.builtin_module_names
-    )
 
 
 def global_names(code) -> list[str]:

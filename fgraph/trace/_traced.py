@@ -157,8 +157,15 @@ class Traced:
         }
         self.plans = _plan_sites(gm, ph_pos, tensor_ix, call.specs)
         self.bucket = call.sig.bucket
-        # the donated leaves the program writes (put back after warm-up and capture), and those declared scratch
-        writes = {base_of(t) for node in gm.graph.nodes for t in write_targets(node)}
+        # the donated leaves the program writes (put back after warm-up and capture), and of those the ones some write
+        # of which takes nothing from the batched rows (scratch= covers only writes of padded rows: below)
+        fed = _fed_by(gm, {ph for ph, i in zip(placeholders, tensor_ix) if call.specs[i] is not None})
+        writes, unpadded = set(), set()
+        for node in gm.graph.nodes:
+            for t in write_targets(node):
+                writes.add(base := base_of(t))
+                if not any(n in fed for n in node.all_input_nodes):
+                    unpadded.add(base)
         self.written = [i for ph, i in zip(placeholders, tensor_ix) if ph in writes and call.specs[i] is None]
         # donated batched leaves it writes: the program writes fgraph's padded buffer, so the caller's rows are
         # copied back after each call (as eager writes the caller's tensor), and their padding is written again
@@ -168,14 +175,11 @@ class Traced:
         self.written_ix = [*self.written, *sorted(self.written_batched)]  # every leaf the program writes
         # scratch: only the leaves every write of which comes from the batched inputs (padded rows land in the scratch
         # area); one written otherwise (a length counter beside the KV pages) is put back like any donated leaf
-        scratch = {ph for ph, i in zip(placeholders, tensor_ix) if root_of(self.paths[i]) in jitted.options.scratch}
-        fed = _fed_by(gm, {ph for ph, i in zip(placeholders, tensor_ix) if call.specs[i] is not None})
-        padded_writes = {ph: True for ph in scratch}
-        for node in gm.graph.nodes:
-            for t in write_targets(node):
-                if (b := base_of(t)) in padded_writes and not any(n in fed for n in node.all_input_nodes):
-                    padded_writes[b] = False
-        self.scratch = {i for ph, i in zip(placeholders, tensor_ix) if i in self.written and padded_writes.get(ph)}
+        self.scratch = {
+            i
+            for ph, i in zip(placeholders, tensor_ix)
+            if i in self.written and ph not in unpadded and root_of(self.paths[i]) in jitted.options.scratch
+        }
         self._padding(jitted, call, gm, ph_paths)
         self.warmed = False  # has a signature of this trace been warmed up (see Entry.capture)
         self._direct: dict[str, fx.GraphModule] = {}
@@ -210,7 +214,7 @@ class Traced:
         padding.check_bounds(jitted.name, self.bounds, self.flow, (call.sig.bucket, call.n), ph_paths, lifted)
         self.mixing = padding.find_mixing(gm, self.axes, set(jitted.options.scratch), ph_paths, jitted.options.buckets)
         self.tied = padding.tied_lengths(self.axes)
-        self.size_guards = padding.size_guards(self.axes)
+        self.size_guards = [g.expr for g in padding.size_guards(self.axes)]
         self.sizes_ok = set() if self.size_guards else None
         padding.refuse_shrinking_outputs(jitted.name, gm, self.axes, set(self.out_passthrough))
         for f in self.mixing:
