@@ -59,7 +59,6 @@ class Entry:
         self.program, self.mode, self.reason = traced.program, traced.mode, traced.reason
         self.module = _own_top_level(traced.program.module)
         self.tensor_ix = traced.tensor_ix
-        self.sizes_ok = traced.sizes_ok  # the batch sizes its trace's assumptions hold at (None: all), replayed
         self.paths = traced.paths
         self.batched_ix = traced.batched_ix
         self.address_ix = traced.address_ix

@@ -143,8 +143,8 @@ class FastPath:
         if n is not None and bucket is None:  # past the largest bucket, or an empty batch
             return None
         entry = self.entries.get(fast_key(statics, bucket, parts))
-        if entry is None or (entry.sizes_ok is not None and n not in entry.sizes_ok):  # (a size not yet checked
-            return None  # against what the trace assumed of it: the slow path checks it, or runs it eagerly)
+        if entry is None:  # (each token count gets its key from a slow call it served: one whose N breaks what
+            return None  # the trace assumed of the batch size, run eagerly there, never gets one: Traced.breaks_at)
         # a new tensor where the graphs read another: the slow path copies it. Containers passed again vouch for
         # theirs by identity; tensors inside batched arguments (slots.loose) are flattened afresh and checked
         slots, seen = entry.slots, entry.verified

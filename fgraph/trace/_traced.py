@@ -228,7 +228,7 @@ class Traced:
     def breaks_at(self, n: int | None) -> str | None:
         """The first of the trace's assumptions on its batch sizes that a call of n rows breaks (eager branches
         otherwise there than at the bucket), else None. Checked once per n: `sizes_ok` holds those that keep them
-        all, which the replay path serves."""
+        all. (The replay path needs no check: it keys each n by a slow call that served it.)"""
         if self.sizes_ok is None or n is None or n in self.sizes_ok:
             return None
         broken = self._sizes_broken.get(n)
