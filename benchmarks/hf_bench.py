@@ -41,6 +41,7 @@ import torch
 from benchmarks import kernels
 from examples import hf_generate
 from examples.hf_moe import use_fgraph_moe
+from fgraph.compile import compiler
 from fgraph.kernels import linear_counts, linear_seconds
 
 
@@ -241,6 +242,7 @@ def main(argv=None):
                 s = contenders[name].forward.stats()
                 row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
                 row["linear"] = dict(linear_counts)  # fgraph::linear's picks so far in this process (all contenders)
+                row["sdpa_decode"] = compiler.counts["sdpa"]  # SDPA calls rewritten into it so far (all contenders)
                 row["linear_s"] = {k: round(v, 2) for k, v in linear_seconds.items()}  # its tuner's wall time so far
                 row["host_us"] = host_us(contenders[name], lambda: gen(name, 8))
                 row["host_us"]["find_in_generate"] = find_in_generate_us(

@@ -12,7 +12,8 @@ bf16, a boolean mask over a static cache of --ctx positions, half of them visibl
 graph (triton.testing.do_bench_cudagraph), µs per call, and its largest difference from the math reference:
 - repeat_kv: transformers' compile path (keys and values repeated to every query head), SDPA's own pick;
 - packed: a single query token's heads as rows of its KV head (transformers' eager path at decode, `pack_gqa`),
-  SDPA's own pick and each backend forced.
+  SDPA's own pick and each backend forced;
+- fgraph: fgraph::sdpa_decode's kernel (what compiled pieces run in its place, fgraph.config.sdpa_decode).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import json
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fgraph.kernels import _sdpa
 
 
 def emit(row: dict) -> None:
@@ -99,7 +102,9 @@ def time_part(batches, ctx: int) -> None:
             return x[:, :, None].expand(B, Hkv, G, ctx, D).reshape(B, Hq, ctx, D)
 
         ref = F.scaled_dot_product_attention(q.float(), repeat_kv(k).float(), repeat_kv(v).float(), mask, scale=scale)
+        bias = torch.where(mask, 0.0, float("-inf")).to(dt)  # (the trace's additive mask)
         variants = {
+            "fgraph": lambda: _sdpa.sdpa_decode(q, k, v, bias, scale),
             "repeat_kv": lambda: F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), mask, scale=scale),
             "packed": lambda: F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v, mask, scale=scale),
         }

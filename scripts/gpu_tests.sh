@@ -53,7 +53,7 @@ models=tests/examples/test_models_gpu.py
 shapes=tests/compile/test_compile_gpu.py  # (compiled pieces over random model shapes: in the compiled lane)
 # (a lane of their own: the single lane ran ~290 s of the suite's ~300 with them)
 kernels="tests/kernels/test_linear.py tests/kernels/test_linear_kernels.py tests/kernels/test_norm_linear.py tests/ops/test_attention_triton.py tests/kernels/test_pdl.py
-tests/ops/test_rope.py tests/ops/test_kv_write.py"
+tests/kernels/test_sdpa.py tests/ops/test_rope.py tests/ops/test_kv_write.py"
 fi_tc="import sys, pytest, fgraph.ops._attn_flashinfer as FI; FI.TENSOR_CORE_PLAN_PATHS = False; \
 sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '-k', 'flashinfer', 'tests/examples/test_models_gpu.py']))"
 rcs=$(mktemp -d)

@@ -23,7 +23,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from .._config import config as fgraph_config
 from .._errors import SignatureError
 from ..trace import fake_slices
-from . import _small_m
+from . import _sdpa, _small_m
 from ._assumed import Compilation, bound_int, input_layout, layout_facts, piece_key, restored
 
 
@@ -119,22 +119,28 @@ def _compiling(name: str, compile: Callable):
 
 def with_linear(module: fx.GraphModule) -> fx.GraphModule:
     """The piece with its few-row matmuls as `fgraph::linear` (those over the same rows as `fgraph::linears`), its
-    gated activations as `fgraph::linear_glu` and the RMSNorms they read as `fgraph::norm_linear`
-    (fgraph.config.small_m_gemv, small_m_group, small_m_glu, small_m_norm), made once per piece and setting."""
-    if not fgraph_config.small_m_gemv:
+    gated activations as `fgraph::linear_glu`, the RMSNorms they read as `fgraph::norm_linear` (fgraph.config.
+    small_m_gemv, small_m_group, small_m_glu, small_m_norm) and its one-query SDPA calls as `fgraph::sdpa_decode`
+    (fgraph.config.sdpa_decode), made once per piece and setting."""
+    c = fgraph_config
+    if not (c.small_m_gemv or c.sdpa_decode):
         return module
-    key = ("fgraph_linear", fgraph_config.small_m_glu, fgraph_config.small_m_norm, fgraph_config.small_m_group)
+    key = ("fgraph_linear", c.small_m_gemv, c.small_m_glu, c.small_m_norm, c.small_m_group, c.sdpa_decode)
     got = module.meta.get(key)
     if got is None:
         other = fx.GraphModule(module, copy.deepcopy(module.graph))
-        n = _small_m.rewrite(
-            other, glu=fgraph_config.small_m_glu, norm=fgraph_config.small_m_norm, group=fgraph_config.small_m_group
-        )
-        made = _small_m.ops_made(other)
-        compiler.counts["linear"] += n
-        compiler.counts["glu"] += made["fgraph::linear_glu"]
-        compiler.counts["norm"] += made["fgraph::norm_linear"]
-        compiler.counts["group"] += made["fgraph::linears"]
+        n = 0
+        if c.small_m_gemv:
+            n = _small_m.rewrite(other, glu=c.small_m_glu, norm=c.small_m_norm, group=c.small_m_group)
+            made = _small_m.ops_made(other)
+            compiler.counts["linear"] += n
+            compiler.counts["glu"] += made["fgraph::linear_glu"]
+            compiler.counts["norm"] += made["fgraph::norm_linear"]
+            compiler.counts["group"] += made["fgraph::linears"]
+        if c.sdpa_decode:
+            s = _sdpa.rewrite(other)
+            compiler.counts["sdpa"] += s
+            n += s
         got = module.meta[key] = other if n else module
     return got
 
@@ -156,7 +162,7 @@ class Compiler:
         # (fgraph/compile/_small_m.py)
         # failed: signatures whose pieces Inductor raised on (they ran uncompiled graphs, or the error was raised)
         self.counts = dict.fromkeys(
-            ("compiled", "loaded", "shared", "static", "failed", "linear", "glu", "norm", "group"), 0
+            ("compiled", "loaded", "shared", "static", "failed", "linear", "glu", "norm", "group", "sdpa"), 0
         )
         self.counts["seconds"] = 0.0
 

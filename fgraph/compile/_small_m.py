@@ -454,4 +454,5 @@ _OPS = {
     "fgraph::linears": kernels.group_op,
     "fgraph::linear_glu": kernels.glu_op,
     "fgraph::norm_linear": kernels.norm_op,
+    "fgraph::sdpa_decode": kernels.sdpa_op,  # (made by _sdpa's rewrite, after this one's)
 }

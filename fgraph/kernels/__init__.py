@@ -1,5 +1,6 @@
 """fgraph's own Triton kernels for compiled pieces: the `fgraph::linear` family (few-row matmuls, with a gated
-activation, grouped over the same rows, or reading an RMSNorm), their tuner and the choices it keeps on disk, and
+activation, grouped over the same rows, or reading an RMSNorm), their tuner and the choices it keeps on disk,
+`fgraph::sdpa_decode` (one query row's attention over a dense KV cache: a traced SDPA at decode), and
 `after_prior` (`pdl_prologue()`), the programmatic-dependent-launch prologue every fgraph kernel opens with.
 
 The attention's Triton kernels stay with their op (`fgraph.ops`): they are that op's backend, planned and dispatched
@@ -14,6 +15,8 @@ from ._gemv_ops import glu_op as glu_op
 from ._gemv_ops import group_op as group_op
 from ._gemv_ops import norm_op as norm_op
 from ._gemv_ops import op as op
+from ._sdpa import op as sdpa_op  # noqa: F401 (fgraph::sdpa_decode, by name here)
+from ._sdpa import serves as sdpa_serves  # noqa: F401
 
 
 def pdl_prologue():
