@@ -8,6 +8,8 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
@@ -154,3 +156,32 @@ def test_compiled_pieces_call_sdpa_decode_when_the_switch_is_on_and_equal_eager(
             torch.testing.assert_close(got, want)
             torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0)
     assert compiler.counts["sdpa"] - before == (2 if on else 0)  # one call in each bucket's piece
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    b=st.integers(1, 4),
+    hkv=st.sampled_from([1, 2]),
+    g=st.sampled_from([1, 2, 3]),
+    s=st.integers(1, 70),
+    d=st.sampled_from([8, 16]),
+    mask=st.sampled_from([None, "float", "bool"]),
+    scale=st.sampled_from([None, 0.3]),
+    write_between=st.booleans(),
+)
+def test_any_one_query_attention_rewritten_computes_eagers_answer(b, hkv, g, s, d, mask, scale, write_between):
+    def fn(q, kc, vc, m):
+        kr, vr = repeat_kv(kc, g), repeat_kv(vc, g)
+        if write_between:
+            kc.add_(1)
+        bias = {None: None, "float": torch.where(m, 0.0, float("-inf")), "bool": m}[mask]
+        return F.scaled_dot_product_attention(q, kr, vr, attn_mask=bias, scale=scale)
+
+    gen = torch.Generator().manual_seed(b * 1000 + s)
+    m = torch.rand(b, 1, 1, s, generator=gen) > 0.3
+    m[..., 0] = True
+    a = [torch.randn(b, hkv * g, 1, d, generator=gen), torch.randn(b, hkv, s, d, generator=gen),
+         torch.randn(b, hkv, s, d, generator=gen), m]  # fmt: skip
+    _, gm, n = rewritten(fn, a)
+    assert n == 1
+    same_answer(fn, gm, a)
