@@ -30,6 +30,7 @@ cell to $OUT/hf_bench.jsonl (and stdout), as each is measured.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import os
@@ -38,6 +39,7 @@ import time
 
 import torch
 
+import fgraph
 from benchmarks import kernels
 from examples import hf_generate
 from examples.hf_moe import use_fgraph_moe
@@ -126,7 +128,19 @@ def main(argv=None):
         action="store_true",
         help="GPU: kernels and kernel time per generated token, per contender (torch.profiler, after the timing)",
     )
+    p.add_argument(
+        "--config",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="fgraph.config switches set first (a lever measured before it is a default: sdpa_decode=True)",
+    )
     args = p.parse_args(argv)
+    for item in args.config:
+        name, _, value = item.partition("=")
+        if not hasattr(fgraph.config, name):
+            p.error(f"--config {item}: fgraph.config has no {name!r}")
+        setattr(fgraph.config, name, ast.literal_eval(value))
     smoke = args.smoke or not torch.cuda.is_available()
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     ctx, new = args.ctx or (32 if smoke else 1024), args.new or (6 if smoke else 64)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fgraph
 from fgraph.compile import compiler
 from fgraph.kernels import _sdpa
 
@@ -121,8 +122,10 @@ def test_the_op_passes_opcheck_on_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_compiled_hf_decode_step_calls_the_kernel_and_gives_eagers_tokens(dtype):
+def test_a_compiled_hf_decode_step_calls_the_kernel_and_gives_eagers_tokens(dtype, monkeypatch):
     from examples import hf_generate as G
+
+    monkeypatch.setattr(fgraph.config, "sdpa_decode", True)
 
     model = G.tiny("qwen2", "cuda", dtype)
     ids = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(0)).cuda()
