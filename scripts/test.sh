@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: set up a venv (once) and run the CPU suite. GPU tests skip on CPU.
+# The README's test command: set up a venv (once) and run the CPU suite, then fgraph's Triton kernels' specs in
+# Triton's interpreter. GPU tests skip on CPU. Arguments: one pytest run with them instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
@@ -9,4 +10,8 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # two pytest-xdist workers (CI and the dev box have 2 cores; more would only contend): -n 0 in "$@" runs in one process
-exec .venv/bin/python -m pytest -q -x -n 2 "$@"
+if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -x -n 2 "$@"; fi
+.venv/bin/python -m pytest -q -x -n 2
+# fgraph's Triton kernels on the CPU, in Triton's interpreter: the kernels' and ops' specs again, with the kernel
+# specs that skip without it (fgraph::linear's configs, the triton attention, RoPE, sdpa_decode against eager)
+TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -q -x -n 2 -m "not gpu" tests/kernels tests/ops
