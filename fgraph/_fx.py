@@ -1,10 +1,11 @@
 """Helpers over fgraph's one IR, torch.fx graphs of aten ops.
 
-Op names, arguments, write targets, views' bases, and where library code lives (a user's line is the first frame outside
-it)."""
+Op names, arguments, write targets and the order of writes, views' bases, and where library code lives (a user's line
+is the first frame outside it)."""
 
 from __future__ import annotations
 
+import bisect
 import os
 import sys
 import sysconfig
@@ -128,3 +129,19 @@ def base_of(node: Any) -> Any:
         else:
             break
     return node
+
+
+class WriteOrder:
+    """Each node's position in the graph before a rewrite, and the positions of the nodes that write in place: a
+    rewrite that reads a value later than the graph did (a matmul's input at the activation, or at the group's first
+    matmul for a later one's; the KV cache at SDPA rather than at its repeat's copy) must not move the read past a
+    write."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.at = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.writes = [i for n, i in self.at.items() if write_targets(n)]
+
+    def quiet(self, nodes) -> bool:
+        """Whether no node writes in place strictly between the first and the last of `nodes`."""
+        lo, hi = min(self.at[n] for n in nodes), max(self.at[n] for n in nodes)
+        return bisect.bisect_right(self.writes, lo) == bisect.bisect_left(self.writes, hi)

@@ -12,6 +12,6 @@ if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 # two pytest-xdist workers (CI and the dev box have 2 cores; more would only contend): -n 0 in "$@" runs in one process
 if [ $# -gt 0 ]; then exec .venv/bin/python -m pytest -q -x -n 2 "$@"; fi
 .venv/bin/python -m pytest -q -x -n 2
-# fgraph's Triton kernels on the CPU, in Triton's interpreter: the kernels' and ops' specs again, with the kernel
-# specs that skip without it (fgraph::linear's configs, the triton attention, RoPE, sdpa_decode against eager)
-TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -q -x -n 2 -m "not gpu" tests/kernels tests/ops
+# fgraph's Triton kernels on the CPU, in Triton's interpreter: the specs marked `interpreter`, which skip above
+# (fgraph::linear's configs, the triton attention, RoPE, sdpa_decode against eager)
+TRITON_INTERPRET=1 exec .venv/bin/python -m pytest -q -x -n 2 -m interpreter

@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 # The specs compare a call padded to its bucket with the plain call, bit for bit. MKL's default GEMM rounds a row by
@@ -23,13 +24,22 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+def _interpreting() -> bool:
+    """Whether Triton's interpreter runs fgraph's Triton kernels on CPU tensors here (TRITON_INTERPRET=1, Triton
+    installed: scripts/test.sh's second pass)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_tests.sh on the device")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU: run scripts/gpu_tests.sh on the device")
+    if not _interpreting():
+        skips["interpreter"] = pytest.mark.skip(reason="Triton's interpreter (TRITON_INTERPRET=1, Triton installed)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

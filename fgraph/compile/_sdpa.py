@@ -16,10 +16,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.operator_schemas import normalize_function
 
 from .. import kernels
-from .._fx import write_targets
+from .._fx import WriteOrder, arguments, val
 
 aten = torch.ops.aten
 # the SDPA ops a trace may hold, by the name each gives its additive mask (None: it takes none)
@@ -29,11 +28,7 @@ _SDPA = {
     aten._scaled_dot_product_flash_attention.default: None,
     aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
 }
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
 def _call(node, targets) -> bool:
@@ -53,41 +48,23 @@ def _repeated(node) -> tuple | None:
         return None
     u = x.args[0]
     kv, dim = u.args[0], u.args[1]
-    v = _val(kv)
+    v = val(kv)
     if not isinstance(v, torch.Tensor) or v.dim() != 4 or dim != 2:
         return None
-    out = _val(node)
-    if list(out.shape) != [v.shape[0], v.shape[1] * _val(x).shape[2], *v.shape[2:]]:
+    out = val(node)
+    if list(out.shape) != [v.shape[0], v.shape[1] * val(x).shape[2], *v.shape[2:]]:
         return None
     return kv, [*chain, x, u]
 
 
-def _quiet(gm: fx.GraphModule, first: fx.Node, last: fx.Node) -> bool:
-    """Whether no node from first to last writes in place (the call reads the cache at last, not at the copy)."""
-    inside = False
-    for n in gm.graph.nodes:
-        inside = inside or n is first
-        if inside and write_targets(n):
-            return False
-        if n is last:
-            return True
-    return False
-
-
-def _rewrite(gm: fx.GraphModule, node: fx.Node, device_type: str) -> bool:
+def _rewrite(gm: fx.GraphModule, node: fx.Node, device_type: str, order: WriteOrder) -> bool:
     bias_name = _SDPA[node.target]
-    try:
-        got = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    except Exception:  # noqa: BLE001 (a schema this torch spells otherwise: leave the call as traced)
-        got = None
-    if got is None:
-        return False
-    kw = got.kwargs
+    kw = arguments(node)
     q, k, v = kw["query"], kw["key"], kw["value"]
     bias = kw.get(bias_name) if bias_name else None
     if kw.get("dropout_p", 0.0) != 0.0 or kw.get("is_causal", False):
         return False
-    qv, biasv = _val(q), _val(bias)
+    qv, biasv = val(q), val(bias)
     if not isinstance(qv, torch.Tensor) or qv.device.type != device_type or not isinstance(qv.shape[2], int):
         return False
     if bias is not None and not (isinstance(biasv, torch.Tensor) and 2 <= biasv.dim() <= 4 and biasv.shape[-2] == 1):
@@ -98,12 +75,12 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, device_type: str) -> bool:
     copies, reads = [], {}
     for name, t in (("k", k), ("v", v)):
         rep = _repeated(t)
-        if rep is not None and len(t.users) == 1 and _quiet(gm, rep[1][-1], node):
+        if rep is not None and len(t.users) == 1 and order.quiet((rep[1][-1], node)):
             reads[name] = rep[0]
             copies.append(rep[1])
         else:
             reads[name] = t
-    if not kernels.sdpa_serves(qv, _val(reads["k"]), _val(reads["v"])):
+    if not kernels.sdpa_serves(qv, val(reads["k"]), val(reads["v"])):
         return False
     scale = kw.get("scale")
     scale = qv.shape[-1] ** -0.5 if scale is None else scale
@@ -124,7 +101,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, device_type: str) -> bool:
 
 def rewrite(gm: fx.GraphModule, device_type: str = "cuda") -> int:
     """Rewrite gm's eligible SDPA calls in place; the number rewritten."""
-    made = sum(_rewrite(gm, n, device_type) for n in list(gm.graph.nodes) if _call(n, _SDPA))
+    order = WriteOrder(gm)
+    made = sum(_rewrite(gm, n, device_type, order) for n in list(gm.graph.nodes) if _call(n, _SDPA))
     if made:
         gm.recompile()
     return made

@@ -35,35 +35,19 @@ add's other readers: the Inductor kernel that added and normalised goes into the
 
 from __future__ import annotations
 
-import bisect
 import operator
 
 import torch
 import torch.fx as fx
 
 from .. import kernels  # (fgraph::linear's family: the ops this pass writes)
-from .._fx import write_targets
+from .._fx import WriteOrder
 
 aten = torch.ops.aten
 _TRANSPOSES = {aten.t.default, aten.permute.default, aten.transpose.int}
 _VIEWS = {aten.view.default, aten._unsafe_view.default}
 SMALL_WEIGHT = 4 << 20  # bytes
 SPLIT_WEIGHT, SPLIT_COLUMNS = 16 << 20, 2048  # bytes, rows of w (output columns)
-
-
-class _Order:
-    """Each node's position in the graph before the rewrite, and the positions of the nodes that write in place: a
-    rewrite that reads a matmul's input later than the matmul did (at the activation, or the group's first matmul
-    for a later one's) must not move the read past a write."""
-
-    def __init__(self, gm: fx.GraphModule):
-        self.at = {n: i for i, n in enumerate(gm.graph.nodes)}
-        self.writes = [i for n, i in self.at.items() if write_targets(n)]
-
-    def quiet(self, nodes) -> bool:
-        """Whether no node writes in place strictly between the first and the last of `nodes`."""
-        lo, hi = min(self.at[n] for n in nodes), max(self.at[n] for n in nodes)
-        return bisect.bisect_right(self.writes, lo) == bisect.bisect_left(self.writes, hi)
 
 
 def _transposed(node) -> fx.Node | None:
@@ -171,7 +155,7 @@ def _item(node, index: int):
     return None
 
 
-def _rewrite_glu(gm: fx.GraphModule, node, device_type: str, order: _Order) -> bool:
+def _rewrite_glu(gm: fx.GraphModule, node, device_type: str, order: WriteOrder) -> bool:
     """mul(silu(split(mm(x, t(w)))[0]), split(...)[1]) -> fgraph::linear_glu(x, w), each node used only there."""
     for act, up in (node.args[:2], node.args[1::-1]):
         gate = _peel(act, {aten.silu.default})
@@ -204,7 +188,7 @@ def _rows_of(node) -> tuple:
     return (mm, node) if _call(mm, aten.mm.default, 1) else (None, None)
 
 
-def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str, order: _Order) -> bool:
+def _rewrite_glu_pair(gm: fx.GraphModule, node, device_type: str, order: WriteOrder) -> bool:
     """mul(silu(mm(x, t(wg))), mm(x, t(wu))) -> fgraph::linear_glu(x, wg, wu): an HF MLP's gate_proj and up_proj, two
     weights of one shape over the same rows (each matmul's output viewed back to x's leading axes alike, or not at
     all), each node read only there."""
@@ -363,7 +347,7 @@ def _rows_key(x):
     return key
 
 
-def _rewrite_groups(gm: fx.GraphModule, device_type: str, order: _Order) -> None:
+def _rewrite_groups(gm: fx.GraphModule, device_type: str, order: WriteOrder) -> None:
     """Matmuls of small weights over the same rows (an HF attention's q, k and v projections), 2-3 at a time of one
     dtype, all with a bias or none -> one fgraph::linears, before the first of them, its outputs read in their
     place; a matmul whose inputs are made after the first is left out."""
@@ -406,7 +390,7 @@ def rewrite(
 ) -> int:
     """Rewrite `gm`'s eligible matmuls in place (glu: gated activations too; norm: the RMSNorm they read; group:
     those over the same rows, 2-3 in one op); the number of ops made (gm holds none before)."""
-    order = _Order(gm)
+    order = WriteOrder(gm)
     for node in list(gm.graph.nodes):  # (first: the activation's matmul would be rewritten into fgraph::linear)
         if glu and node.op == "call_function" and node.target is aten.mul.Tensor:
             _rewrite_glu(gm, node, device_type, order) or _rewrite_glu_pair(gm, node, device_type, order)

@@ -108,7 +108,7 @@ def eligible(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
 
 
 def _pow2(m: int) -> int:
-    """The reduce path's BLOCK_M for m rows: the power of two at or above m."""
+    """The power of two at or above m (m >= 1): the reduce path's BLOCK_M for m rows, sdpa_decode's tile sizes."""
     return 1 << (m - 1).bit_length()
 
 

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from .._config import pdl_args
+from ._gemv import _pow2
 
 BLOCK_N = 64  # keys per step, a [64, D] tile of K and of V
 WAVES = 4  # decode programs to aim for, per SM (every split reads at least one key block)
@@ -56,10 +56,6 @@ def _sms(device: torch.device) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def splits_for(batch: int, kv_heads: int, keys: int, sms: int = 132) -> int:
@@ -92,9 +88,15 @@ def reference(q, k, v, bias, scale: float) -> torch.Tensor:
 
 
 def sdpa_decode(q, k, v, bias, scale: float) -> torch.Tensor:
-    kern = kernels()
-    if kern is None or not (q.is_cuda or _interpreting(q)):
+    """The op: the kernel on CUDA (where Triton is installed), else eager's math (`reference`)."""
+    if not q.is_cuda or kernels() is None:
         return reference(q, k, v, bias, scale)
+    return launch(q, k, v, bias, scale)
+
+
+def launch(q, k, v, bias, scale: float) -> torch.Tensor:
+    """The kernels on q's device (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1); `serves(q, k, v)` holds."""
+    kern = kernels()
     B, Hq, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -128,10 +130,6 @@ def sdpa_decode(q, k, v, bias, scale: float) -> torch.Tensor:
                 SPLITS_P2=_pow2(splits), num_warps=1, **pdl,
             )  # fmt: skip
     return out
-
-
-def _interpreting(t: torch.Tensor) -> bool:
-    return t.is_cpu and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @torch.library.custom_op("fgraph::sdpa_decode", mutates_args=())

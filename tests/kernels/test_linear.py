@@ -3,8 +3,6 @@ does not run; a piece's matmuls of a weight's transpose are rewritten into it on
 GPU its kernel matches the float32 product as closely as cuBLAS does, inside a CUDA graph too, and a key first met
 inside a capture runs cuBLAS."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,9 +116,7 @@ def test_compiled_pieces_call_fgraph_linear_when_the_switch_is_on_and_equal_eage
     assert compiler.counts["linear"] - before == (2 * 2 if on else 0)  # two matmuls in each bucket's piece
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
-)
+@pytest.mark.interpreter
 def test_every_candidate_config_computes_the_product_in_the_interpreter():
     # (a K of 2100 is split 2, 4 and 8 ways, its last split short)
     shapes = [
@@ -241,9 +237,7 @@ def test_the_rewrites_of_any_program_of_projections_compute_its_bits(statements,
     assert len(want) == len(got) and all(map(torch.equal, want, got))
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
-)
+@pytest.mark.interpreter
 def test_every_group_config_computes_each_product_in_the_interpreter():
     for m, ns, k, bias in [(1, (24, 8, 8), 40, True), (3, (64, 16), 96, False), (5, (33, 17, 9), 513, True)]:
         x = rand(m, k, dtype=torch.float16)

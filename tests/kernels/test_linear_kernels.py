@@ -3,7 +3,6 @@ product as close as cuBLAS, the tuned choice replayed in CUDA graphs, split-K su
 compiled side by side with no memory kept, and compiled CUDA steps that call the ops and equal eager."""
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -78,9 +77,7 @@ def test_compiled_pieces_call_fgraph_linear_glu_when_its_switch_is_on_and_equal_
     assert ("fgraph kernels: fgraph::linear x2" in said) == (not on)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
-)
+@pytest.mark.interpreter
 def test_every_glu_config_and_the_activation_kernel_compute_the_unfused_result_in_the_interpreter():
     for m, (n, k) in [(1, (20, 40)), (3, (64, 96)), (5, (33, 513)), (16, (64, 96))]:
         x, w = rand(m, k, dtype=torch.float16), rand(2 * n, k, dtype=torch.float16, seed=1)

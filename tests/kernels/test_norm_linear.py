@@ -3,8 +3,6 @@ the unfused torch ops bit for bit; a compiled piece's `rms_norm(x + r) @ w.T` is
 serve (fgraph.config.small_m_norm), the sum handed to the add's other readers; on the GPU its kernel is as close to
 the float32 result as the norm's launch and cuBLAS, inside a CUDA graph too."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -187,9 +185,7 @@ def test_compiled_pieces_call_fgraph_norm_linear_when_switched_on_and_equal_eage
     assert "fgraph kernels: fgraph::linear x1, fgraph::norm_linear x2" in str(fgraph.explain(f))
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or _gemv.kernel() is None, reason="Triton's interpreter (CPU)"
-)
+@pytest.mark.interpreter
 def test_every_norm_config_and_the_norm_kernel_compute_the_unfused_result_in_the_interpreter():
     h = torch.float16
     for m, (n, k) in [(1, (20, 40)), (3, (64, 96)), (5, (33, 513)), (16, (64, 96))]:

@@ -3,8 +3,6 @@ against eager's math in float64, as close as torch's own SDPA at every dtype, wi
 (float, boolean, none, a row that sees no key), in CUDA graphs; and a compiled Hugging Face decode step that calls
 it and gives eager's tokens."""
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,25 +39,23 @@ def err(a, b) -> float:
     return ((a.double() - b).abs().max() / b.abs().max()).item()
 
 
-def check(q, k, v, bias, scale=0.125):
-    """The kernel's largest error against float64 is within twice torch's own SDPA's at this dtype (plus float32
-    rounding): as close as eager."""
+def check(q, k, v, bias, scale=0.125, run=_sdpa.sdpa_decode):
+    """The kernel's (`run`'s) largest error against float64 is within twice torch's own SDPA's at this dtype (plus
+    float32 rounding): as close as eager."""
     want = exact(q, k, v, bias, scale)
-    got = _sdpa.sdpa_decode(q, k, v, bias, scale)
+    got = run(q, k, v, bias, scale)
     assert got.shape == want.shape and got.dtype == q.dtype
     torch_err = err(_sdpa.reference(q, k, v, bias, scale), want)
     assert err(got, want) <= 2 * torch_err + 1e-5, (err(got, want), torch_err)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or _sdpa.kernels() is None, reason="Triton's interpreter (CPU)"
-)
+@pytest.mark.interpreter
 @pytest.mark.parametrize("splits", [1, None])
 def test_the_kernel_computes_eagers_math_in_the_interpreter(splits, monkeypatch):
     if splits == 1:
         monkeypatch.setattr(_sdpa, "splits_for", lambda *a, **k: 1)
     for b, hq, hkv, s, d, mask in [(1, 14, 2, 300, 64, "float"), (3, 6, 2, 130, 16, "bool"), (2, 4, 4, 70, 80, None)]:
-        check(*case(b, hq, hkv, s, d, torch.float32, mask, device="cpu"))
+        check(*case(b, hq, hkv, s, d, torch.float32, mask, device="cpu"), run=_sdpa.launch)
 
 
 SHAPES = [  # (B, Hq, Hkv, S, D): the 0.5B's heads at decode sizes, Llama-8B's, MHA, a head dim not a power of two

@@ -11,7 +11,6 @@ equal to eager calls of the same kernels and close to the reference.
 """
 
 import math
-import os
 
 import attrs
 import pytest
@@ -32,9 +31,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e
 
 # (the interpreter's own numpy use warns at every tensor loop bound)
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or T.kernels() is None, reason="Triton's interpreter (CPU)"
-)
+interpreter = pytest.mark.interpreter
 
 
 class Batch:
