@@ -23,7 +23,10 @@ are checked against eager's before timing (with its DynamicCache, and with the s
 compiled contenders'; bf16 kernels may differ between the two; the eager static row's own check says whether eager
 repeats itself, and `first_different_token` where tokens part); rounds alternate between contenders, after two untimed rounds; decode tokens/s =
 B * (N - 1) / (t(N) - t(1)) over generate calls of N and 1 new tokens; median and spread over rounds, and
-`vs_compile_paired`: the median of each round's rate over torch.compile's in that round. One JSON line per
+`vs_compile_paired`: the median of each round's rate over torch.compile's in that round. `--variant
+sdpa_decode=True` adds a row: generate's default with fgraph's forward, every generate of it (trace, compile, replay)
+under those fgraph.config switches, timed in the same rounds as the row without them (`vs_default_paired`: the
+lever's own gain, round by round). One JSON line per
 cell to $OUT/hf_bench.jsonl (and stdout), as each is measured.
 """
 
@@ -41,10 +44,13 @@ import torch
 
 import fgraph
 from benchmarks import kernels
+from benchmarks.common import knobs
 from examples import hf_generate
 from examples.hf_moe import use_fgraph_moe
 from fgraph.compile import compiler
 from fgraph.kernels import linear_counts, linear_seconds
+
+VARIANT_OF = "hf_fgraph_generate_default"  # the contender a --variant adds a row beside
 
 
 def make_model(smoke: bool, device: str, dtype, layers: int = 2, arch: str = "qwen2"):
@@ -133,14 +139,21 @@ def main(argv=None):
         nargs="*",
         default=[],
         metavar="NAME=VALUE",
-        help="fgraph.config switches set first (a lever measured before it is a default: sdpa_decode=True)",
+        help="fgraph.config switches set first, for every contender",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="one more contender: generate's default with fgraph's forward, its generates run (traced, compiled, "
+        "timed) with these fgraph.config switches, beside the row without them in the same rounds (a lever measured "
+        "before it is a default: sdpa_decode=True). Repeatable",
     )
     args = p.parse_args(argv)
     for item in args.config:
-        name, _, value = item.partition("=")
-        if not hasattr(fgraph.config, name):
-            p.error(f"--config {item}: fgraph.config has no {name!r}")
-        setattr(fgraph.config, name, ast.literal_eval(value))
+        fgraph_switches(p, item, apply=True)
+    variants = {f"{VARIANT_OF}+{text}": fgraph_switches(p, text) for text in args.variant}
     smoke = args.smoke or not torch.cuda.is_available()
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     ctx, new = args.ctx or (32 if smoke else 1024), args.new or (6 if smoke else 64)
@@ -167,7 +180,12 @@ def main(argv=None):
         m = make_model(smoke, device, dtype, arch=args.arch)
         m.load_state_dict(base.state_dict())
         hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
-        contenders["hf_fgraph_generate_default"] = m
+        contenders[VARIANT_OF] = m
+    for name in variants:  # (compiled when its first generate runs, under its switches: gen)
+        m = make_model(smoke, device, dtype, arch=args.arch)
+        m.load_state_dict(base.state_dict())
+        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
+        contenders[name] = m
     if args.arch == "qwen2_moe":  # the default jit, its MoE blocks through fgraph's MoE primitive (a break)
         m = make_model(smoke, device, dtype, arch=args.arch)
         m.load_state_dict(base.state_dict())
@@ -177,7 +195,9 @@ def main(argv=None):
     for name in args.skip:
         contenders.pop(name)
     # the contenders generate runs as by default, compiling the decode call itself (of its jitted forward for fgraph's)
-    own_compile = {"hf_fgraph_generate_default"} | ({"hf_compile_static"} if args.compile == "generate" else set())
+    own_compile = (
+        set() if smoke else {VARIANT_OF, *variants} | ({"hf_compile_static"} if args.compile == "generate" else set())
+    )  # (the CPU's generate compiles nothing)
     out_dir = os.environ.get("OUT", ".")
     os.makedirs(out_dir, exist_ok=True)
     rows = []
@@ -208,7 +228,7 @@ def main(argv=None):
                 kw = {"cache_implementation": "static"}  # the cache generate makes
             # transformers compiles the decode call itself only for these contenders
             kw["disable_compile"] = name not in own_compile
-            with torch.no_grad():
+            with torch.no_grad(), knobs(fgraph.config, variants.get(name, {})):
                 # (the eager references run from `base` also when --skip leaves their rows out)
                 model = contenders.get(name, base) if name in ("hf_eager", "hf_eager_static") else contenders[name]
                 return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
@@ -252,6 +272,10 @@ def main(argv=None):
             }  # fmt: skip
             if name != PEER and PEER in times:
                 row["vs_compile_paired"] = paired_speedup(pairs, list(zip(times[PEER][1], times[PEER][new])))
+            if name in variants and VARIANT_OF in times:  # the lever's own gain, round by round
+                row["vs_default_paired"] = paired_speedup(
+                    pairs, list(zip(times[VARIANT_OF][1], times[VARIANT_OF][new]))
+                )
             if name.startswith("hf_fgraph"):  # (its counts before the calls below)
                 s = contenders[name].forward.stats()
                 row["fgraph"] = {"total": s["total"], "fallbacks": s["fallbacks"], "signatures": len(s["signatures"])}
@@ -275,6 +299,29 @@ def main(argv=None):
             with open(os.path.join(out_dir, "hf_bench.jsonl"), "a") as f:  # per row: a later crash keeps it
                 f.write(json.dumps(row) + "\n")
     return rows
+
+
+def fgraph_switches(p: argparse.ArgumentParser, text: str, apply: bool = False) -> dict:
+    """'NAME=VALUE[,NAME=VALUE]' -> {NAME: value} of fgraph.config switches (checked by setting them; apply: left set)."""
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name.startswith("_") or not hasattr(fgraph.config, name):
+            p.error(f"{item}: fgraph.config has no switch {name!r}")
+        try:
+            out[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            p.error(f"{item}: {value!r} is not a Python literal (True, False, a number)")
+    try:
+        if apply:
+            for name, value in out.items():
+                setattr(fgraph.config, name, value)
+        else:
+            with knobs(fgraph.config, out):  # (fgraph.config checks each switch's name and kind as it is set)
+                pass
+    except fgraph.FgraphError as e:
+        p.error(str(e))
+    return out
 
 
 def host_us(model, run, calls: int = 200) -> dict:

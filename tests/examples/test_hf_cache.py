@@ -321,6 +321,35 @@ def test_the_hf_benchmarks_moe_row_checks_its_tokens_against_eager(tmp_path, mon
     assert all(fg["total"]["captures"] >= 1 and fg["total"]["fast"] > 0 for fg in fgs.values())
 
 
+def test_a_benchmark_variant_runs_every_generate_of_its_own_row_under_its_switches(tmp_path, monkeypatch):
+    # `--variant sdpa_decode=True`: a lever timed beside the row without it, in the same rounds of one process; its
+    # switches are set while its own model traces, compiles and runs, and for no other row
+    import fgraph
+    from benchmarks import hf_bench
+    from examples import hf_generate
+
+    seen, jit_forward = {}, hf_generate.jit_forward
+
+    def spied(model, *a, **k):  # (each generate of a jitted row traces, compiles or replays inside it)
+        jit_forward(model, *a, **k)
+        generate, calls = model.generate, seen.setdefault(id(model), [])
+        model.generate = lambda *x, **kw: calls.append(fgraph.config.sdpa_decode) or generate(*x, **kw)
+
+    monkeypatch.setattr(hf_generate, "jit_forward", spied)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--smoke", "--batches", "1", "--new", "3", "--rounds", "1", "--variant", "sdpa_decode=True"]
+    rows = hf_bench.main(argv)
+    name = "hf_fgraph_generate_default+sdpa_decode=True"
+    assert {r["contender"] for r in rows} == {"hf_eager", "hf_eager_static", "hf_fgraph_static", name}
+    assert all(r["tokens_equal_eager_static"] for r in rows)
+    static, variant = seen.values()  # (in the order the contenders are made)
+    assert static and not any(static) and variant and all(variant)
+    assert fgraph.config.sdpa_decode is False
+    for bad in ("no_such_switch=1", "sdpa_decode=3", "sdpa_decode=maybe"):
+        with pytest.raises(SystemExit):
+            hf_bench.main([*argv[:-1], bad])
+
+
 def test_a_round_whose_short_generate_took_as_long_as_its_long_one_has_no_decode_rate():
     # (the H200's B=8 run had one: 64 tokens in no more time than 1, a rate of 5e11 tokens/s in the row's max)
     from benchmarks import hf_bench
