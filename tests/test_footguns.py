@@ -33,6 +33,11 @@ SILENT MISMATCHES (wrong results, no error):
   cublas_reduction_flags                 MED   allow_bf16/fp16_reduced_precision_reduction toggled between calls:
                                                graphs keep the GEMM kernels chosen at capture (rounding only; the
                                                settings that change dtypes or TF32 are part of the signature)
+  requires_grad_flipped_after_the_trace  MED   model.requires_grad_(False) between calls the replay path serves:
+                                               its graphs keep the kernels picked for the old flags (matmul's fold
+                                               of a 3-D input; rounding only). The slow path keys on the flags;
+                                               proving ~300 flags per call costs as much as the pointers' proof.
+                                               Call .reset() after the flip
 ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   padded_rows_mixed_into_real_ones       MED   logged once at trace time with the line, listed by explain
@@ -333,6 +338,27 @@ def test_cublas_reduction_flags():
     finally:
         mm.allow_bf16_reduced_precision_reduction = before
     assert len(f.entries) == 1  # should be 2 for kernels chosen anew; the same graph replayed
+
+
+def test_requires_grad_flipped_after_the_trace():
+    """Lifted tensors are traced with their requires_grad (torch picks kernels by it), and signatures key on it, but
+    the replay path does not read ~300 flags per call: a flip between two calls it serves keeps the old kernels."""
+    from tests.padding.test_bitwise import LastToken
+
+    m = LastToken()
+    f = fgraph.jit(m)
+    h = torch.randn(3, 7, 64)
+    with torch.no_grad():
+        before = m(h)
+        f(h), f(h)  # the same tensor again: the replay path serves it
+        m.requires_grad_(False)
+        got = f(h)
+        after = m(h)
+        assert not torch.equal(before, after)  # (eager's own kernels moved: a batched GEMM instead of one GEMM)
+        assert torch.equal(got, before)  # should equal `after`! the old trace's kernels
+        assert f.stats()["total"]["traces"] == 1
+        f.reset()
+        assert torch.equal(f(h), after)
 
 
 @pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL"])

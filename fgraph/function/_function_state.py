@@ -237,7 +237,11 @@ class FunctionState:
         for k in self.options.donate:  # the caller's own donated objects, which the call may initialise
             if k in tree and is_seen_into(call.bound.get(k)):
                 tree[k] = call.bound[k]
-        return T.refuse_backward(self.name, view.lifted, T.invoke(view, tree, call.statics), view.donated(call))
+        # the plain function, as eager runs it; under grad mode with tensors that require grad, on their detached
+        # values (a jitted call is inference: no autograd history, in its outputs or in state it makes)
+        inference = torch.is_grad_enabled() and view.lifted.grads
+        out = T.invoke(view, tree, call.statics, install=bool(inference))
+        return T.refuse_backward(self.name, view.lifted, out, view.donated(call))
 
 
 def branch_why(call, broken: str) -> tuple[str, str]:

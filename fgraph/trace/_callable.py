@@ -91,6 +91,11 @@ class Lifted:
         self.fn, self.params, self.rescanned = fn, params, False
         self.scan()
         self.names: dict[str, Origin] = {}  # lifted leaf name -> where it comes from, filled by values()
+        # the lifted leaves that require grad, by name (values() reads them as data, detached; the trace gives them
+        # their flag back: torch picks kernels by it, matmul folding a 3-D input into one GEMM where the weight
+        # requires grad), and those whose flag is not their kind's default (a Parameter's True, any other tensor's
+        # False): a signature entry, none in the common case
+        self.grads, self.grad_names, self.flipped = False, frozenset(), Flipped()
 
     def scan(self):
         fn = self.fn
@@ -301,7 +306,7 @@ class Lifted:
         """The lifted tensors as they are now, by leaf name (a module's: `self.layers.0.weight`).
 
         `grads` says afterwards whether any of them requires grad (they are read as data: see refuse_backward)."""
-        out, self.names, self.grads = {}, {}, False
+        out, self.names, grads, flipped = {}, {}, [], []
         for i, lm in enumerate(self.modules):
             name, m = lm.name, lm.module
             for k, v in [*m.named_parameters(), *m.named_buffers()]:
@@ -314,13 +319,20 @@ class Lifted:
                 # read as data (same storage): a jitted call is inference, its outputs carry no autograd history
                 out[f"{name}.{k}"] = v.detach() if v.requires_grad else v
                 self.names[f"{name}.{k}"] = Origin(i, k)
-                self.grads = self.grads or v.requires_grad
+                if v.requires_grad:
+                    grads.append(f"{name}.{k}")
+                if v.requires_grad is not isinstance(v, torch.nn.Parameter):  # (a frozen weight, a buffer that does)
+                    flipped.append(f"{name}.{k}")
         for i, p in enumerate(self.slots, len(self.modules)):
             v = read(p.kind, p.holder, p.key)
             if isinstance(v, torch.Tensor):
                 out[p.name] = v.detach() if v.requires_grad else v
                 self.names[p.name] = Origin(i, None)
-                self.grads = self.grads or v.requires_grad
+                if v.requires_grad:
+                    grads.append(p.name)
+                if v.requires_grad is not isinstance(v, torch.nn.Parameter):
+                    flipped.append(p.name)
+        self.grads, self.grad_names, self.flipped = bool(grads), frozenset(grads), Flipped(flipped)
         return out
 
     @contextlib.contextmanager
@@ -352,11 +364,12 @@ def guard_values(lifted: Lifted) -> tuple:
     return tuple(Guard(g.name, read(g.kind, g.holder, g.key)) for g in lifted.guards)
 
 
-def invoke(jitted, dynamic: dict, statics: dict):
+def invoke(jitted, dynamic: dict, statics: dict, install: bool = True):
     """Call the jitted callable with its arguments by name and its lifted tensors installed.
 
     Positional-only parameters, *args and **kwargs are spread back; the lifted tensors come from `dynamic` (the leaves
-    named in Lifted.values)."""
+    named in Lifted.values). install=False: they are left where they live (a call run eagerly: the plain function
+    on the module's own Parameters, not on their detached values, which pick other kernels)."""
     lifted = jitted.lifted
     swap = {k: dynamic[k] for k in lifted.names if k in dynamic} if lifted else {}
     merged = {**{k: v for k, v in dynamic.items() if k not in swap}, **statics}
@@ -379,7 +392,7 @@ def invoke(jitted, dynamic: dict, statics: dict):
             kwargs.update(v)
         else:
             kwargs[p.name] = v
-    with lifted.installed(swap) if swap else contextlib.nullcontext():
+    with lifted.installed(swap) if swap and install else contextlib.nullcontext():
         return jitted.fn(*args, **kwargs)
 
 
@@ -413,8 +426,23 @@ def check_call(fname: str, lifted: Lifted, statics: dict, dynamic: dict) -> dict
 def context(lifted: Lifted) -> tuple:
     """A call's signature entries for what its trace depends on beyond the arguments.
 
-    torch's global settings when not at torch's defaults (autocast, default dtype, matmul precision), and the lifted
-    modules in training mode."""
+    torch's global settings when not at torch's defaults (autocast, default dtype, matmul precision), the lifted
+    modules in training mode and the lifted tensors whose requires_grad is not their kind's default (as values()
+    read them: the trace picks kernels by it)."""
     state, training = torch_state(), lifted.training() if lifted else ()
     guards = guard_values(lifted) if lifted else ()
-    return ((("<torch>", state),) if state else ()) + ((("<training>", training),) if training else ()) + guards
+    flipped = lifted.flipped if lifted else ()
+    return (
+        ((("<torch>", state),) if state else ())
+        + ((("<training>", training),) if training else ())
+        + ((("<requires_grad>", flipped),) if flipped else ())
+        + guards
+    )
+
+
+class Flipped(frozenset):
+    """Lifted leaves whose requires_grad is not their kind's default (a frozen Parameter, a buffer that requires
+    grad), by name: a signature entry, shown by name (by count past three: a frozen model's every weight)."""
+
+    def __repr__(self) -> str:
+        return f"<not default: {', '.join(sorted(self))}>" if len(self) <= 3 else f"<not default: {len(self)} tensors>"

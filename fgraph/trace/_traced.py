@@ -59,12 +59,16 @@ class Traced:
         self.out_spec, self.out_args = None, {}
         consts = list(call.leaves)
         donated = [k for k in jitted.options.donate if k in call.bound]  # arguments (lifted state is not bound)
+        grad_names = jitted.lifted.grad_names if jitted.lifted else ()
 
         def flat_fn(*tensors):
             leaves = list(consts)
             for i, t in zip(tensor_ix, tensors):
                 leaves[i] = t
             dyn = pytree.tree_unflatten(leaves, call.sig.treespec)
+            for name in grad_names:  # read as data, traced with their flag: torch picks kernels by it (as eager's)
+                if isinstance(t := dyn.get(name), torch.Tensor) and not t.requires_grad:
+                    t.requires_grad_()
             passed = {name: tree_flatten(v) for name, v in dyn.items()}
             before = {name: (flatten_with_paths(dyn[name])[0], static_attrs(dyn[name])) for name in donated}
             layouts = [_layout(t) for t in tensors]

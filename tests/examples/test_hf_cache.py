@@ -37,6 +37,23 @@ def test_static_cache_recipe_equals_eager_generate(arch, mode):
     assert "cache.layers[0].keys" in e.paths and "cache.layers[1].cumulative_length" in e.paths
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_the_recipe_gives_eagers_logits_bit_for_bit_at_every_step(attention):
+    # the prefill (run eagerly: it makes generate's cache) on the module's own Parameters, and every decode step
+    # from graphs traced with their requires_grad: the head reads hidden_states[:, -1:] (a 3-D slice), whose GEMM
+    # torch picks by that flag (docs/contract.md, "What is bitwise")
+    base, model = G.tiny("qwen2"), G.tiny("qwen2")
+    for m in (base, model):
+        m.set_attn_implementation(attention)
+    G.jit_forward(model)
+    kw = dict(return_dict_in_generate=True, output_logits=True)
+    want = G.generate(base, IDS, 5, **kw).logits
+    for _ in range(2):  # the first generate traces its decode step; the second replays it
+        got = G.generate(model, IDS, 5, **kw).logits
+        assert len(got) == len(want) == 5 and all(map(torch.equal, got, want))
+    assert model.forward.stats()["total"]["replays"] >= 6
+
+
 def test_a_prefill_that_makes_the_cache_again_runs_eagerly_without_binding(monkeypatch):
     # generate makes a new cache per call, so every prefill makes its tensors: binding it (every parameter read,
     # flattened and keyed) only to run it eagerly cost an HF prefill ~5 ms; a call keyed as one that made state
