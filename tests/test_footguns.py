@@ -38,6 +38,9 @@ SILENT MISMATCHES (wrong results, no error):
                                                of a 3-D input; rounding only). The slow path keys on the flags;
                                                proving ~300 flags per call costs as much as the pointers' proof.
                                                Call .reset() after the flip
+  torch_module_fast_paths                MED   nn.MultiheadAttention / TransformerEncoderLayer take torch's fused
+                                               fast path in eager inference, never under fgraph's trace (torch
+                                               skips it there): rounding only, the same math
 ERRORS RAISED (at least the user knows):
   item_during_trace                      EASY  TraceError naming the line (tests/test_errors.py)
   padded_rows_mixed_into_real_ones       MED   logged once at trace time with the line, listed by explain
@@ -359,6 +362,22 @@ def test_requires_grad_flipped_after_the_trace():
         assert f.stats()["total"]["traces"] == 1
         f.reset()
         assert torch.equal(f(h), after)
+
+
+def test_torch_module_fast_paths():
+    """torch's module fast paths (a fused encoder layer, native MHA) check their arguments and the modes on, and
+    skip themselves under fgraph's trace: a jitted layer runs the composite path, which rounds apart from eager's
+    fast path."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0).eval()
+    f = fgraph.jit(layer)
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        got, fast = f(x), layer(x)
+    assert not torch.equal(got, fast)  # should be equal! eager's fast path against the traced composite path
+    torch.testing.assert_close(got, fast)
+    with torch.enable_grad():  # (no fast path in eager either when its weights require grad under grad mode)
+        assert torch.equal(f(x), layer(x))
 
 
 @pytest.mark.parametrize("mode", ["NONE", "PIECEWISE", "FULL"])
