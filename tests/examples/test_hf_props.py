@@ -2,9 +2,9 @@
 (`model.forward = fgraph.jit(model.forward, donate=["cache"])`) gives eager generate's tokens and its logits at
 every step, bit for bit on the CPU (docs/contract.md, "What is bitwise").
 
-Each example draws an architecture, an attention implementation, a mode, and a few generate calls of random batch
-sizes, left-padded prompts of random lengths and token counts, greedy or seeded sampling; every call is compared
-with the same call of an eager twin."""
+Each example draws an architecture (Qwen2, Llama, Mistral, Qwen2-MoE), an attention implementation, a mode, and a
+few generate calls of random batch sizes, left-padded prompts of random lengths and token counts, greedy or seeded
+sampling; every call is compared with the same call of an eager twin."""
 
 import pytest
 import torch
@@ -44,7 +44,7 @@ call = st.fixed_dictionaries(
 @pytest.mark.parametrize("mode", MODES)
 @hypothesis.settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @hypothesis.given(
-    arch=st.sampled_from(["qwen2", "llama"]),
+    arch=st.sampled_from(["qwen2", "llama", "mistral", "qwen2_moe"]),
     attention=st.sampled_from(["eager", "sdpa"]),
     calls=st.lists(call, min_size=1, max_size=3),
 )
