@@ -38,6 +38,9 @@ SILENT MISMATCHES (wrong results, no error):
                                                of a 3-D input; rounding only). The slow path keys on the flags;
                                                proving ~300 flags per call costs as much as the pointers' proof.
                                                Call .reset() after the flip
+  matmul_fold_under_inference_mode       MED   under torch.inference_mode() torch's trace (make_fx) records a
+                                               3-D input's matmul as a batched GEMM where eager folds it into one
+                                               (rounding only). torch.no_grad() traces eager's kernels
   torch_module_fast_paths                MED   nn.MultiheadAttention / TransformerEncoderLayer take torch's fused
                                                fast path in eager inference, never under fgraph's trace (torch
                                                skips it there): rounding only, the same math
@@ -362,6 +365,21 @@ def test_requires_grad_flipped_after_the_trace():
         assert f.stats()["total"]["traces"] == 1
         f.reset()
         assert torch.equal(f(h), after)
+
+
+def test_matmul_fold_under_inference_mode():
+    """Under inference mode make_fx records the last token's head as a batched GEMM, where eager runs one GEMM (the
+    weights' flags set on the trace's fakes or not). Under no_grad the trace is eager's."""
+    from tests.padding.test_bitwise import LastToken
+
+    m = LastToken()
+    h = torch.randn(3, 7, 64)
+    with torch.inference_mode():
+        got, want = fgraph.jit(m)(h), m(h)
+    assert not torch.equal(got, want)  # should be equal! another GEMM than eager's
+    torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        assert torch.equal(fgraph.jit(m, mode="FULL")(h), m(h))
 
 
 def test_torch_module_fast_paths():
