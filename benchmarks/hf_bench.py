@@ -152,7 +152,8 @@ def main(argv=None):
     )
     args = p.parse_args(argv)
     for item in args.config:
-        fgraph_switches(p, item, apply=True)
+        for name, value in fgraph_switches(p, item).items():
+            setattr(fgraph.config, name, value)
     variants = {f"{VARIANT_OF}+{text}": fgraph_switches(p, text) for text in args.variant}
     smoke = args.smoke or not torch.cuda.is_available()
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
@@ -301,8 +302,9 @@ def main(argv=None):
     return rows
 
 
-def fgraph_switches(p: argparse.ArgumentParser, text: str, apply: bool = False) -> dict:
-    """'NAME=VALUE[,NAME=VALUE]' -> {NAME: value} of fgraph.config switches (checked by setting them; apply: left set)."""
+def fgraph_switches(p: argparse.ArgumentParser, text: str) -> dict:
+    """'NAME=VALUE[,NAME=VALUE]' -> {NAME: value} of fgraph.config switches, each checked by setting it (then put
+    back): a misspelt name or a value of the wrong kind is an argument error."""
     out = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
@@ -313,12 +315,8 @@ def fgraph_switches(p: argparse.ArgumentParser, text: str, apply: bool = False) 
         except (ValueError, SyntaxError):
             p.error(f"{item}: {value!r} is not a Python literal (True, False, a number)")
     try:
-        if apply:
-            for name, value in out.items():
-                setattr(fgraph.config, name, value)
-        else:
-            with knobs(fgraph.config, out):  # (fgraph.config checks each switch's name and kind as it is set)
-                pass
+        with knobs(fgraph.config, out):  # (fgraph.config checks each switch's name and kind as it is set)
+            pass
     except fgraph.FgraphError as e:
         p.error(str(e))
     return out

@@ -239,8 +239,7 @@ class FunctionState:
                 tree[k] = call.bound[k]
         # the plain function, as eager runs it; under grad mode with tensors that require grad, on their detached
         # values (a jitted call is inference: no autograd history, in its outputs or in state it makes)
-        inference = torch.is_grad_enabled() and view.lifted.grads
-        out = T.invoke(view, tree, call.statics, install=bool(inference))
+        out = T.invoke(view, tree, call.statics, install=torch.is_grad_enabled() and view.lifted.grads)
         return T.refuse_backward(self.name, view.lifted, out, view.donated(call))
 
 

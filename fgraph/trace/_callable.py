@@ -307,6 +307,16 @@ class Lifted:
 
         `grads` says afterwards whether any of them requires grad (they are read as data: see refuse_backward)."""
         out, self.names, grads, flipped = {}, {}, [], []
+
+        def take(leaf: str, v: torch.Tensor, origin: Origin) -> None:
+            # read as data (same storage): a jitted call is inference, its outputs carry no autograd history
+            out[leaf] = v.detach() if v.requires_grad else v
+            self.names[leaf] = origin
+            if v.requires_grad:
+                grads.append(leaf)
+            if v.requires_grad is not isinstance(v, torch.nn.Parameter):  # (a frozen weight, a buffer that does)
+                flipped.append(leaf)
+
         for i, lm in enumerate(self.modules):
             name, m = lm.name, lm.module
             for k, v in [*m.named_parameters(), *m.named_buffers()]:
@@ -316,22 +326,11 @@ class Lifted:
                         "eagerly, later ones are traced",
                         "run the module once before jitting it to trace its first call as well",
                     )
-                # read as data (same storage): a jitted call is inference, its outputs carry no autograd history
-                out[f"{name}.{k}"] = v.detach() if v.requires_grad else v
-                self.names[f"{name}.{k}"] = Origin(i, k)
-                if v.requires_grad:
-                    grads.append(f"{name}.{k}")
-                if v.requires_grad is not isinstance(v, torch.nn.Parameter):  # (a frozen weight, a buffer that does)
-                    flipped.append(f"{name}.{k}")
+                take(f"{name}.{k}", v, Origin(i, k))
         for i, p in enumerate(self.slots, len(self.modules)):
             v = read(p.kind, p.holder, p.key)
             if isinstance(v, torch.Tensor):
-                out[p.name] = v.detach() if v.requires_grad else v
-                self.names[p.name] = Origin(i, None)
-                if v.requires_grad:
-                    grads.append(p.name)
-                if v.requires_grad is not isinstance(v, torch.nn.Parameter):
-                    flipped.append(p.name)
+                take(p.name, v, Origin(i, None))
         self.grads, self.grad_names, self.flipped = bool(grads), frozenset(grads), Flipped(flipped)
         return out
 
