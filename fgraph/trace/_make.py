@@ -69,7 +69,10 @@ def _host_sync_fix(path: str | None) -> str:
         )
     hint = ""
     if package == "transformers" and os.path.basename(path) == "modeling_rope_utils.py":
-        hint = " (a RoPE type other than 'dynamic', which recomputes its frequencies from the positions on each call)"
+        hint = (  # (longrope picks its frequencies with an `if` on the positions before transformers 5.21)
+            " (a RoPE type that does not choose its frequencies on the host from the positions' values: not 'dynamic',"
+            " nor 'longrope' before transformers 5.21)"
+        )
     return (
         f"the line is the installed package `{package}`'s, not yours: choose a configuration of it whose forward keeps "
         f"tensor values on the device{hint}, or run the function without fgraph.jit"

@@ -1,4 +1,4 @@
-"""HF caches as donated state: `model.forward = fgraph.jit(model.forward, donate=["cache"])` and
+"""HF caches as donated state: `model.forward = fgraph.jit(model.forward, donate=[CACHE])` and
 `model.generate(..., cache_implementation="static")` give eager's greedy tokens; a growing cache is a clear error;
 a jitted module is a drop-in for it (issue #31)."""
 
@@ -9,11 +9,14 @@ import torch
 
 pytest.importorskip("transformers")
 
+import transformers  # noqa: E402
 from transformers import DynamicCache, StaticCache  # noqa: E402
 
 import fgraph  # noqa: E402
 from examples import hf_generate as G  # noqa: E402
 from tests.test_semantics import MODES  # noqa: E402
+
+CACHE = G.cache_parameter(transformers.Qwen2ForCausalLM)  # `cache`, or `past_key_values` up to 5.17 at least
 
 IDS = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
 
@@ -34,7 +37,7 @@ def test_static_cache_recipe_equals_eager_generate(arch, mode):
     # captured again over the new cache's tensors, and their input slots learned again (one more slow call)
     assert s["total"]["fast"] == (3 if mode == "NONE" else 2)
     (e,) = f.entries.values()
-    assert "cache.layers[0].keys" in e.paths and "cache.layers[1].cumulative_length" in e.paths
+    assert f"{CACHE}.layers[0].keys" in e.paths and f"{CACHE}.layers[1].cumulative_length" in e.paths
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -75,7 +78,7 @@ def test_a_prefill_that_makes_the_cache_again_runs_eagerly_without_binding(monke
     bind = type(f).bind
 
     def counted(self, args, kwargs):
-        cache = kwargs.get("cache")
+        cache = kwargs.get(CACHE)
         prefills.append(cache is not None and cache.layers[0].keys is None)
         return bind(self, args, kwargs)
 
@@ -87,26 +90,26 @@ def test_a_prefill_that_makes_the_cache_again_runs_eagerly_without_binding(monke
     assert sum(prefills) == 2
     for grad in (False, False, True):  # under grad mode it is bound: its outputs' backward is refused there
         with torch.set_grad_enabled(grad):
-            f(IDS, cache=StaticCache(config=model.config, max_cache_len=16))
+            f(IDS, **{CACHE: StaticCache(config=model.config, max_cache_len=16)})
     assert sum(prefills) == 4
 
 
 @torch.no_grad()
 def test_token_by_token_decode_with_a_static_cache_the_caller_made():
     model = G.tiny("llama")
-    f = fgraph.jit(model, donate=["cache"], mode="FULL")
+    f = fgraph.jit(model, donate=[CACHE], mode="FULL")
 
     def run(fn):
         cache = StaticCache(config=model.config, max_cache_len=16)
         cache.early_initialization(2, 2, 16, torch.float32, "cpu")  # initialised: the prefill is traced as well
         ids, steps = IDS, []
-        out = fn(input_ids=ids, cache=cache, use_cache=True)
-        assert out.cache is cache  # the caller's own cache handed back, written in place
+        out = fn(input_ids=ids, **{CACHE: cache}, use_cache=True)
+        assert out[CACHE] is cache  # the caller's own cache handed back, written in place
         for _ in range(3):
             nxt = out.logits[:, -1:].argmax(-1)
             ids = torch.cat([ids, nxt], 1)
             steps.append(out.logits[:, -1].clone())
-            out = fn(input_ids=nxt, cache=cache, use_cache=True)
+            out = fn(input_ids=nxt, **{CACHE: cache}, use_cache=True)
         assert int(cache.layers[0].cumulative_length) == 8
         return ids, steps
 
@@ -131,7 +134,7 @@ def test_the_recipe_logs_a_fix_its_user_can_take_for_the_cache_generate_makes(ca
         assert torch.equal(G.generate(model, IDS, 3), want)
     (msg,) = init_logs(caplog)
     assert "generate's prefill makes the cache's tensors" in msg
-    assert msg.split("Fix: ")[1].startswith("to trace the prefill as well") and "generate(..., cache=cache)" in msg
+    assert msg.split("Fix: ")[1].startswith("to trace the prefill as well") and f"generate(..., {CACHE}=cache)" in msg
     caplog.clear()
     model = G.tiny("qwen2")
     f = G.jit_forward(model)
@@ -139,16 +142,16 @@ def test_the_recipe_logs_a_fix_its_user_can_take_for_the_cache_generate_makes(ca
     cache.early_initialization(2, 2, 16, torch.float32, "cpu")
     with caplog.at_level(logging.WARNING, logger="fgraph"):
         kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, disable_compile=True)
-        assert torch.equal(model.generate(IDS, cache=cache, **kw), want)
+        assert torch.equal(model.generate(IDS, **{CACHE: cache}, **kw), want)
     assert not init_logs(caplog) and f.stats()["fallbacks"]["init"] == 0
 
 
 @torch.no_grad()
 def test_a_static_cache_the_caller_made_is_told_to_initialise_it(caplog):
     model = G.tiny("qwen2")
-    f = fgraph.jit(model, donate=["cache"])
+    f = fgraph.jit(model, donate=[CACHE])
     with caplog.at_level(logging.WARNING, logger="fgraph"):
-        f(IDS, cache=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
+        f(IDS, **{CACHE: StaticCache(config=model.config, max_cache_len=16)}, use_cache=True)
     (msg,) = init_logs(caplog)
     assert msg.split("Fix: ")[1].startswith("make the state before the first call to trace it as well")
     assert "cache.early_initialization(...)" in msg and "generate" not in msg
@@ -240,22 +243,22 @@ def test_a_lazily_made_cache_that_moves_what_it_held_runs_its_first_call_eagerly
 
 def test_a_dynamic_cache_is_a_clear_error():
     model = G.tiny("llama")
-    model.forward = fgraph.jit(model.forward, donate=["cache"])
+    model.forward = fgraph.jit(model.forward, donate=[CACHE])
     with pytest.raises(fgraph.TraceError) as e, torch.no_grad():  # generate's default cache: a DynamicCache
         model.generate(IDS, max_new_tokens=3, do_sample=False)
     msg = str(e.value)
-    assert "cache.layers[0].keys" in msg and "grown" in msg and "DynamicCache" in msg
+    assert f"{CACHE}.layers[0].keys" in msg and "grown" in msg and "DynamicCache" in msg
     assert "use_cache=False" in msg and 'cache_implementation="static"' in msg
     cache = DynamicCache(config=model.config)  # the caller's own: its first call makes it, its second grows it
-    model(input_ids=IDS, cache=cache, use_cache=True)
+    model(input_ids=IDS, **{CACHE: cache}, use_cache=True)
     with pytest.raises(fgraph.TraceError, match="use_cache=False"):
-        model(input_ids=IDS[:, :1], cache=cache, use_cache=True)
+        model(input_ids=IDS[:, :1], **{CACHE: cache}, use_cache=True)
 
 
 def test_the_jitted_module_forwards_attribute_access():
     model = G.tiny("qwen2")
     want = G.generate(model, IDS, 3)
-    m = fgraph.jit(model, donate=["cache"])
+    m = fgraph.jit(model, donate=[CACHE])
     assert m.config is model.config and m.device == model.device and m.generation_config is model.generation_config
     assert torch.equal(G.generate(m, IDS, 3), want)  # generate's self(...) goes through the jitted forward
     assert m._forward.stats()["total"]["calls"] == 2 and "forward" not in vars(model)  # restored afterwards

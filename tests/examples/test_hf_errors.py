@@ -132,7 +132,10 @@ def test_a_dynamic_cache_returned_by_a_plain_call_names_the_way_out_generate_doe
         "    print(json.dumps({'what': e.what, 'fix': e.fix}))\n"
     )
     plain = in_a_fresh_process(script)
-    assert "output cache is transformers' DynamicCache (use_cache=True, the default)" in plain["what"]
+    assert (
+        f"output {G.cache_parameter(G.tiny('qwen2'))} is transformers' DynamicCache (use_cache=True, the default)"
+        in plain["what"]
+    )
     assert "use_cache=False" in plain["fix"] and "StaticCache" in plain["fix"]
     assert "register" not in plain["fix"] and "dataclass" not in plain["fix"]
     model = G.tiny("qwen2")

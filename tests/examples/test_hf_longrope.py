@@ -1,7 +1,8 @@
 """A longrope model (Phi-3 128k, Phi-3.5, Phi-4-mini) under the static-cache recipe: transformers makes its rotary
 embedding's `long_inv_freq` lazily, on the first forward, and copies the chosen frequencies into `inv_freq` in place
 each call. A trace's fake `long_inv_freq` never stays on the model; the recipe names one fix (donate `self`), which
-gives eager's tokens. A dynamic-RoPE Llama's host sync, in transformers' own code, names a configuration to choose."""
+gives eager's tokens. Before transformers 5.21 longrope chose its frequencies with an `if` on the positions, and a
+dynamic-RoPE Llama still does: that host sync, in transformers' own code, names a configuration to choose."""
 
 import pytest
 import torch
@@ -9,11 +10,17 @@ import torch
 pytest.importorskip("transformers")
 
 import transformers  # noqa: E402
+from packaging.version import Version  # noqa: E402
 
 import fgraph  # noqa: E402
 from examples import hf_generate as G  # noqa: E402
 from tests.hf import NO_SPECIAL_TOKENS  # noqa: E402
 
+# before 5.21 transformers chose longrope's frequencies with an `if` on the positions: a host sync under a trace
+HOST_LONGROPE = Version(transformers.__version__) < Version("5.21")
+on_device_longrope = pytest.mark.skipif(
+    HOST_LONGROPE, reason="this transformers chooses longrope's frequencies on the host"
+)
 IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
 
 
@@ -45,6 +52,7 @@ def tiny_longrope():
     return tiny("Phi3", dict(rope_type="longrope", short_factor=short, long_factor=long))
 
 
+@on_device_longrope
 def test_the_recipe_names_one_fix_and_leaves_the_model_working():
     model = tiny_longrope()
     want = G.generate(tiny_longrope(), IDS, 6)  # 7 + 6 positions: past original_max_position_embeddings
@@ -57,15 +65,17 @@ def test_the_recipe_names_one_fix_and_leaves_the_model_working():
         assert torch.equal(G.generate(model, IDS, 6), want)
 
 
+@on_device_longrope
 @pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL"])
 def test_donating_self_gives_eager_tokens(mode):
     model = tiny_longrope()
     want = G.generate(tiny_longrope(), IDS, 6)
-    model.forward = fgraph.jit(model.forward, donate=["cache", "self"], mode=mode)
+    model.forward = fgraph.jit(model.forward, donate=[G.cache_parameter(model), "self"], mode=mode)
     for _ in range(2):
         assert torch.equal(G.generate(model, IDS, 6), want)
 
 
+@on_device_longrope
 def test_a_fake_left_on_a_module_is_put_back():
     model = tiny_longrope()
     f = fgraph.jit(model, mode="FULL")
@@ -75,6 +85,19 @@ def test_a_fake_left_on_a_module_is_put_back():
     assert not hasattr(model.model.rotary_emb, "long_inv_freq")
     with torch.no_grad(), fgraph.disable_jit():
         assert torch.equal(f(IDS, use_cache=False).logits, tiny_longrope()(IDS, use_cache=False).logits)
+
+
+@pytest.mark.skipif(not HOST_LONGROPE, reason="this transformers keeps longrope's choice on the device")
+def test_a_longrope_that_chooses_on_the_host_names_the_configuration_and_leaves_the_model_working():
+    model = tiny_longrope()
+    want = G.generate(tiny_longrope(), IDS, 6)
+    G.jit_forward(model)
+    with pytest.raises(fgraph.TraceError, match=r"modeling_rope_utils\.py:\d+ needs the tensor's") as e:
+        G.generate(model, IDS, 6)
+    assert "installed package `transformers`'s, not yours" in e.value.fix and "'longrope' before" in e.value.fix
+    assert not hasattr(model.model.rotary_emb, "long_inv_freq")
+    with fgraph.disable_jit():
+        assert torch.equal(G.generate(model, IDS, 6), want)
 
 
 def test_a_host_sync_in_an_installed_package_says_so_and_names_a_configuration():
@@ -87,4 +110,4 @@ def test_a_host_sync_in_an_installed_package_says_so_and_names_a_configuration()
         pytest.raises(fgraph.TraceError, match=r"modeling_rope_utils\.py:\d+ needs the tensor's") as e,
     ):
         f(IDS, use_cache=False)
-    assert "installed package `transformers`'s, not yours" in e.value.fix and "other than 'dynamic'" in e.value.fix
+    assert "installed package `transformers`'s, not yours" in e.value.fix and "not 'dynamic'" in e.value.fix

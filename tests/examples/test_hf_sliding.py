@@ -17,6 +17,8 @@ import transformers  # noqa: E402
 import fgraph  # noqa: E402
 from examples import hf_generate as G  # noqa: E402
 
+CACHE = G.cache_parameter(transformers.MistralForCausalLM)  # `cache`, or `past_key_values` up to 5.17 at least
+
 IDS = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
 NEW = 12  # 5 + 12 positions: past a window of 8 or 3, within one of 4096
 
@@ -35,11 +37,11 @@ def test_the_static_recipe_on_a_sliding_window_model_names_a_fix_that_keeps_a_ca
     G.jit_forward(model)
     with pytest.raises(fgraph.TraceError) as e:
         G.generate(model, IDS, 3)
-    assert "changes `cache.layers[0].cumulative_length_int` of donated state from 5 to 6" in e.value.what
+    assert f"changes `{CACHE}.layers[0].cumulative_length_int` of donated state from 5 to 6" in e.value.what
     assert "sliding-window cache layers count tokens in a Python int" in e.value.what
     fix = e.value.fix
     assert "transformers.Cache(layers=[transformers.StaticLayer(max_cache_len=L) for _ in range(2)])" in fix
-    assert "generate(..., cache=cache)" in fix and "use_cache=False" not in fix
+    assert f"generate(..., {CACHE}=cache)" in fix and "use_cache=False" not in fix
 
 
 @pytest.mark.parametrize("window", [3, 8, 4096])
@@ -49,7 +51,7 @@ def test_a_static_cache_of_full_length_layers_gives_eager_tokens(window, mode):
     want, want_scores = greedy(model, cache_implementation="static")  # transformers' own sliding-window cache
     f = G.jit_forward(model, mode)
     for _ in range(2):  # a new cache per generate: the same decode signature
-        got, scores = greedy(model, cache=G.full_static_cache(model, 5 + NEW))
+        got, scores = greedy(model, **{CACHE: G.full_static_cache(model, 5 + NEW)})
         assert torch.equal(got, want)
         torch.testing.assert_close(scores, want_scores, rtol=0, atol=1e-4)
     s = f.stats()
@@ -67,6 +69,6 @@ def test_one_early_initialised_full_length_cache_serves_every_generate():
     cache.early_initialization(2, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
     for w in want:
         cache.reset()
-        assert torch.equal(greedy(model, cache=cache)[0], w)
+        assert torch.equal(greedy(model, **{CACHE: cache})[0], w)
     s = f.stats()
     assert s["fallbacks"]["init"] == 0 and s["total"]["traces"] == 2  # the prefill and the decode step
