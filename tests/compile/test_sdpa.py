@@ -185,3 +185,36 @@ def test_any_one_query_attention_rewritten_computes_eagers_answer(b, hkv, g, s, 
     _, gm, n = rewritten(fn, a)
     assert n == 1
     same_answer(fn, gm, a)
+
+
+@pytest.mark.parametrize(
+    "kernel", ["eager's math", pytest.param("Triton's interpreter", marks=pytest.mark.interpreter)]
+)
+def test_a_hugging_face_decode_step_compiled_with_the_switch_calls_the_op_in_every_layer(kernel, tmp_path, monkeypatch):
+    """The README's recipe on a tiny Qwen2 with transformers' sdpa attention (left-padded prompts; the installed
+    transformers' own trace, whichever path it takes under a trace): the decode piece's SDPA in each layer becomes
+    the op, and generate gives eager's tokens and its logits to rounding. In the interpreter the op is the kernel."""
+    from examples import hf_generate as G
+
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fgraph.config, "sdpa_decode", True)
+    if kernel == "Triton's interpreter":
+        monkeypatch.setattr(kernels._sdpa, "sdpa_decode", kernels._sdpa.launch)
+    base, model = G.tiny("qwen2"), G.tiny("qwen2")
+    for m in (base, model):
+        m.set_attn_implementation("sdpa")
+    ids = torch.randint(1, 128, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[2, :1] = 0  # left padding: a row's first keys are masked out
+    kw = dict(attention_mask=mask, return_dict_in_generate=True, output_logits=True)
+    want = G.generate(base, ids, 5, **kw)
+    with rewriting_on_cpu(monkeypatch):
+        before = compiler.counts["sdpa"]
+        f = G.jit_forward(model, compile=True)
+        for _ in range(2):  # the second generate replays the decode piece
+            got = G.generate(model, ids, 5, **kw)
+            assert torch.equal(got.sequences, want.sequences)
+            torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
+    assert compiler.counts["sdpa"] - before == 2  # the decode signature's one piece: both layers' calls
+    assert f.stats()["total"]["replays"] >= 6
