@@ -124,6 +124,7 @@ def test_a_compiled_hf_decode_step_calls_the_kernel_and_gives_eagers_tokens(dtyp
     monkeypatch.setattr(fgraph.config, "sdpa_decode", True)
 
     model = G.tiny("qwen2", "cuda", dtype)
+    model.set_attn_implementation("sdpa")  # (G.tiny's is eager attention: matmuls and a softmax, no SDPA call)
     ids = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(0)).cuda()
     want = G.generate(model, ids, 8)
     before = compiler.counts["sdpa"]
