@@ -17,8 +17,9 @@ rows of one tile, so each key and value is read once per KV head, and the keys a
   merge   grid (B, Hq), with more than one split: the splits' partials weighted by their share of the sum.
 SPLITS is a function of the shapes only (B, Hkv, S and the GPU's SMs): a CUDA graph of it is right for any bias.
 
-Semantics are eager's math: a key whose bias is -inf is skipped, and a row that sees no key is NaN, as eager's
-softmax of only -inf. Off CUDA (tests on the CPU) the op is torch's SDPA on the repeated heads: eager's math.
+Semantics are torch's SDPA's: a key whose bias is -inf is skipped, and a row that sees no key is 0, as SDPA gives
+it (its safe softmax, since torch 2.5; a plain softmax of only -inf is NaN). Off CUDA (tests on the CPU) the op is
+torch's SDPA on the repeated heads: eager's math.
 """
 
 from __future__ import annotations

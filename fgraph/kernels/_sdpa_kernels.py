@@ -56,8 +56,9 @@ def decode(q_ptr, k_ptr, v_ptr, bias_ptr, o_ptr, part_ptr, lse_ptr, S, chunk, s_
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32, UPCAST)
         den = den * alpha + tl.sum(p, 1)
         m = m_new
-    if SPLITS == 1:  # a row with no visible key is 0 / 0: NaN, as eager's softmax of only -inf
-        tl.store(o_ptr + b * s_ob + heads[:, None] * s_oh + d[None, :], (acc / den[:, None]).to(o_ptr.dtype.element_ty),
+    if SPLITS == 1:  # a row with no visible key: acc and den are 0, and its output 0, as torch's SDPA (safe softmax)
+        out = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(o_ptr + b * s_ob + heads[:, None] * s_oh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=live[:, None] & dk[None, :])  # fmt: skip
     else:
         at = ((b * tl.num_programs(1) * G + heads) * SPLITS + s).to(tl.int64)  # rows of part [B, Hq, SPLITS, D]
@@ -71,7 +72,7 @@ def decode(q_ptr, k_ptr, v_ptr, bias_ptr, o_ptr, part_ptr, lse_ptr, S, chunk, s_
 def merge(part_ptr, lse_ptr, o_ptr, s_ob, s_oh, Hq, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
           SPLITS_P2: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """out[b, head] = the splits' normalised partial outputs weighted by their share of the softmax's sum; a head
-    with no visible key in any split is NaN (0 / 0), as eager's."""
+    with no visible key in any split is 0, as torch's SDPA gives (its safe softmax)."""
     after_prior(PDL)
     b, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
     sp, d = tl.arange(0, SPLITS_P2), tl.arange(0, BLOCK_D)
@@ -81,5 +82,6 @@ def merge(part_ptr, lse_ptr, o_ptr, s_ob, s_oh, Hq, D: tl.constexpr, BLOCK_D: tl
     top = tl.max(lse, 0)
     w = tl.where(some, tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top)), 0.0)
     part = tl.load(part_ptr + at[:, None] * BLOCK_D + d[None, :], mask=some[:, None], other=0.0)
-    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b * s_ob + head * s_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)

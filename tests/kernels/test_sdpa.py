@@ -56,6 +56,10 @@ def test_the_kernel_computes_eagers_math_in_the_interpreter(splits, monkeypatch)
         monkeypatch.setattr(_sdpa, "splits_for", lambda *a, **k: 1)
     for b, hq, hkv, s, d, mask in [(1, 14, 2, 300, 64, "float"), (3, 6, 2, 130, 16, "bool"), (2, 4, 4, 70, 80, None)]:
         check(*case(b, hq, hkv, s, d, torch.float32, mask, device="cpu"), run=_sdpa.launch)
+    q, k, v, bias = case(3, 6, 2, 130, 16, torch.float32, "bool", device="cpu")
+    bias[1] = False  # a row that sees no key: 0, as torch's SDPA (its safe softmax), in every split and merged
+    torch.testing.assert_close(_sdpa.launch(q, k, v, bias, 0.125), _sdpa.reference(q, k, v, bias, 0.125))
+    check(q, k, v, bias, run=_sdpa.launch)
 
 
 SHAPES = [  # (B, Hq, Hkv, S, D): the 0.5B's heads at decode sizes, Llama-8B's, MHA, a head dim not a power of two
@@ -84,11 +88,12 @@ def test_a_boolean_mask_or_none(mask):
 
 
 @pytest.mark.gpu
-def test_a_row_that_sees_no_key_is_nan_as_eagers_and_leaves_the_others_alone():
+def test_a_row_that_sees_no_key_is_zero_as_torchs_sdpa_gives_and_leaves_the_others_alone():
     q, k, v, bias = case(4, 14, 2, 1088, 64, torch.float32, "bool")
     bias[2] = False
     got = _sdpa.sdpa_decode(q, k, v, bias, 0.125)
-    assert got[2].isnan().all()
+    assert got[2].eq(0).all()  # SDPA's safe softmax: 0, where a plain softmax of only -inf is NaN
+    torch.testing.assert_close(got, _sdpa.reference(q, k, v, bias, 0.125))  # eager's, that row included
     keep = [0, 1, 3]
     torch.testing.assert_close(got[keep], exact(q, k, v, bias, 0.125)[keep].float())
 
