@@ -24,7 +24,7 @@ compiled contenders'; bf16 kernels may differ between the two; the eager static 
 repeats itself, and `first_different_token` where tokens part); rounds alternate between contenders, after two untimed rounds; decode tokens/s =
 B * (N - 1) / (t(N) - t(1)) over generate calls of N and 1 new tokens; median and spread over rounds, and
 `vs_compile_paired`: the median of each round's rate over torch.compile's in that round. `--variant
-sdpa_decode=True` adds a row: generate's default with fgraph's forward, every generate of it (trace, compile, replay)
+sdpa_decode=False` adds a row: generate's default with fgraph's forward, every generate of it (trace, compile, replay)
 under those fgraph.config switches, timed in the same rounds as the row without them (`vs_default_paired`: the
 lever's own gain, round by round). One JSON line per
 cell to $OUT/hf_bench.jsonl (and stdout), as each is measured.
@@ -148,7 +148,7 @@ def main(argv=None):
         metavar="NAME=VALUE[,NAME=VALUE]",
         help="one more contender: generate's default with fgraph's forward, its generates run (traced, compiled, "
         "timed) with these fgraph.config switches, beside the row without them in the same rounds (a lever measured "
-        "before it is a default: sdpa_decode=True). Repeatable",
+        "before it is a default, or a default's own gain: sdpa_decode=False). Repeatable",
     )
     args = p.parse_args(argv)
     for item in args.config:

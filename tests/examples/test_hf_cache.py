@@ -353,7 +353,7 @@ def test_the_hf_benchmarks_moe_row_checks_its_tokens_against_eager(tmp_path, mon
 
 
 def test_a_benchmark_variant_runs_every_generate_of_its_own_row_under_its_switches(tmp_path, monkeypatch):
-    # `--variant sdpa_decode=True`: a lever timed beside the row without it, in the same rounds of one process; its
+    # `--variant sdpa_decode=False`: a lever timed beside the row without it, in the same rounds of one process; its
     # switches are set while its own model traces, compiles and runs, and for no other row
     import fgraph
     from benchmarks import hf_bench
@@ -368,14 +368,14 @@ def test_a_benchmark_variant_runs_every_generate_of_its_own_row_under_its_switch
 
     monkeypatch.setattr(hf_generate, "jit_forward", spied)
     monkeypatch.setenv("OUT", str(tmp_path))
-    argv = ["--smoke", "--batches", "1", "--new", "3", "--rounds", "1", "--variant", "sdpa_decode=True"]
+    argv = ["--smoke", "--batches", "1", "--new", "3", "--rounds", "1", "--variant", "sdpa_decode=False"]
     rows = hf_bench.main(argv)
-    name = "hf_fgraph_generate_default+sdpa_decode=True"
+    name = "hf_fgraph_generate_default+sdpa_decode=False"
     assert {r["contender"] for r in rows} == {"hf_eager", "hf_eager_static", "hf_fgraph_static", name}
     assert all(r["tokens_equal_eager_static"] for r in rows)
     static, variant = seen.values()  # (in the order the contenders are made)
-    assert static and not any(static) and variant and all(variant)
-    assert fgraph.config.sdpa_decode is False
+    assert static and all(static) and variant and not any(variant)
+    assert fgraph.config.sdpa_decode is True  # the default, back
     for bad in ("no_such_switch=1", "sdpa_decode=3", "sdpa_decode=maybe"):
         with pytest.raises(SystemExit):
             hf_bench.main([*argv[:-1], bad])
