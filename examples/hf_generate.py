@@ -2,7 +2,7 @@
 
 The static-cache recipe: the model's forward is jitted with its cache donated, and `generate` runs as it is.
 
-    model.forward = fgraph.jit(model.forward, donate=["cache"])   # `past_key_values` on transformers <= 5.17
+    model.forward = fgraph.jit(model.forward, donate=["cache"])   # `past_key_values` on transformers < 5.24
     model.generate(ids, cache_implementation="static", max_new_tokens=...)
 
 The StaticCache generate makes is seen into as a pytree of its tensors (keys, values, cumulative_length of every
@@ -75,7 +75,7 @@ def tiny(
 
 
 def cache_parameter(model) -> str:
-    """`cache` (recent transformers) or `past_key_values` (4.x and 5.x up to 5.17 at least): its cache parameter."""
+    """`cache` (recent transformers) or `past_key_values` (transformers before 5.24): its cache parameter."""
     import inspect
 
     params = inspect.signature(model.forward).parameters

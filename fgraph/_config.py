@@ -58,7 +58,8 @@ class config(metaclass=_Checked):
     small_m_norm = False
     # compiled CUDA pieces run a one-query SDPA (a Hugging Face model's decode attention) as fgraph::sdpa_decode: each
     # KV head's keys read once for its query heads, split over the GPU (fgraph/compile/_sdpa.py,
-    # fgraph/kernels/_sdpa.py); on: ~4-12x faster than the SDPA call it replaces at decode (docs/performance.md)
+    # fgraph/kernels/_sdpa.py); on: faster than the SDPA call it replaces at every
+    # decode size measured (docs/performance.md)
     sdpa_decode = True
     # the tuners' choices are kept on disk beside Inductor's cache, by GPU, CUDA, torch, Triton and kernel source, and
     # read by later processes instead of timing the keys again (fgraph/kernels/_tuned.py). False: each process times

@@ -16,7 +16,7 @@ import fgraph  # noqa: E402
 from examples import hf_generate as G  # noqa: E402
 from tests.test_semantics import MODES  # noqa: E402
 
-CACHE = G.cache_parameter(transformers.Qwen2ForCausalLM)  # `cache`, or `past_key_values` up to 5.17 at least
+CACHE = G.cache_parameter(transformers.Qwen2ForCausalLM)  # `cache`, or `past_key_values` before transformers 5.24
 
 IDS = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
 

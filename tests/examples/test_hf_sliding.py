@@ -17,7 +17,7 @@ import transformers  # noqa: E402
 import fgraph  # noqa: E402
 from examples import hf_generate as G  # noqa: E402
 
-CACHE = G.cache_parameter(transformers.MistralForCausalLM)  # `cache`, or `past_key_values` up to 5.17 at least
+CACHE = G.cache_parameter(transformers.MistralForCausalLM)  # `cache`, or `past_key_values` before transformers 5.24
 
 IDS = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(1))
 NEW = 12  # 5 + 12 positions: past a window of 8 or 3, within one of 4096
