@@ -162,37 +162,33 @@ def main(argv=None):
     base = make_model(smoke, device, dtype, arch=args.arch)
     cache_param = hf_generate.cache_parameter(base)  # `cache` or `past_key_values` (older)
     contenders = {"hf_eager": base, "hf_eager_static": base}  # the reference of the static-cache contenders' math
-    if not smoke:
+
+    def copy():
         m = make_model(smoke, device, dtype, arch=args.arch)
         m.load_state_dict(base.state_dict())
+        return m
+
+    def jitted(m=None, **options):  # (a copy of base unless m) with the README's recipe
+        m = copy() if m is None else m
+        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], **options)
+        return m
+
+    if not smoke:
+        m = copy()
         if args.compile == "forward":
             m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
         contenders[PEER] = m
-    m = make_model(smoke, device, dtype, arch=args.arch)
-    m.load_state_dict(base.state_dict())
-    hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=False)  # eager's kernels, graphed
-    contenders["hf_fgraph_static"] = m
+    contenders["hf_fgraph_static"] = jitted(compile=False)  # eager's kernels, graphed
     if not smoke:  # fgraph.jit's default on CUDA: Inductor-compiled pieces (an HF model has no break: one piece)
-        m = make_model(smoke, device, dtype, arch=args.arch)
-        m.load_state_dict(base.state_dict())
-        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
-        contenders["hf_fgraph_static_compiled"] = m
+        contenders["hf_fgraph_static_compiled"] = jitted()
         # the same, through generate as it runs by default: it torch.compiles the call of the jitted forward
-        m = make_model(smoke, device, dtype, arch=args.arch)
-        m.load_state_dict(base.state_dict())
-        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
-        contenders[VARIANT_OF] = m
+        contenders[VARIANT_OF] = jitted()
     for name in variants:  # (compiled when its first generate runs, under its switches: gen)
-        m = make_model(smoke, device, dtype, arch=args.arch)
-        m.load_state_dict(base.state_dict())
-        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8])
-        contenders[name] = m
+        contenders[name] = jitted()
     if args.arch == "qwen2_moe":  # the default jit, its MoE blocks through fgraph's MoE primitive (a break)
-        m = make_model(smoke, device, dtype, arch=args.arch)
-        m.load_state_dict(base.state_dict())
+        m = copy()
         use_fgraph_moe(m)
-        hf_generate.jit_forward(m, "FULL_AND_PIECEWISE", buckets=[1, 8], compile=not smoke)
-        contenders["hf_fgraph_moe_primitive"] = m
+        contenders["hf_fgraph_moe_primitive"] = jitted(m, compile=not smoke)
     for name in args.skip:
         contenders.pop(name)
     # the contenders generate runs as by default, compiling the decode call itself (of its jitted forward for fgraph's)
