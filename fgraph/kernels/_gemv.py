@@ -78,6 +78,7 @@ REP_MS, SCREEN_MS, SCREEN_KEEP, FINALISTS = 3, 1, 1.15, 3
 counts = dict.fromkeys("tuned glu norm group triton split cublas untuned loaded compiled".split(), 0)
 seconds = {"tune": 0.0, "compile": 0.0}  # wall time in the tuner, and of it compiling candidates (start-up's share)
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
+_tuning: list[tuple] = []  # the keys being tuned now, outermost first
 
 
 @functools.cache
@@ -137,8 +138,19 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
 
 
 def _runner(fn, grid: tuple, warm: bool):
-    """A Triton kernel's launch over grid, or (warm) its compilation for those arguments alone."""
-    return functools.partial(fn.warmup, grid=grid) if warm else fn[grid]
+    """A Triton kernel's launch over grid, or (warm) its compilation for those arguments alone, and its loading."""
+    return functools.partial(_compile_and_load, fn, grid) if warm else fn[grid]
+
+
+def _compile_and_load(fn, grid: tuple, *args, **kwargs) -> None:
+    """Compile fn for these arguments and load it as its first launch would: its module onto the current device and
+    its launcher, which Triton up to 3.6 builds from C with the host's compiler (~1 s; one per distinct signature).
+    Run in the tuner's threads, these builds overlap the other candidates' compiles; left to the first launch, they
+    ran one after another in the timing loop."""
+    compiled = fn.warmup(*args, grid=grid, **kwargs)
+    load = getattr(compiled, "_init_handles", None)  # (Triton's lazy loader: the first launch calls it)
+    if load is not None:
+        load()
 
 
 def halves(w: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,9 +261,9 @@ def builds(cfgs: list) -> list:
 def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
     """The config whose launch, replayed in a CUDA graph, times fastest under limit_ms; None if none does.
 
-    launch(cfg, warm=True) compiles cfg's kernel without running it: every kernel is compiled first, side by side in
-    threads (Triton leaves the GIL while it compiles: one after another, a cold start spent most of its time in
-    them; docs/performance.md). Then each config is screened in a short timing and the finalists timed in full."""
+    launch(cfg, warm=True) compiles and loads cfg's kernel without running it: every kernel is made first, side by
+    side in threads (Triton leaves the GIL while it compiles: one after another, a cold start spent most of its time
+    in them; docs/performance.md). Then each config is screened in a short timing and the finalists timed in full."""
     from triton.testing import do_bench_cudagraph
 
     t0 = time.perf_counter()
@@ -284,9 +296,14 @@ def _chosen(key: tuple, device, tune, ready=None) -> tuple | None:
                 ready(cfg)
         else:
             with torch.cuda.device(device):  # (the timing's graphs and streams on the tensors' device)
-                t0 = time.perf_counter()
-                cfg = tune()
-                seconds["tune"] += time.perf_counter() - t0
+                t0, outer = time.perf_counter(), not _tuning
+                _tuning.append(key)
+                try:
+                    cfg = tune()
+                finally:
+                    _tuning.pop()
+                if outer:  # (a group's or a norm's tuner tunes its matmuls' keys inside its own: counted once)
+                    seconds["tune"] += time.perf_counter() - t0
                 # timings run on side streams; cuBLAS keeps a 32 MiB workspace per stream (~1 GiB cold): freed, as at
                 # every capture's start, and given back (memory's own empty_cache: capture_session stubs torch.cuda's)
                 getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)()  # (a CPU build of torch has none)

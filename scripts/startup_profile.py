@@ -1,0 +1,114 @@
+"""Where a first generate's seconds go: benchmarks.hf_bench run in this process (its arguments after `--`), with
+wall-time counters on the calls that make up a cold start, split by thread (the main thread's are what the first
+generate waits for; the tuner compiles in a pool of its own). One JSON line at exit, to stdout and to
+$OUT/startup_profile-<tag>.json.
+
+  python3 scripts/startup_profile.py --tag fgraph -- --batches 1 --new 16 --rounds 1 --skip hf_compile_static ...
+
+Give each run fresh TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR for a cold start. A call inside another counted
+call counts in both (the tuner's rows hold its timings and compiles).
+
+  --load-at-first-launch: the tuner's candidates compiled in its threads but loaded (module and launcher) where each
+                          first launches, in the timing loop: the tuner's other way, for an A/B in one command
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import functools
+import importlib
+import json
+import os
+import threading
+import time
+
+# (module, attribute path) -> what the row calls it
+TIMED = {
+    ("triton.runtime.jit", "JITFunction._do_compile"): "triton_compile",
+    ("triton.compiler.compiler", "CompiledKernel._init_handles"): "triton_load",
+    ("triton.runtime.build", "compile_module_from_src"): "launcher_build",
+    ("triton.backends.nvidia.driver", "compile_module_from_src"): "launcher_build",
+    ("triton.testing", "do_bench_cudagraph"): "graph_timing",
+    ("torch._inductor.compile_fx", "compile_fx"): "inductor",
+    ("torch._dynamo.convert_frame", "ConvertFrameAssert.__call__"): "dynamo_frame",
+    ("fgraph.kernels._gemv", "_tune"): "tuner_key",
+    ("fgraph.kernels._gemv", "_tune_group"): "tuner_key",
+    ("fgraph.kernels._gemv", "_fastest"): "tuner_search",
+    ("torch.cuda.graphs", "CUDAGraph.capture_end"): "graph_capture_end",
+}
+stats: dict[str, dict] = {}
+
+
+def _timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        where = "main" if threading.current_thread() is threading.main_thread() else "other"
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            row = stats.setdefault(f"{name}/{where}", {"calls": 0, "s": 0.0})
+            row["calls"] += 1
+            row["s"] += time.perf_counter() - t0
+
+    return wrapper
+
+
+def instrument() -> list[str]:
+    """Wrap every TIMED callable that this environment has; the names of those it lacks."""
+    missing = []
+    for (module, path), name in TIMED.items():
+        try:
+            owner = importlib.import_module(module)
+            *parents, attr = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            setattr(owner, attr, _timed(name, getattr(owner, attr)))
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{path}")
+    return missing
+
+
+def load_at_first_launch() -> None:
+    from fgraph.kernels import _gemv
+
+    _gemv._compile_and_load = lambda fn, grid, *args, **kwargs: fn.warmup(*args, grid=grid, **kwargs)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tag", required=True)
+    p.add_argument("--load-at-first-launch", action="store_true")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    missing = instrument()
+    if a.load_at_first_launch:
+        load_at_first_launch()
+
+    def report():
+        from fgraph.kernels import linear_counts, linear_seconds
+
+        row = {
+            "tag": a.tag,
+            "load_at_first_launch": a.load_at_first_launch,
+            "wall_s": round(time.perf_counter() - t0, 2),
+        }
+        row |= {k: {"calls": v["calls"], "s": round(v["s"], 2)} for k, v in sorted(stats.items())}
+        row |= {"linear_s": {k: round(v, 2) for k, v in linear_seconds.items()}, "linear": dict(linear_counts)}
+        row["not_timed"] = missing
+        print(json.dumps(row), flush=True)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, f"startup_profile-{a.tag}.json"), "w") as fh:
+                json.dump(row, fh)
+
+    atexit.register(report)
+    from benchmarks import hf_bench
+
+    hf_bench.main([x for x in a.rest if x != "--"])
+
+
+if __name__ == "__main__":
+    main()
