@@ -130,6 +130,12 @@ def main(argv=None):
         "model.forward = torch.compile(model.forward, mode='reduce-overhead', fullgraph=True)",
     )
     p.add_argument(
+        "--first-only",
+        action="store_true",
+        help="start-up: each contender's first generate, then stop (no rounds); run one contender a process, with "
+        "fresh TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, for a cold start",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="GPU: kernels and kernel time per generated token, per contender (torch.profiler, after the timing)",
@@ -238,6 +244,18 @@ def main(argv=None):
             first_s[name] = round(time.perf_counter() - t0, 2)
         equal = {name: bool(torch.equal(t, want)) for name, t in got.items()}
         equal_static = {name: bool(torch.equal(t, want_static)) for name, t in got.items()}
+        if args.first_only:
+            for name in contenders:
+                row = {"bench": "hf_bench", "arch": args.arch, "B": B, "ctx": ctx, "new_tokens": new, "contender": name,
+                       "first_generate_s": first_s[name], "tokens_equal_eager_static": equal_static[name]}  # fmt: skip
+                if name.startswith("hf_fgraph"):
+                    row["linear"], row["linear_s"] = (
+                        dict(linear_counts),
+                        {k: round(v, 2) for k, v in linear_seconds.items()},
+                    )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            continue
         # the first new token that differs from eager's with the static cache (in any row; None: all equal)
         differs = {name: _first_difference(t[:, ctx:], want_static[:, ctx:]) for name, t in got.items()}
         times = {name: {1: [], new: []} for name in contenders}
