@@ -96,3 +96,38 @@ def test_a_config_fastest_in_the_screen_loses_to_a_finalist_faster_in_the_full_t
     assert (d, _gemv.REP_MS) not in stub_timing["log"]
     best, _, _ = search(stub_timing, [a, b, c, d], screen, {a: 1.2, b: 1.0, c: 1.1, d: 0.1}, limit_ms=0.9)
     assert best is None  # cuBLAS (the limit) beats every finalist
+
+
+def test_a_candidate_is_compiled_and_loaded_in_the_compile_threads_not_at_its_first_launch():
+    """The warm path hands back nothing to launch: it compiles, then loads (module and launcher) what it compiled,
+    so that no load is left for the timing loop (Triton <= 3.6 builds each launcher from C there)."""
+    log = []
+
+    class Compiled:
+        def _init_handles(self):
+            log.append("load")
+
+    class Fn:
+        def warmup(self, *args, grid, **kwargs):
+            log.append(("compile", args, grid, kwargs))
+            return Compiled()
+
+    _gemv._runner(Fn(), (4, 2), warm=True)(1, 2, BLOCK_N=16)
+    assert log == [("compile", (1, 2), (4, 2), {"BLOCK_N": 16}), "load"]
+
+
+def test_a_key_tuned_inside_another_counts_its_seconds_once(monkeypatch):
+    """A group's tuner tunes each of its matmuls' keys first: the tuner's wall time is the outer key's alone."""
+    clock = iter(range(100))
+    monkeypatch.setattr(_gemv.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(_gemv.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_gemv.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(_gemv._tuned, "load", lambda key, index: (False, None))
+    monkeypatch.setattr(_gemv._tuned, "store", lambda key, index, cfg: None)
+    monkeypatch.setattr(_gemv, "_choice", {})
+    device = _gemv.torch.device("cuda", 0)
+    inner = lambda: _gemv._chosen(("inner",), device, lambda: None)  # noqa: E731
+    before = _gemv.seconds["tune"]
+    _gemv._chosen(("outer",), device, lambda: inner() or None)
+    # the outer key reads the clock at 0 and 2, the inner key at 1, inside it: 2 s, not 2 + the inner's
+    assert _gemv.seconds["tune"] - before == 2 and set(_gemv._choice) == {("outer",), ("inner",)}
