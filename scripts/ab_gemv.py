@@ -17,6 +17,7 @@ difference from eager's over eager's largest.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import time
@@ -48,8 +49,10 @@ def gemm_shapes(cfg) -> dict:
     }
 
 
-def part_gemms(name, cfg, batches, bw) -> None:
+def part_gemms(name, cfg, batches, bw, rep: int = 20) -> list[dict]:
     from triton.testing import do_bench_cudagraph
+
+    rows = []
 
     for gemm, (n, k, bias) in gemm_shapes(cfg).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -63,18 +66,41 @@ def part_gemms(name, cfg, batches, bw) -> None:
                 unfused = lambda: _gemv.silu_mul(_gemv._cublas(x, w, b, out=full), out=y)  # noqa: E731
             else:
                 unfused = lambda: _gemv._cublas(x, w, b, out=y)  # noqa: E731
-            us = {"cublas": 1e3 * do_bench_cudagraph(unfused, rep=20)}
+            us = {"cublas": 1e3 * do_bench_cudagraph(unfused, rep=rep)}
             for cfg_ in _gemv.candidates(m, y.shape[1], k, glu):
-                us[str(cfg_)] = 1e3 * do_bench_cudagraph(lambda c=cfg_: _gemv._launch(c, x, w, b, y, glu), rep=20)
+                us[str(cfg_)] = 1e3 * do_bench_cudagraph(lambda c=cfg_: _gemv._launch(c, x, w, b, y, glu), rep=rep)
             best = min((v, c) for c, v in us.items() if c != "cublas")
             _gemv._choice.pop((m, n, k, torch.bfloat16, bias, glu, 0, x.device.index), None)
             chose = _gemv._tune(x, w, b, glu)
             pct = lambda t: round(100 * 2 * n * k / (t * 1e-6) / bw, 1)  # noqa: E731
-            emit({"part": "gemm", "model": name, "gemm": gemm + ("+silu_mul" if glu else ""), "M": m, "N": n, "K": k,
+            rows.append({"part": "gemm", "model": name, "gemm": gemm + ("+silu_mul" if glu else ""), "M": m, "N": n, "K": k,
                   "bias": bias, "cublas_us": round(us["cublas"], 2), "cublas_pct_bw": pct(us["cublas"]),
                   "best_triton_us": round(best[0], 2), "best_triton": best[1], "best_pct_bw": pct(best[0]),
                   "best_over_cublas": round(best[0] / us["cublas"], 3), "tuner_picks": str(chose) if chose else "cublas",
                   "all_us": {c: round(v, 2) for c, v in us.items()}})  # fmt: skip
+            emit(rows[-1])
+    return rows
+
+
+def part_configs(rows: list[dict]) -> None:
+    """Per base config (split or not), over every gemm row: its best time over that row's fastest (kernel or cuBLAS),
+    the closest it came, and in how many rows it was within 3 % of the fastest kernel: which candidates a search could
+    leave out (each base config is a compile per kind of key, most of a cold start's tuning)."""
+    closest: dict[str, list[float]] = {}
+    for r in rows:
+        us = dict(r["all_us"])
+        cublas = us.pop("cublas")
+        fastest_kernel = min(us.values())
+        per_base: dict[str, float] = {}
+        for c, t in us.items():
+            cfg_ = ast.literal_eval(c)
+            base = str((*cfg_[:-1], cfg_[-1] > 1))
+            per_base[base] = min(per_base.get(base, float("inf")), t)
+        for base, t in per_base.items():
+            closest.setdefault(base, []).append((t / min(fastest_kernel, cublas), t / fastest_kernel))
+    for base, got in sorted(closest.items(), key=lambda kv: min(a for a, _ in kv[1])):
+        emit({"part": "configs", "config (split)": base, "rows": len(got), "closest_to_fastest": round(min(a for a, _ in got), 3),
+              "within_3pct_of_fastest_kernel": sum(b <= 1.03 for _, b in got)})  # fmt: skip
 
 
 def space(m: int, n: int, k: int, glu: bool) -> list[tuple]:
@@ -185,18 +211,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--backend", default="flash_attn")
     p.add_argument("--parts", nargs="+", default=["gemm", "step"])
+    p.add_argument("--rep", type=int, default=20, help="ms of launches in each gemm timing's CUDA graph")
     a = p.parse_args()
     bw = copy_bandwidth()
     emit({"device": device_name("cuda"), "torch": torch.__version__, "copy_bw_gb_s": round(bw / 1e9)})
+    gemms = []
     for name in a.presets:
         cfg = llama.preset(name)
         if "gemm" in a.parts:
-            part_gemms(name, cfg, a.batches, bw)
+            gemms += part_gemms(name, cfg, a.batches, bw, a.rep)
         if "space" in a.parts:
             part_space(name, cfg, a.batches, bw)
         if "step" in a.parts:
             part_steps(name, cfg, a.batches, a.ctx, a.rounds, a.backend)
             torch.cuda.empty_cache()  # (the step's graphs and cache went with it)
+    if gemms:
+        part_configs(gemms)
 
 
 if __name__ == "__main__":

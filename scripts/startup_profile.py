@@ -3,7 +3,7 @@ wall-time counters on the calls that make up a cold start, split by thread (the 
 generate waits for; the tuner compiles in a pool of its own). One JSON line at exit, to stdout and to
 $OUT/startup_profile-<tag>.json.
 
-  python3 scripts/startup_profile.py --tag fgraph -- --batches 1 --new 16 --rounds 1 --skip hf_compile_static ...
+  python3 scripts/startup_profile.py --tag fgraph -- --batches 1 --new 16 --first-only --skip hf_compile_static ...
 
 Give each run fresh TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR for a cold start. A call inside another counted
 call counts in both (the tuner's rows hold its timings and compiles).
