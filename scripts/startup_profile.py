@@ -35,6 +35,7 @@ TIMED = {
     ("fgraph.kernels._gemv", "_tune"): "tuner_key",
     ("fgraph.kernels._gemv", "_tune_group"): "tuner_key",
     ("fgraph.kernels._gemv", "_fastest"): "tuner_search",
+    ("fgraph.kernels._workers", "precompile"): "worker_compile",
     ("torch.cuda.graphs", "CUDAGraph.capture_end"): "graph_capture_end",
 }
 stats: dict[str, dict] = {}
@@ -96,7 +97,10 @@ def main() -> None:
             "wall_s": round(time.perf_counter() - t0, 2),
         }
         row |= {k: {"calls": v["calls"], "s": round(v["s"], 2)} for k, v in sorted(stats.items())}
+        from fgraph.kernels import compile_worker_counts
+
         row |= {"linear_s": {k: round(v, 2) for k, v in linear_seconds.items()}, "linear": dict(linear_counts)}
+        row["compile_workers"] = dict(compile_worker_counts)
         row["not_timed"] = missing
         print(json.dumps(row), flush=True)
         out = os.environ.get("OUT")

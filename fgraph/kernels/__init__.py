@@ -17,6 +17,8 @@ from ._gemv_ops import norm_op as norm_op
 from ._gemv_ops import op as op
 from ._sdpa import op as sdpa_op  # noqa: F401 (fgraph::sdpa_decode, by name here)
 from ._sdpa import serves as sdpa_serves  # noqa: F401
+from ._workers import counts as compile_worker_counts  # noqa: F401 (candidates compiled in worker processes)
+from ._workers import prestart as prestart_compile_workers  # noqa: F401
 
 
 def pdl_prologue():

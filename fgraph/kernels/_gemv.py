@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .._config import pdl_args
-from . import _tuned
+from . import _tuned, _workers
 
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce
@@ -147,6 +147,7 @@ def _compile_and_load(fn, grid: tuple, *args, **kwargs) -> None:
     its launcher, which Triton up to 3.6 builds from C with the host's compiler (~1 s; one per distinct signature).
     Run in the tuner's threads, these builds overlap the other candidates' compiles; left to the first launch, they
     ran one after another in the timing loop."""
+    _workers.precompile(fn, grid, args, kwargs)  # (with fgraph.config.compile_workers: the warmup below reads it)
     compiled = fn.warmup(*args, grid=grid, **kwargs)
     load = getattr(compiled, "_init_handles", None)  # (Triton's lazy loader: the first launch calls it)
     if load is not None:

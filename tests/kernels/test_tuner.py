@@ -98,9 +98,10 @@ def test_a_config_fastest_in_the_screen_loses_to_a_finalist_faster_in_the_full_t
     assert best is None  # cuBLAS (the limit) beats every finalist
 
 
-def test_a_candidate_is_compiled_and_loaded_in_the_compile_threads_not_at_its_first_launch():
-    """The warm path hands back nothing to launch: it compiles, then loads (module and launcher) what it compiled,
-    so that no load is left for the timing loop (Triton <= 3.6 builds each launcher from C there)."""
+def test_a_candidate_is_compiled_and_loaded_in_the_compile_threads_not_at_its_first_launch(monkeypatch):
+    """The warm path hands back nothing to launch: it compiles (a compile worker first, when there are any), then
+    loads (module and launcher) what it compiled, so that no load is left for the timing loop (Triton <= 3.6 builds
+    each launcher from C there)."""
     log = []
 
     class Compiled:
@@ -112,8 +113,12 @@ def test_a_candidate_is_compiled_and_loaded_in_the_compile_threads_not_at_its_fi
             log.append(("compile", args, grid, kwargs))
             return Compiled()
 
-    _gemv._runner(Fn(), (4, 2), warm=True)(1, 2, BLOCK_N=16)
-    assert log == [("compile", (1, 2), (4, 2), {"BLOCK_N": 16}), "load"]
+    fn = Fn()
+    precompile = lambda *job: log.append(("worker", *job))  # noqa: E731 (with compile_workers: a worker's first)
+    monkeypatch.setattr(_gemv._workers, "precompile", precompile)
+    _gemv._runner(fn, (4, 2), warm=True)(1, 2, BLOCK_N=16)
+    job = ((1, 2), (4, 2), {"BLOCK_N": 16})
+    assert log == [("worker", fn, job[1], job[0], job[2]), ("compile", *job), "load"]
 
 
 def test_a_key_tuned_inside_another_counts_its_seconds_once(monkeypatch):

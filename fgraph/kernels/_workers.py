@@ -1,0 +1,144 @@
+"""Triton compiles of the tuner's candidates in worker processes (fgraph.config.compile_workers; 0, threads alone,
+by default until measured on the GPU).
+
+The tuner compiles tens of kernels at a key's first call, side by side in threads (`_gemv._fastest`). Threads overlap
+only what leaves the GIL (LLVM, ptxas); Triton's front end walks each kernel's Python AST under it, and a cold start's
+compiling stays GIL-bound (docs/performance.md). Here each compile first runs in a worker process: the same `warmup`
+call, its tensors given as their dtypes (Triton's MockTensor: an aligned pointer), under a driver that names the
+parent's GPU target and touches no GPU. The kernel lands in Triton's disk cache, and the parent's own warmup, run next,
+finds it there: the same source, argument specialisation, options and target make the same cache key. So the kernel
+is always the parent's own; a worker that fails costs only the parent's own compile (`counts`).
+
+A worker is `python -c 'serve()'` over pipes (as Inductor's compile workers are), not multiprocessing's spawn, which
+would import the user's main script again in every worker. Each imports torch and Triton: seconds, so `prestart()`
+starts them while Inductor compiles the piece whose matmuls the tuner will meet."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import traceback
+
+import torch
+
+from .._config import config
+
+# remote: kernels compiled in a worker before the parent's own warmup; failed: those a worker could not compile
+# (the parent compiled them itself); broken: workers lost (one died: none is asked again in this process)
+counts = dict.fromkeys(("remote", "failed", "broken"), 0)
+_lock = threading.Lock()
+_idle: queue.Queue | None = None  # the started workers, each taken by one compile at a time
+_all: list[subprocess.Popen] = []
+_broken = False
+
+
+def _start() -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (the parent's imports)
+    cmd = [sys.executable, "-c", "from fgraph.kernels._workers import serve; serve()"]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+
+
+def prestart() -> queue.Queue | None:
+    """The workers (config.compile_workers of them), started on first use; None when off or once one broke."""
+    global _idle
+    if not config.compile_workers or _broken:
+        return None
+    with _lock:
+        if _idle is None:
+            _idle = queue.Queue()
+            for _ in range(config.compile_workers):
+                _all.append(_start())
+                _idle.put(_all[-1])
+        return _idle
+
+
+def shutdown() -> None:
+    """Stop the workers (the next compile that asks for them starts new ones)."""
+    global _idle
+    with _lock:
+        procs, _idle = list(_all), None
+        _all.clear()
+    for p in procs:
+        p.stdin.close()  # (serve() returns at the end of its input)
+        p.wait()
+
+
+atexit.register(shutdown)
+
+
+def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Compile the Triton kernel fn for these launch arguments in a worker, into Triton's disk cache, and wait for it
+    (nothing when off). Called from the tuner's threads, inside the device's context (its target is asked here)."""
+    global _broken
+    idle = prestart()
+    if idle is None:
+        return
+    import triton
+    from triton.runtime import driver
+
+    job = (
+        fn.fn.__module__,
+        fn.fn.__name__,
+        tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
+        grid,
+        kwargs,
+        driver.active.get_current_target(),
+        triton.knobs.cache.dir,
+    )
+    worker = idle.get()
+    try:
+        pickle.dump(job, worker.stdin)
+        worker.stdin.flush()
+        ok, _ = pickle.load(worker.stdout)
+        outcome = "remote" if ok else "failed"  # (the parent's own compile says why, if it fails too)
+        idle.put(worker)
+    except (OSError, EOFError, pickle.UnpicklingError):  # the worker died: the parent compiles it, and all others
+        outcome, _broken = "broken", True
+    with _lock:
+        counts[outcome] += 1
+
+
+class _Target:
+    """The driver a worker compiles under: the parent's GPU target and no GPU (binding a warmup's arguments and
+    compiling asks the driver for nothing more)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+
+def serve() -> None:
+    """A worker's loop: each job read from stdin compiled, (ok, error text) written back, until stdin ends."""
+    import triton
+    from triton.runtime import driver
+
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # (anything printed goes to stderr, not into the replies)
+    while True:
+        try:
+            module, name, args, grid, kwargs, target, cache_dir = pickle.load(sys.stdin.buffer)
+        except EOFError:
+            return
+        try:
+            os.environ["TRITON_CACHE_DIR"] = triton.knobs.cache.dir = cache_dir
+            driver.set_active(_Target(target))
+            getattr(importlib.import_module(module), name).warmup(*args, grid=grid, **kwargs)
+            reply = (True, None)
+        except Exception:
+            reply = (False, traceback.format_exc())
+        pickle.dump(reply, out)
+        out.flush()

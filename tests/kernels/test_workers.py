@@ -1,0 +1,66 @@
+"""The tuner's compile workers (fgraph/kernels/_workers.py, fgraph.config.compile_workers): a kernel a worker process
+compiled is a disk-cache hit for the parent's own compile of the same launch, so the kernel the parent runs is always
+its own; a worker that fails costs only that compile, counted.
+
+No GPU here: Triton compiles for an H100/H200 target (sm_90) on the CPU, and the parent binds its warmup under the same
+GPU-less driver the workers use (on the GPU, the CUDA driver: it names the same target)."""
+
+import os
+
+import pytest
+import torch
+
+import fgraph
+from fgraph.kernels import _workers
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(bool(os.environ.get("TRITON_INTERPRET")), reason="the interpreter compiles nothing")
+
+# fgraph::linear_glu's activation kernel (`glu`) for out [4, 4864] = silu(g) * u, bf16: the arguments of its launch
+GLU_ARGS = (torch.bfloat16, torch.bfloat16, torch.bfloat16, 4864, 9728, 9728, 4864)
+GLU_KWARGS = {"BLOCK": 1024, "PDL": False}
+
+
+@pytest.fixture
+def gpu_less(tmp_path, monkeypatch):
+    """An empty Triton cache, the GPU-less sm_90 driver in this process too, and two workers."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from fgraph.kernels import _gemv_kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setattr(fgraph.config, "compile_workers", 2)
+    monkeypatch.setattr(driver, "_active", _workers._Target(GPUTarget("cuda", 90, 32)))  # (set_active's, undone)
+    _gemv_kernels.glu.device_caches.clear()
+    before = dict(_workers.counts)
+    yield _gemv_kernels.glu, before
+    _gemv_kernels.glu.device_caches.clear()
+    _workers.shutdown()
+
+
+def test_a_kernel_a_worker_compiled_is_a_cache_hit_for_the_parents_own_compile(gpu_less, monkeypatch, tmp_path):
+    glu, before = gpu_less
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
+    assert _workers.counts["remote"] == before["remote"] + 1 and any(tmp_path.iterdir())
+
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    def compiles(*args, **kwargs):  # (a compile's stages, which a cache hit never builds)
+        raise AssertionError("the parent compiled a kernel the worker had compiled")
+
+    monkeypatch.setattr(CUDABackend, "add_stages", compiles)
+    got = glu.warmup(*GLU_ARGS, grid=(4, 5), **GLU_KWARGS)
+    assert got.metadata.name == "glu" and got.asm.get("cubin")
+
+
+def test_a_failing_worker_costs_only_the_parents_own_compile(gpu_less):
+    glu, before = gpu_less
+    _workers.precompile(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": 1000})  # tl.arange needs a power of two
+    assert _workers.counts["failed"] == before["failed"] + 1 and _workers.counts["remote"] == before["remote"]
+    assert _workers.prestart() is not None  # a kernel's error leaves the workers to the next one
+
+
+def test_off_by_default_no_worker_is_started():
+    assert fgraph.config.compile_workers == 0 and _workers.prestart() is None
