@@ -16,6 +16,7 @@ starts them while Inductor compiles the piece whose matmuls the tuner will meet.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import os
 import pickle
@@ -30,7 +31,7 @@ import torch
 from .._config import config
 
 # remote: kernels compiled in a worker before the parent's own warmup; failed: those a worker could not compile
-# (the parent compiled them itself); broken: workers lost (one died: none is asked again in this process)
+# (the parent compiled them itself); broken: compiles that found their worker dead (then none is asked again here)
 counts = dict.fromkeys(("remote", "failed", "broken"), 0)
 _lock = threading.Lock()
 _idle: queue.Queue | None = None  # the started workers, each taken by one compile at a time
@@ -59,13 +60,14 @@ def prestart() -> queue.Queue | None:
 
 
 def shutdown() -> None:
-    """Stop the workers (the next compile that asks for them starts new ones)."""
-    global _idle
+    """Stop the workers (the next compile that asks for them starts new ones, even after one died)."""
+    global _idle, _broken
     with _lock:
-        procs, _idle = list(_all), None
+        procs, _idle, _broken = list(_all), None, False
         _all.clear()
     for p in procs:
-        p.stdin.close()  # (serve() returns at the end of its input)
+        with contextlib.suppress(OSError):  # (a dead worker's pipe)
+            p.stdin.close()  # (serve() returns at the end of its input)
         p.wait()
 
 
@@ -97,9 +99,10 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         worker.stdin.flush()
         ok, _ = pickle.load(worker.stdout)
         outcome = "remote" if ok else "failed"  # (the parent's own compile says why, if it fails too)
-        idle.put(worker)
     except (OSError, EOFError, pickle.UnpicklingError):  # the worker died: the parent compiles it, and all others
         outcome, _broken = "broken", True
+    finally:
+        idle.put(worker)  # (a dead one too: a compile waiting for it finds it dead at once, not never)
     with _lock:
         counts[outcome] += 1
 

@@ -6,6 +6,8 @@ No GPU here: Triton compiles for an H100/H200 target (sm_90) on the CPU, and the
 GPU-less driver the workers use (on the GPU, the CUDA driver: it names the same target)."""
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -64,3 +66,25 @@ def test_a_failing_worker_costs_only_the_parents_own_compile(gpu_less):
 
 def test_off_by_default_no_worker_is_started():
     assert fgraph.config.compile_workers == 0 and _workers.prestart() is None
+
+
+def test_a_dead_worker_leaves_every_compile_to_the_parent_and_no_thread_waiting(gpu_less, monkeypatch):
+    glu, before = gpu_less
+    monkeypatch.setattr(fgraph.config, "compile_workers", 1)
+    idle = _workers.prestart()
+    worker = idle.get()  # (taken, so that all three compiles below wait for it)
+    worker.kill()
+    worker.wait()
+    compiles = [  # three compiles for the one dead worker: each returns, none waits for it forever
+        threading.Thread(target=_workers.precompile, args=(glu, (4, 5), GLU_ARGS, GLU_KWARGS), daemon=True)
+        for _ in range(3)
+    ]
+    for t in compiles:
+        t.start()
+    time.sleep(1)
+    idle.put(worker)
+    for t in compiles:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in compiles)
+    assert _workers.counts["broken"] - before["broken"] >= 1 and _workers.prestart() is None
+    assert _workers.counts["remote"] == before["remote"]
