@@ -263,8 +263,9 @@ def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
     """The config whose launch, replayed in a CUDA graph, times fastest under limit_ms; None if none does.
 
     launch(cfg, warm=True) compiles and loads cfg's kernel without running it: every kernel is made first, side by
-    side in threads (Triton leaves the GIL while it compiles: one after another, a cold start spent most of its time
-    in them; docs/performance.md). Then each config is screened in a short timing and the finalists timed in full."""
+    side in threads (one after another, a cold start spent most of its time in them; Triton leaves the GIL for part
+    of each compile, and fgraph.config.compile_workers compiles them in processes: docs/performance.md). Then each
+    config is screened in a short timing and the finalists timed in full."""
     from triton.testing import do_bench_cudagraph
 
     t0 = time.perf_counter()
