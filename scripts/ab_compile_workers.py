@@ -5,7 +5,7 @@ cache. Seconds and the workers' counts, one line each.
   python3 scripts/ab_compile_workers.py [--workers 0 2] [--m 1 --n 896 --k 4864]
 
 The workers are started and given --settle seconds before the compiles (in a step they start while Inductor compiles
-the piece). Launch handles are not made (no GPU): the GPU's share of `_compile_and_load` is not in these seconds."""
+the piece). Launch handles are not made (no GPU): the GPU's share of `compile_and_load` is not in these seconds."""
 
 from __future__ import annotations
 

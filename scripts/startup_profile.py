@@ -72,9 +72,9 @@ def instrument() -> list[str]:
 
 
 def load_at_first_launch() -> None:
-    from fgraph.kernels import _gemv
+    from fgraph.kernels import _workers
 
-    _gemv._compile_and_load = lambda fn, grid, *args, **kwargs: fn.warmup(*args, grid=grid, **kwargs)
+    _workers.compile_and_load = lambda fn, grid, *args, **kwargs: fn.warmup(*args, grid=grid, **kwargs)
 
 
 def main() -> None:

@@ -74,8 +74,9 @@ REP_MS, SCREEN_MS, SCREEN_KEEP, FINALISTS = 3, 1, 1.15, 3
 # tuned: keys timed (glu / norm / group: of them, those with the activation / the norm / of weights grouped);
 # triton / cublas: tuned keys each serves (split: the triton ones with K split); untuned: keys met first inside a
 # capture (cuBLAS); loaded: keys whose choice an earlier process made (_tuned), timed by none here; compiled:
-# distinct kernels compiled for timing (`builds`; Triton's own cache may hold them: then they are loaded, not built)
-counts = dict.fromkeys("tuned glu norm group triton split cublas untuned loaded compiled".split(), 0)
+# distinct kernels compiled for timing (`builds`; Triton's own cache may hold them: then they are loaded, not built);
+# unfit: of those, kernels too large for this GPU (never timed)
+counts = dict.fromkeys("tuned glu norm group triton split cublas untuned loaded compiled unfit".split(), 0)
 seconds = {"tune": 0.0, "compile": 0.0}  # wall time in the tuner, and of it compiling candidates (start-up's share)
 _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 _tuning: list[tuple] = []  # the keys being tuned now, outermost first
@@ -139,19 +140,7 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
 
 def _runner(fn, grid: tuple, warm: bool):
     """A Triton kernel's launch over grid, or (warm) its compilation for those arguments alone, and its loading."""
-    return functools.partial(_compile_and_load, fn, grid) if warm else fn[grid]
-
-
-def _compile_and_load(fn, grid: tuple, *args, **kwargs) -> None:
-    """Compile fn for these arguments and load it as its first launch would: its module onto the current device and
-    its launcher, which Triton up to 3.6 builds from C with the host's compiler (~1 s; one per distinct signature).
-    Run in the tuner's threads, these builds overlap the other candidates' compiles; left to the first launch, they
-    ran one after another in the timing loop."""
-    _workers.precompile(fn, grid, args, kwargs)  # (with fgraph.config.compile_workers: the warmup below reads it)
-    compiled = fn.warmup(*args, grid=grid, **kwargs)
-    load = getattr(compiled, "_init_handles", None)  # (Triton's lazy loader: the first launch calls it)
-    if load is not None:
-        load()
+    return functools.partial(_workers.compile_and_load, fn, grid) if warm else fn[grid]
 
 
 def halves(w: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,13 +239,29 @@ def _tune(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tupl
     return best
 
 
+def _kernel_of(cfg: tuple) -> tuple:
+    """What a config's compiled kernel is: its base config, and whether it splits K (the count is an argument)."""
+    return (*cfg[:-1], cfg[-1] > 1)
+
+
 def builds(cfgs: list) -> list:
     """The configs of cfgs that each need a compilation of their own: one per base config, unsplit and split (the
     split count is a kernel argument, not a constant: K split 2, 4 or 8 ways runs one kernel)."""
     first: dict[tuple, tuple] = {}
     for c in cfgs:
-        first.setdefault((*c[:-1], c[-1] > 1), c)
+        first.setdefault(_kernel_of(c), c)
     return list(first.values())
+
+
+def _made(launch, cfg: tuple) -> bool:
+    """launch(cfg, warm=True), and whether its kernel fits this GPU (Triton's OutOfResources as it loads it)."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        launch(cfg, warm=True)
+    except OutOfResources:
+        return False
+    return True
 
 
 def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
@@ -271,9 +276,13 @@ def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
     t0 = time.perf_counter()
     todo = builds(cfgs)
     with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
-        list(pool.map(lambda cfg: launch(cfg, warm=True), todo))
+        unfit = {_kernel_of(c) for c, fits in zip(todo, pool.map(lambda cfg: _made(launch, cfg), todo)) if not fits}
     counts["compiled"] += len(todo)
+    counts["unfit"] += len(unfit)
     seconds["compile"] += time.perf_counter() - t0
+    cfgs = [c for c in cfgs if _kernel_of(c) not in unfit]
+    if not cfgs:
+        return None
     screened = {cfg: do_bench_cudagraph(lambda cfg=cfg: launch(cfg), rep=SCREEN_MS) for cfg in cfgs}
     best, best_ms, fastest = None, limit_ms, min(screened.values())
     for cfg in sorted((c for c in cfgs if screened[c] <= SCREEN_KEEP * fastest), key=screened.get)[:FINALISTS]:

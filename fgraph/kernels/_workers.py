@@ -1,5 +1,5 @@
-"""Triton compiles of the tuner's candidates in worker processes (fgraph.config.compile_workers; 0, threads alone,
-by default until measured on the GPU).
+"""The tuner's candidate kernels made before they are timed: compiled, first in worker processes with
+fgraph.config.compile_workers (0, threads alone, by default until measured on the GPU), and loaded.
 
 The tuner compiles tens of kernels at a key's first call, side by side in threads (`_gemv._fastest`). Threads overlap
 only what leaves the GIL (LLVM, ptxas); Triton's front end walks each kernel's Python AST under it, and a cold start's
@@ -105,6 +105,18 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         idle.put(worker)  # (a dead one too: a compile waiting for it finds it dead at once, not never)
     with _lock:
         counts[outcome] += 1
+
+
+def compile_and_load(fn, grid: tuple, *args, **kwargs) -> None:
+    """Compile the Triton kernel fn for these arguments and load it as its first launch would: its module onto the
+    current device and its launcher, which Triton up to 3.6 builds from C with the host's compiler (~1 s; one per
+    distinct signature). In the tuner's threads these builds overlap the other candidates' compiles; at the first
+    launch they ran one after another in the timing loop."""
+    precompile(fn, grid, args, kwargs)  # (with compile_workers: the warmup below reads what a worker compiled)
+    compiled = fn.warmup(*args, grid=grid, **kwargs)
+    load = getattr(compiled, "_init_handles", None)  # (Triton's lazy loader: the first launch calls it)
+    if load is not None:
+        load()
 
 
 class _Target:

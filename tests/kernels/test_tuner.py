@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fgraph.kernels import _gemv
+from fgraph.kernels import _gemv, _workers
 
 SHAPES = [(1, 896, 4864), (8, 896, 4864), (1, 2048, 2048), (3, 776, 768), (16, 151936, 896), (2, 40, 2100)]
 
@@ -88,6 +88,27 @@ def test_the_pick_is_the_fastest_finalist_by_its_full_timing_and_under_the_limit
     assert best == (min(under, key=full.get) if under else None)
 
 
+def test_a_kernel_too_large_for_the_gpu_is_never_timed_nor_picked(stub_timing, monkeypatch):
+    errors = pytest.importorskip("triton.runtime.errors")
+    cfgs = _gemv.candidates(1, 896, 4864)
+    too_large = next(c for c in _gemv.builds(cfgs) if c[-1] > 1)  # a split kernel: every split count runs it
+    state = stub_timing
+
+    def launch(cfg, warm=False):
+        if warm and cfg == too_large:
+            raise errors.OutOfResources(300_000, 232_448, "shared memory")  # (as Triton's loader raises it)
+        state["last"] = cfg
+
+    state["times"] = {rep: dict.fromkeys(cfgs, 2.0) | {too_large: 0.1} for rep in (_gemv.SCREEN_MS, _gemv.REP_MS)}
+    state["log"], before = [], _gemv.counts["unfit"]
+    best = _gemv._fastest(cfgs, launch, limit_ms=5.0)
+    timed = {c for c, _ in state["log"]}
+    same_kernel = [c for c in cfgs if c[:-1] == too_large[:-1] and c[-1] > 1]
+    assert len(same_kernel) > 1 and best is not None and best not in same_kernel and not timed & set(same_kernel)
+    assert _gemv.counts["unfit"] - before == 1
+    assert _gemv._fastest([too_large], launch, limit_ms=5.0) is None  # none fits: cuBLAS
+
+
 def test_a_config_fastest_in_the_screen_loses_to_a_finalist_faster_in_the_full_timing(stub_timing):
     a, b, c, d = _gemv.candidates(1, 896, 896)[:4]
     screen = {a: 1.0, b: 1.05, c: 1.1, d: 2.0}
@@ -115,7 +136,7 @@ def test_a_candidate_is_compiled_and_loaded_in_the_compile_threads_not_at_its_fi
 
     fn = Fn()
     precompile = lambda *job: log.append(("worker", *job))  # noqa: E731 (with compile_workers: a worker's first)
-    monkeypatch.setattr(_gemv._workers, "precompile", precompile)
+    monkeypatch.setattr(_workers, "precompile", precompile)
     _gemv._runner(fn, (4, 2), warm=True)(1, 2, BLOCK_N=16)
     job = ((1, 2), (4, 2), {"BLOCK_N": 16})
     assert log == [("worker", fn, job[1], job[0], job[2]), ("compile", *job), "load"]
