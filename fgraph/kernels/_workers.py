@@ -9,8 +9,8 @@ parent's GPU target and touches no GPU. The kernel lands in Triton's disk cache,
 finds it there: the same source, argument specialisation, options and target make the same cache key. So the kernel
 is always the parent's own; a worker that fails costs only the parent's own compile (`counts`).
 
-A worker is `python -c 'serve()'` over pipes (as Inductor's compile workers are), not multiprocessing's spawn, which
-would import the user's main script again in every worker. Each imports torch and Triton: seconds, so `prestart()`
+A worker is `python -c 'serve(fd)'` over pipes (as Inductor's compile workers are), not multiprocessing's spawn,
+which would import the user's main script again in every worker. Each imports torch and Triton: seconds, so `prestart()`
 starts them while Inductor compiles the piece whose matmuls the tuner will meet."""
 
 from __future__ import annotations
@@ -41,8 +41,13 @@ _broken = False
 
 def _start() -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # (the parent's imports)
-    cmd = [sys.executable, "-c", "from fgraph.kernels._workers import serve; serve()"]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    replies, reply_fd = os.pipe()  # (its own pipe: nothing the worker prints, from its first import on, lands in it)
+    cmd = [sys.executable, "-c", f"from fgraph.kernels._workers import serve; serve({reply_fd})"]
+    quiet = subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=quiet, stderr=quiet, env=env, pass_fds=(reply_fd,))
+    os.close(reply_fd)
+    proc.replies = os.fdopen(replies, "rb")
+    return proc
 
 
 def prestart() -> queue.Queue | None:
@@ -69,6 +74,7 @@ def shutdown() -> None:
         with contextlib.suppress(OSError):  # (a dead worker's pipe)
             p.stdin.close()  # (serve() returns at the end of its input)
         p.wait()
+        p.replies.close()
 
 
 atexit.register(shutdown)
@@ -97,7 +103,7 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     try:
         pickle.dump(job, worker.stdin)
         worker.stdin.flush()
-        ok, _ = pickle.load(worker.stdout)
+        ok, _ = pickle.load(worker.replies)
         outcome = "remote" if ok else "failed"  # (the parent's own compile says why, if it fails too)
     except (OSError, EOFError, pickle.UnpicklingError):  # the worker died: the parent compiles it, and all others
         outcome, _broken = "broken", True
@@ -136,13 +142,12 @@ class _Target:
         return self.target
 
 
-def serve() -> None:
-    """A worker's loop: each job read from stdin compiled, (ok, error text) written back, until stdin ends."""
+def serve(reply_fd: int) -> None:
+    """A worker's loop: each job read from stdin compiled, (ok, error text) written to reply_fd, until stdin ends."""
     import triton
     from triton.runtime import driver
 
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # (anything printed goes to stderr, not into the replies)
+    out = os.fdopen(reply_fd, "wb")
     while True:
         try:
             module, name, args, grid, kwargs, target, cache_dir = pickle.load(sys.stdin.buffer)

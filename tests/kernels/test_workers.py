@@ -88,3 +88,13 @@ def test_a_dead_worker_leaves_every_compile_to_the_parent_and_no_thread_waiting(
     assert not any(t.is_alive() for t in compiles)
     assert _workers.counts["broken"] - before["broken"] >= 1 and _workers.prestart() is None
     assert _workers.counts["remote"] == before["remote"]
+
+
+def test_what_a_worker_prints_from_its_start_never_reaches_its_replies(gpu_less, monkeypatch, tmp_path):
+    glu, before = gpu_less
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("print('printed before any fgraph code runs')\n")
+    monkeypatch.syspath_prepend(str(site))  # (a worker imports what the parent can)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
+    assert _workers.counts["remote"] == before["remote"] + 1
