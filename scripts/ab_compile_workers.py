@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 
 def one(workers: int, m: int, n: int, k: int, settle: float) -> dict:
@@ -36,10 +35,8 @@ def one(workers: int, m: int, n: int, k: int, settle: float) -> dict:
     _workers.prestart()
     time.sleep(settle if workers else 0)
     t0 = time.perf_counter()
-    threads = min(len(todo), os.cpu_count() or 1, 16)  # as _gemv._fastest compiles
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda c: _gemv._launch(c, x, w, None, y, warm=True), todo))
-    return {"workers": workers, "threads": threads, "M": m, "N": n, "K": k, "kernels": len(todo), "cpus": os.cpu_count(),
+    unfit = _workers.make(todo, lambda c, warm: _gemv._launch(c, x, w, None, y, warm=warm))  # (as the tuner does)
+    return {"workers": workers, "M": m, "N": n, "K": k, "kernels": len(todo), "unfit": len(unfit), "cpus": os.cpu_count(),
             "compile_s": round(time.perf_counter() - t0, 2), "counts": dict(_workers.counts)}  # fmt: skip
 
 

@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -253,30 +251,17 @@ def builds(cfgs: list) -> list:
     return list(first.values())
 
 
-def _made(launch, cfg: tuple) -> bool:
-    """launch(cfg, warm=True), and whether its kernel fits this GPU (Triton's OutOfResources as it loads it)."""
-    from triton.runtime.errors import OutOfResources
-
-    try:
-        launch(cfg, warm=True)
-    except OutOfResources:
-        return False
-    return True
-
-
 def _fastest(cfgs: list, launch, limit_ms: float) -> tuple | None:
     """The config whose launch, replayed in a CUDA graph, times fastest under limit_ms; None if none does.
 
     launch(cfg, warm=True) compiles and loads cfg's kernel without running it: every kernel is made first, side by
-    side in threads (one after another, a cold start spent most of its time in them; Triton leaves the GIL for part
-    of each compile, and fgraph.config.compile_workers compiles them in processes: docs/performance.md). Then each
-    config is screened in a short timing and the finalists timed in full."""
+    side (`_workers.make`: one after another, a cold start spent most of its time in them), and those too large for
+    this GPU are left out. Then each config is screened in a short timing and the finalists timed in full."""
     from triton.testing import do_bench_cudagraph
 
     t0 = time.perf_counter()
     todo = builds(cfgs)
-    with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1, 16) or 1) as pool:
-        unfit = {_kernel_of(c) for c, fits in zip(todo, pool.map(lambda cfg: _made(launch, cfg), todo)) if not fits}
+    unfit = {_kernel_of(c) for c in _workers.make(todo, launch)}
     counts["compiled"] += len(todo)
     counts["unfit"] += len(unfit)
     seconds["compile"] += time.perf_counter() - t0

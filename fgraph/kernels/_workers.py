@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -111,6 +112,23 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         idle.put(worker)  # (a dead one too: a compile waiting for it finds it dead at once, not never)
     with _lock:
         counts[outcome] += 1
+
+
+def make(cfgs: list, launch) -> list:
+    """launch(cfg, warm=True) for every config, side by side in threads: each kernel compiled (first in a worker,
+    with compile_workers) and loaded. The configs whose kernel does not fit this GPU: Triton raises OutOfResources as
+    it loads one that needs more shared memory or threads than the GPU has."""
+    from triton.runtime.errors import OutOfResources
+
+    def fits(cfg) -> bool:
+        try:
+            launch(cfg, warm=True)
+        except OutOfResources:
+            return False
+        return True
+
+    with ThreadPoolExecutor(min(len(cfgs), os.cpu_count() or 1, 16) or 1) as pool:
+        return [c for c, ok in zip(cfgs, pool.map(fits, cfgs)) if not ok]
 
 
 def compile_and_load(fn, grid: tuple, *args, **kwargs) -> None:
