@@ -1,5 +1,7 @@
 """fgraph.config: process-wide switches."""
 
+import os
+
 from ._errors import FgraphError
 
 
@@ -64,10 +66,10 @@ class config(metaclass=_Checked):
     # the tuners' choices are kept on disk beside Inductor's cache, by GPU, CUDA, torch, Triton and kernel source, and
     # read by later processes instead of timing the keys again (fgraph/kernels/_tuned.py). False: each process times
     tune_cache = True
-    # worker processes that compile the tuner's candidate kernels (Triton's front end holds the GIL: threads alone
-    # leave a cold start's compiling serial; fgraph/kernels/_workers.py). 0: threads alone. Off until measured on the
-    # GPU (docs/performance.md)
-    compile_workers = 0
+    # worker processes that compile the tuner's candidate kernels, started as a piece is compiled, so that they
+    # compile while Inductor does (and Triton's front end, which holds the GIL, off the parent's threads;
+    # fgraph/kernels/_workers.py). 0: the tuner's threads alone, at its first call. Half the CPUs, up to 8
+    compile_workers = max(1, min(8, (os.cpu_count() or 2) // 2))
     # fgraph's own Triton kernels of a decode step (fgraph::linear's family, the triton attention's decode and merge)
     # launch with programmatic dependent launch: each may start while the kernel before it runs and waits for it
     # (griddepcontrol.wait) before touching memory, so launches overlap the kernels before them (CUDA graphs keep it

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._config import config as fgraph_config
 from .._errors import SignatureError
-from ..kernels import prestart_compile_workers
+from ..kernels import compile_ahead
 from ..trace import fake_slices
 from . import _sdpa, _small_m
 from ._assumed import Compilation, bound_int, input_layout, layout_facts, piece_key, restored
@@ -138,8 +138,8 @@ def with_linear(module: fx.GraphModule) -> fx.GraphModule:
             compiler.counts["glu"] += made["fgraph::linear_glu"]
             compiler.counts["norm"] += made["fgraph::norm_linear"]
             compiler.counts["group"] += made["fgraph::linears"]
-            if n:  # (the tuner meets these at the first call: its compile workers start while Inductor compiles)
-                prestart_compile_workers()
+            if n:  # (the tuner compiles candidates for these at its first call: started now, while Inductor compiles)
+                compile_ahead(other)
         if c.sdpa_decode:
             s = _sdpa.rewrite(other)
             compiler.counts["sdpa"] += s

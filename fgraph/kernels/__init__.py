@@ -11,6 +11,7 @@ from ._gemv import GROUP as GROUP
 from ._gemv import MAX_ROWS as MAX_ROWS
 from ._gemv import counts as linear_counts  # noqa: F401 (fgraph::linear's picks, by name here)
 from ._gemv import seconds as linear_seconds  # noqa: F401 (its tuner's wall time)
+from ._gemv_ops import compile_ahead as compile_ahead
 from ._gemv_ops import glu_op as glu_op
 from ._gemv_ops import group_op as group_op
 from ._gemv_ops import norm_op as norm_op
@@ -18,7 +19,6 @@ from ._gemv_ops import op as op
 from ._sdpa import op as sdpa_op  # noqa: F401 (fgraph::sdpa_decode, by name here)
 from ._sdpa import serves as sdpa_serves  # noqa: F401
 from ._workers import counts as compile_worker_counts  # noqa: F401 (candidates compiled in worker processes)
-from ._workers import prestart as prestart_compile_workers  # noqa: F401
 
 
 def pdl_prologue():

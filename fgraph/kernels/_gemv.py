@@ -49,6 +49,7 @@ import torch
 
 from .._config import pdl_args
 from . import _tuned, _workers
+from ._rowwise import _launch_glu, _pow2, add_rms_norm, kernel, normable, silu_mul  # noqa: F401 (_launch_glu: by name here)
 
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce
@@ -80,16 +81,6 @@ _choice: dict[tuple, tuple | None] = {}  # key -> a config or None (cuBLAS)
 _tuning: list[tuple] = []  # the keys being tuned now, outermost first
 
 
-@functools.cache
-def kernel():
-    """The Triton kernels (`_gemv_kernels`: gemv, glu, add_rms_norm); None without Triton."""
-    try:
-        from . import _gemv_kernels
-    except ImportError:
-        return None
-    return _gemv_kernels
-
-
 def eligible(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Whether the kernel can serve these tensors (else cuBLAS runs): CUDA, half precision, rows contiguous."""
     return (
@@ -107,14 +98,10 @@ def eligible(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     )
 
 
-def _pow2(m: int) -> int:
-    """The power of two at or above m (m >= 1): the reduce path's BLOCK_M for m rows, sdpa_decode's tile sizes."""
-    return 1 << (m - 1).bit_length()
-
-
-def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None, u=None, warm: bool = False) -> None:
+def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None, u=None, warm=False) -> None:
     """One launch of `cfg` into y; glu: the gate rows in w and the up rows in u, or (u None) both halves in w; norm:
-    (r or None, nw, eps, s) for fgraph::norm_linear (x, r and s contiguous). warm: compile it only (no launch)."""
+    (r or None, nw, eps, s) for fgraph::norm_linear (x, r and s contiguous). warm: compile it only (no launch);
+    "ahead": start its compile in a worker, for fake tensors (`_runner`)."""
     block_n, block_k, warps, stages, dot, splits = cfg
     if glu:
         w, u = halves(w, u)
@@ -122,7 +109,7 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
     block_m = 16 if dot else _pow2(M)
     k_split = -(-K // (splits * block_k)) * block_k  # each split's K range, whole blocks
     grid = (-(-N // block_n), splits)
-    ws, locks = (_workspace(x, N, splits), _locks(x, cfg, N)) if splits > 1 else (y, y)
+    ws, locks = (_workspace(x, N, splits), _locks(x, cfg, N, keep=warm != "ahead")) if splits > 1 else (y, y)
     r, nw, eps, s = norm if norm is not None else (None, x, 0.0, x)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
         u = w if u is None else u
@@ -136,8 +123,11 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
                                            **pdl_args(x))  # fmt: skip
 
 
-def _runner(fn, grid: tuple, warm: bool):
-    """A Triton kernel's launch over grid, or (warm) its compilation for those arguments alone, and its loading."""
+def _runner(fn, grid: tuple, warm):
+    """A Triton kernel's launch over grid, or (warm) its compilation for those arguments alone, and its loading, or
+    (warm "ahead") that compilation started in a worker process (`_workers.ahead`)."""
+    if warm == "ahead":
+        return functools.partial(_workers.ahead, fn, grid)
     return functools.partial(_workers.compile_and_load, fn, grid) if warm else fn[grid]
 
 
@@ -157,9 +147,12 @@ def _workspace(x, n: int, splits: int) -> torch.Tensor:
 _lock_bufs: dict[tuple, torch.Tensor] = {}
 
 
-def _locks(x, cfg: tuple, n: int) -> torch.Tensor:
+def _locks(x, cfg: tuple, n: int, keep: bool = True) -> torch.Tensor:
     """The arrival counters of one (rows, N, K, dtype, device, config): one per column block, zero between launches
-    (the last program of a block resets its own), alive for the process (a captured graph holds their address)."""
+    (the last program of a block resets its own), alive for the process (a captured graph holds their address).
+    keep False: a fake tensor's (`ahead`), like them and kept by none."""
+    if not keep:
+        return torch.empty(-(-n // cfg[0]), dtype=torch.int32, device=x.device)
     key = (x.shape[0], n, x.shape[1], x.dtype, x.device, cfg)
     got = _lock_bufs.get(key)
     if got is None:
@@ -210,25 +203,33 @@ def _unfused(x, w, b, glu: bool, norm: tuple | None, u=None):
     return (silu_mul(y) if glu else y), None
 
 
+def _cols(w, glu: bool, u) -> int:
+    """The output columns of x @ w^T: w's rows, or with glu and one weight its halves'."""
+    return w.shape[0] // 2 if glu and u is None else w.shape[0]
+
+
+def _plan(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tuple[list, object]:
+    """(cfgs, launch(cfg, warm=False)): the candidates the tuner times for these tensors and their launch (into an
+    output made here). The tuner's and `ahead`'s alike: what ahead compiles is what the tuner will ask for."""
+    y = torch.empty(x.shape[0], _cols(w, glu, u), dtype=x.dtype, device=x.device)
+    fused = None if norm is None else (*norm, torch.empty_like(x))
+    cfgs = candidates(x.shape[0], y.shape[1], w.shape[1], glu, norm is not None)
+    return cfgs, lambda cfg, warm=False: _launch(cfg, x, w, b, y, glu, fused, u, warm)
+
+
 def _tune(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tuple | None:
     """Time every candidate and what runs without the kernel (`_unfused`: cuBLAS and the launches beside it), each
     replayed in a CUDA graph; the fastest config if it beats that by its margin, else None."""
     from triton.testing import do_bench_cudagraph
 
-    n = w.shape[0] // 2 if glu and u is None else w.shape[0]
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], _cols(w, glu, u), dtype=x.dtype, device=x.device)
     if norm is not None:  # the matmul alone tuned first: timed inside a capture, its first call could not tune
         _pick(add_rms_norm(x, *norm)[1], w, b, glu)
     if glu or norm is not None:
         unfused_ms = do_bench_cudagraph(lambda: _unfused(x, w, b, glu, norm, u), rep=REP_MS)
     else:
         unfused_ms = do_bench_cudagraph(lambda: _cublas(x, w, b, out=y), rep=REP_MS)
-    fused = None if norm is None else (*norm, torch.empty_like(x))
-    best = _fastest(
-        candidates(x.shape[0], n, w.shape[1], glu, norm is not None),
-        lambda cfg, warm=False: _launch(cfg, x, w, b, y, glu, fused, u, warm),
-        (GLU_MARGIN if glu or norm is not None else MARGIN) * unfused_ms,
-    )
+    best = _fastest(*_plan(x, w, b, glu, norm, u), (GLU_MARGIN if glu or norm is not None else MARGIN) * unfused_ms)
     counts["tuned"] += 1
     counts["glu"] += glu
     counts["norm"] += norm is not None
@@ -309,31 +310,42 @@ def _chosen(key: tuple, device, tune, ready=None) -> tuple | None:
     return _choice[key]
 
 
-def _normable(x, norm: tuple | None) -> bool:
-    """Whether the kernel can read rms_norm(x (+ r)) * nw: x and r contiguous alike, nw one weight per column."""
-    if norm is None:
-        return True
-    r, nw, _ = norm
-    return (
-        x.is_contiguous()
-        and (r is None or (r.shape == x.shape and r.dtype == x.dtype and r.is_contiguous()))
-        and nw.shape == (x.shape[1],)
-        and nw.dtype == x.dtype
-        and nw.is_contiguous()
-    )
-
-
-def _pick(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tuple | None:
-    """The tuned config serving these tensors, tuning their key on its first call; None: cuBLAS serves. glu with u:
-    w the gate and u the up weight."""
-    if not eligible(x, w, b) or not _normable(x, norm):
+def _key(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tuple | None:
+    """The tuner's key for these tensors; None where the kernel cannot serve them."""
+    if not eligible(x, w, b) or not normable(x, norm):
         return None
     if glu and (b is not None or (w.shape[0] % 2 if u is None else not _pair(w, u))):
         return None
     normed = 0 if norm is None else 1 + (norm[0] is not None)
     # (two weights: another key, whose tuner times two matmuls and the activation where one weight times one)
     kind = glu if u is None else "pair"
-    key = (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, kind, normed, x.device.index)
+    return (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, kind, normed, x.device.index)
+
+
+def ahead(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> None:
+    """Start compiling, in the compile workers, the candidates `_pick` will compile for tensors like these (a trace's
+    fake tensors, inside their fake mode) at its first call: those of a key neither tuned here nor by an earlier
+    process. Called as a piece is compiled: the workers compile while Inductor does."""
+    key = _key(x, w, b, glu, norm, u)
+    if key is None or key in _choice:
+        return
+    if norm is not None:  # (its tuner tunes the matmul of the normalised rows first)
+        ahead(torch.empty_like(x), w, b, glu)
+    _ahead(key, *_plan(x, w, b, glu, norm, u))
+
+
+def _ahead(key: tuple, cfgs: list, launch) -> None:
+    if not _tuned.load(key, key[-1])[0]:
+        for cfg in builds(cfgs):
+            launch(cfg, warm="ahead")
+
+
+def _pick(x, w, b, glu: bool = False, norm: tuple | None = None, u=None) -> tuple | None:
+    """The tuned config serving these tensors, tuning their key on its first call; None: cuBLAS serves. glu with u:
+    w the gate and u the up weight."""
+    key = _key(x, w, b, glu, norm, u)
+    if key is None:
+        return None
     ready = (lambda cfg: _locks(x, cfg, w.shape[0]) if cfg[-1] > 1 else None) if not glu and norm is None else None
     return _chosen(key, x.device, lambda: _tune(x, w, b, glu, norm, u), ready)
 
@@ -350,7 +362,7 @@ def _grouped(x, ws: list, bs: list) -> bool:
     )
 
 
-def _launch_group(cfg: tuple, x, ws: list, bs: list, ys: list, warm: bool = False) -> None:
+def _launch_group(cfg: tuple, x, ws: list, bs: list, ys: list, warm=False) -> None:
     block_n, block_k, warps, stages, dot, _ = cfg
     # GROUP of each: the last weight repeated with no columns (N 0) where there are fewer
     n = [w.shape[0] for w in ws] + [0] * (GROUP - len(ws))
@@ -368,10 +380,30 @@ def _launch_group(cfg: tuple, x, ws: list, bs: list, ys: list, warm: bool = Fals
 def _pick_group(x, ws: list, bs: list) -> tuple | None:
     """The tuned config of gemv_group serving these matmuls, tuning their key on its first call; None: each matmul
     runs as fgraph::linear serves it alone."""
+    key = _group_key(x, ws, bs)
+    return None if key is None else _chosen(key, x.device, lambda: _tune_group(x, ws, bs))
+
+
+def _group_key(x, ws: list, bs: list) -> tuple | None:
     if not _grouped(x, ws, bs):
         return None
-    key = (x.shape[0], tuple(w.shape[0] for w in ws), x.shape[1], x.dtype, bs[0] is not None, "group", x.device.index)
-    return _chosen(key, x.device, lambda: _tune_group(x, ws, bs))
+    return (x.shape[0], tuple(w.shape[0] for w in ws), x.shape[1], x.dtype, bs[0] is not None, "group", x.device.index)
+
+
+def _plan_group(x, ws: list, bs: list) -> tuple[list, object]:
+    """(cfgs, launch(cfg, warm=False)) of gemv_group for these matmuls: as `_plan`."""
+    ys = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
+    unsplit = [c for c in candidates(x.shape[0], max(w.shape[0] for w in ws), x.shape[1]) if c[-1] == 1]
+    return unsplit, lambda cfg, warm=False: _launch_group(cfg, x, ws, bs, ys, warm)
+
+
+def ahead_group(x, ws: list, bs: list) -> None:
+    """`ahead` for fgraph::linears: each matmul alone, then gemv_group's candidates (as `_tune_group` meets them)."""
+    for w, b in zip(ws, bs):
+        ahead(x, w, b)
+    key = _group_key(x, ws, bs)
+    if key is not None and key not in _choice:
+        _ahead(key, *_plan_group(x, ws, bs))
 
 
 def _tune_group(x, ws: list, bs: list) -> tuple | None:
@@ -383,9 +415,7 @@ def _tune_group(x, ws: list, bs: list) -> tuple | None:
     for w, b in zip(ws, bs):
         _pick(x, w, b)
     alone_ms = do_bench_cudagraph(lambda: [linear(x, w, b) for w, b in zip(ws, bs)], rep=REP_MS)
-    ys = [torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
-    unsplit = [c for c in candidates(x.shape[0], max(w.shape[0] for w in ws), x.shape[1]) if c[-1] == 1]
-    best = _fastest(unsplit, lambda cfg, warm=False: _launch_group(cfg, x, ws, bs, ys, warm), GLU_MARGIN * alone_ms)
+    best = _fastest(*_plan_group(x, ws, bs), GLU_MARGIN * alone_ms)
     counts["tuned"] += 1
     counts["group"] += 1
     counts["triton" if best is not None else "cublas"] += 1
@@ -418,26 +448,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
     return y
 
 
-def silu_mul(y: torch.Tensor, up: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(y[:, :N]) * y[:, N:] for y [M, 2N] (or, given up [M, N], silu(y) * up): one Triton launch on CUDA in half
-    precision, else torch's ops (bit for bit the unfused ones)."""
-    gate, up = y.split(y.shape[1] // 2, dim=-1) if up is None else (y, up)
-    half = y.dtype in (torch.bfloat16, torch.float16) and up.dtype == y.dtype
-    if not (y.is_cuda and half and y.stride(1) == 1 and up.stride(1) == 1 and kernel() is not None):
-        return torch.mul(torch.nn.functional.silu(gate), up, out=out)
-    out = torch.empty(gate.shape, dtype=y.dtype, device=y.device) if out is None else out
-    if out.numel():
-        _launch_glu(gate, up, out)
-    return out
-
-
-def _launch_glu(gate, up, out, block: int = 1024) -> None:
-    m, n = out.shape
-    with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kernel().glu[(m, -(-n // block))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block,
-                                          **pdl_args(gate))  # fmt: skip
-
-
 def linear_glu(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
     """silu(y[:, :N]) * y[:, N:] for y = x [M, K] @ w [2N, K]^T (gate rows, then up rows), or, given u, silu(x @ w^T)
     * (x @ u^T) for a gate w and an up u [N, K] each (an HF MLP's gate_proj and up_proj): at few rows one kernel,
@@ -448,26 +458,6 @@ def linear_glu(x: torch.Tensor, w: torch.Tensor, u: torch.Tensor | None = None) 
     y = torch.empty(x.shape[0], w.shape[0] // 2 if u is None else w.shape[0], dtype=x.dtype, device=x.device)
     _launch(cfg, x, w, None, y, glu=True, u=u)
     return y
-
-
-def add_rms_norm(x: torch.Tensor, r: torch.Tensor | None, nw: torch.Tensor, eps: float):
-    """(s, h): s = x + r (x itself without r), h = nw * rms_norm(s) rounded as the examples' and HF's rms_norm round
-    it (in float32, the normalised value cast back, then the weight): one Triton launch on CUDA in half precision,
-    else those torch ops, bit for bit."""
-    if not (
-        x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and kernel() is not None and _normable(x, (r, nw, eps))
-    ):
-        s = x if r is None else x + r
-        sf = s.float()
-        return s, nw * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
-    s = x if r is None else torch.empty_like(x)  # (x contiguous: s and h share its row stride in the kernel)
-    h = torch.empty_like(x)
-    if x.numel():
-        with torch.cuda.device(x.device):
-            kernel().add_rms_norm[(x.shape[0],)](x, r if r is not None else x, nw, s, h, x.shape[1], x.stride(0),
-                                                 h.stride(0), eps, HAS_RES=r is not None,
-                                                 BLOCK=_pow2(x.shape[1]), **pdl_args(x))  # fmt: skip
-    return s, h
 
 
 def norm_linear(x, r, nw, eps: float, w, b, glu: bool):

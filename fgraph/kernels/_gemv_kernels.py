@@ -1,6 +1,6 @@
 """fgraph::linear's Triton kernels (the design, grids and tuning: _gemv's docstring).
 
-Importing this module imports Triton: _gemv.kernel() does, on first use.
+Importing this module imports Triton: _rowwise.kernel() does, on first use.
 """
 
 import triton

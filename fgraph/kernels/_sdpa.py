@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .._config import pdl_args
-from ._gemv import _pow2
+from ._rowwise import _pow2
 
 BLOCK_N = 64  # keys per step, a [64, D] tile of K and of V
 WAVES = 4  # decode programs to aim for, per SM (every split reads at least one key block)

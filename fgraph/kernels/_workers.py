@@ -1,17 +1,22 @@
-"""The tuner's candidate kernels made before they are timed: compiled, first in worker processes with
-fgraph.config.compile_workers (0, threads alone, by default until measured on the GPU), and loaded.
+"""The tuner's candidate kernels made before they are timed: compiled, first in worker processes
+(fgraph.config.compile_workers; 0: the tuner's threads alone), and loaded.
 
 The tuner compiles tens of kernels at a key's first call, side by side in threads (`_gemv._fastest`). Threads overlap
 only what leaves the GIL (LLVM, ptxas); Triton's front end walks each kernel's Python AST under it, and a cold start's
 compiling stays GIL-bound (docs/performance.md). Here each compile first runs in a worker process: the same `warmup`
 call, its tensors given as their dtypes (Triton's MockTensor: an aligned pointer), under a driver that names the
-parent's GPU target and touches no GPU. The kernel lands in Triton's disk cache, and the parent's own warmup, run next,
-finds it there: the same source, argument specialisation, options and target make the same cache key. So the kernel
-is always the parent's own; a worker that fails costs only the parent's own compile (`counts`).
+parent's GPU target and touches no GPU, and then (Triton <= 3.6) its C launcher's build. Both land in Triton's disk
+cache, and the parent's own warmup and load, run next, find them there: the same source, argument specialisation,
+options and target make the same cache key. So the kernel is always the parent's own; a worker that fails costs only
+the parent's own compile (`counts`).
+
+Most of that work starts before the tuner asks: as a piece is compiled, `ahead` is given every launch its tuner will
+compile (`_gemv_ops.compile_ahead`, from the trace's fake tensors), and the workers compile them while Inductor
+compiles the piece. The tuner's compile of a launch waits for the job already started (`precompile`).
 
 A worker is `python -c 'serve(fd)'` over pipes (as Inductor's compile workers are), not multiprocessing's spawn,
-which would import the user's main script again in every worker. Each imports torch and Triton: seconds, so `prestart()`
-starts them while Inductor compiles the piece whose matmuls the tuner will meet."""
+which would import the user's main script again in every worker. Each imports torch and Triton (seconds): they start
+with the first job."""
 
 from __future__ import annotations
 
@@ -25,18 +30,24 @@ import subprocess
 import sys
 import threading
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import torch
 
 from .._config import config
 
 # remote: kernels compiled in a worker before the parent's own warmup; failed: those a worker could not compile
-# (the parent compiled them itself); broken: compiles that found their worker dead (then none is asked again here)
-counts = dict.fromkeys(("remote", "failed", "broken"), 0)
+# (the parent compiled them itself); broken: compiles that found their worker dead (then none is asked again here);
+# ahead: compiles started as a piece was compiled, before its tuner asked (`ahead`); waited: the tuner's compiles that
+# found theirs started (ahead, or by another of its threads) and waited for it; late: those that found none and started
+# their own (a cold start's piece compiled ahead should leave none); ahead_errors: ops whose kernels could
+# not be started ahead (a bug, never a wrong answer: the tuner compiles them)
+counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "ahead_errors"), 0)
 _lock = threading.Lock()
 _idle: queue.Queue | None = None  # the started workers, each taken by one compile at a time
 _all: list[subprocess.Popen] = []
+_pool: ThreadPoolExecutor | None = None  # a thread per worker, each sending one job and waiting for its reply
+_jobs: dict[bytes, Future] = {}  # every job sent, by its pickled self: a launch is compiled once here
 _broken = False
 
 
@@ -53,12 +64,12 @@ def _start() -> subprocess.Popen:
 
 def prestart() -> queue.Queue | None:
     """The workers (config.compile_workers of them), started on first use; None when off or once one broke."""
-    global _idle
+    global _idle, _pool
     if not config.compile_workers or _broken:
         return None
     with _lock:
         if _idle is None:
-            _idle = queue.Queue()
+            _idle, _pool = queue.Queue(), ThreadPoolExecutor(config.compile_workers, "fgraph-compile-worker")
             for _ in range(config.compile_workers):
                 _all.append(_start())
                 _idle.put(_all[-1])
@@ -66,11 +77,15 @@ def prestart() -> queue.Queue | None:
 
 
 def shutdown() -> None:
-    """Stop the workers (the next compile that asks for them starts new ones, even after one died)."""
-    global _idle, _broken
+    """Stop the workers (the next compile that asks for them starts new ones, even after one died); the jobs not
+    started are dropped (a compile waiting for one compiles it itself)."""
+    global _idle, _pool, _broken
     with _lock:
-        procs, _idle, _broken = list(_all), None, False
+        procs, pool, _idle, _pool, _broken = list(_all), _pool, None, None, False
         _all.clear()
+        _jobs.clear()
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
     for p in procs:
         with contextlib.suppress(OSError):  # (a dead worker's pipe)
             p.stdin.close()  # (serve() returns at the end of its input)
@@ -81,16 +96,14 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
-    """Compile the Triton kernel fn for these launch arguments in a worker, into Triton's disk cache, and wait for it
-    (nothing when off). Called from the tuner's threads, inside the device's context (its target is asked here)."""
-    global _broken
-    idle = prestart()
-    if idle is None:
-        return
+def _started(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple[Future | None, bool]:
+    """(the worker's compile of this launch, whether it had been started before this call); (None, False) when off.
+    Asks the current device's target: inside that device's context."""
     import triton
     from triton.runtime import driver
 
+    if prestart() is None:
+        return None, False
     job = (
         fn.fn.__module__,
         fn.fn.__name__,
@@ -100,6 +113,22 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         driver.active.get_current_target(),
         triton.knobs.cache.dir,
     )
+    key = pickle.dumps(job)
+    with _lock:
+        if _pool is None:  # (shut down since prestart)
+            return None, False
+        started = _jobs.get(key)
+        if started is None:
+            _jobs[key] = _pool.submit(_compile, job)
+        return _jobs[key], started is not None
+
+
+def _compile(job: tuple) -> None:
+    """Send a job to an idle worker and count its outcome (in a pool thread)."""
+    global _broken
+    idle = _idle
+    if idle is None or _broken:
+        return
     worker = idle.get()
     try:
         pickle.dump(job, worker.stdin)
@@ -112,6 +141,29 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         idle.put(worker)  # (a dead one too: a compile waiting for it finds it dead at once, not never)
     with _lock:
         counts[outcome] += 1
+
+
+def ahead(fn, grid: tuple, *args, **kwargs) -> None:
+    """Start compiling the Triton kernel fn for these launch arguments (a trace's fake tensors will do: only their
+    dtypes travel) in a worker, into Triton's disk cache, and return: the tuner's compile of the same launch then
+    waits for it (`precompile`). Nothing when off."""
+    job, started = _started(fn, grid, args, kwargs)
+    if job is not None and not started:
+        with _lock:
+            counts["ahead"] += 1
+
+
+def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """Compile the Triton kernel fn for these launch arguments in a worker, into Triton's disk cache, and wait for it
+    (or for the compile started before: `ahead`); nothing when off. Called from the tuner's threads, inside the
+    device's context."""
+    job, started = _started(fn, grid, args, kwargs)
+    if job is None:
+        return
+    with contextlib.suppress(CancelledError):  # (dropped at shutdown: the parent compiles it)
+        job.result()
+    with _lock:
+        counts["waited" if started else "late"] += 1
 
 
 def make(cfgs: list, launch) -> list:
@@ -160,6 +212,16 @@ class _Target:
         return self.target
 
 
+def _launcher(compiled) -> None:
+    """Build the kernel's C launcher (Triton up to 3.6 builds one per signature with the host's compiler as a kernel
+    first loads, ~0.2 s each): it lands in Triton's disk cache, keyed by its source, so the parent's load finds it."""
+    from triton.backends.nvidia import driver
+
+    if hasattr(driver, "make_launcher"):  # (later Tritons launch every kernel through one built-in launcher)
+        with contextlib.suppress(Exception):  # (none buildable here, as without libcuda: the parent builds its own)
+            driver.CudaLauncher(compiled.src, compiled.metadata)
+
+
 def serve(reply_fd: int) -> None:
     """A worker's loop: each job read from stdin compiled, (ok, error text) written to reply_fd, until stdin ends."""
     import triton
@@ -174,7 +236,7 @@ def serve(reply_fd: int) -> None:
         try:
             os.environ["TRITON_CACHE_DIR"] = triton.knobs.cache.dir = cache_dir
             driver.set_active(_Target(target))
-            getattr(importlib.import_module(module), name).warmup(*args, grid=grid, **kwargs)
+            _launcher(getattr(importlib.import_module(module), name).warmup(*args, grid=grid, **kwargs))
             reply = (True, None)
         except Exception:
             reply = (False, traceback.format_exc())

@@ -106,8 +106,8 @@ def test_compiled_pieces_call_fgraph_linear_when_the_switch_is_on_and_equal_eage
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(fgraph.config, "small_m_gemv", on)
     params = {"w1": rand(48, 16, seed=1), "b1": rand(48, seed=2), "w2": rand(16, 48, seed=3)}
-    prestarts = []  # (the tuner's compile workers, if any, start when a piece's rewrite makes fgraph::linear)
-    monkeypatch.setattr("fgraph.compile._inductor.prestart_compile_workers", lambda: prestarts.append(1))
+    ahead = []  # (the tuner's candidates start compiling in its workers when a piece's rewrite makes fgraph::linear)
+    monkeypatch.setattr("fgraph.compile._inductor.compile_ahead", lambda gm: ahead.append(linears(gm)))
     with rewriting_on_cpu(monkeypatch):
         before = compiler.counts["linear"]
         # (a lambda: its own jit state)
@@ -116,7 +116,7 @@ def test_compiled_pieces_call_fgraph_linear_when_the_switch_is_on_and_equal_eage
             x = rand(m, 16, seed=10 + m)
             torch.testing.assert_close(f(params, x), mlp(params, x))
     assert compiler.counts["linear"] - before == (2 * 2 if on else 0)  # two matmuls in each bucket's piece
-    assert len(prestarts) == (2 if on else 0)
+    assert ahead == ([2, 2] if on else [])  # (each bucket's piece, its two fgraph::linear)
 
 
 @pytest.mark.interpreter

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 import fgraph
 from fgraph import kernels
 from fgraph.compile import compiler
-from fgraph.kernels import _gemv
+from fgraph.kernels import _gemv, _workers
 from tests.kernels.linear_cases import (
     GLU_SHAPES,
     GPU_SHAPES,
@@ -219,7 +219,8 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     model = hf_bench.make_model(True, device, bf16, layers=2)
     model.load_state_dict(base.state_dict())
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)
-    before = dict(compiler.counts)
+    before, workers = dict(compiler.counts), dict(_workers.counts)
+    monkeypatch.setattr(_gemv, "_choice", {})  # (every key tuned here: none by an earlier test)
     kw = dict(output_logits=True, return_dict_in_generate=True)
     with rewriting_on_cpu(monkeypatch) if device == "cpu" else contextlib.nullcontext():
         hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
@@ -232,6 +233,9 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     assert torch.equal(got.sequences[:, : ids.shape[1] + 1], want.sequences[:, : ids.shape[1] + 1])  # the prefill
     scale = want.logits[1].abs().max().item()
     torch.testing.assert_close(got.logits[1], want.logits[1], atol=3e-2 * scale, rtol=0)  # the first decode step
+    if device == "cuda":  # every kernel the tuner compiled had started in a worker as its piece compiled
+        workers = {k: _workers.counts[k] - workers[k] for k in workers}
+        assert workers["waited"] > 0 and workers["late"] == workers["ahead_errors"] == workers["failed"] == 0, workers
 
 
 @pytest.mark.gpu

@@ -64,8 +64,18 @@ def test_a_failing_worker_costs_only_the_parents_own_compile(gpu_less):
     assert _workers.prestart() is not None  # a kernel's error leaves the workers to the next one
 
 
-def test_off_by_default_no_worker_is_started():
-    assert fgraph.config.compile_workers == 0 and _workers.prestart() is None
+def test_on_by_default_half_the_cpus_up_to_eight_and_none_started_before_a_compile_asks():
+    assert fgraph.config.compile_workers == max(1, min(8, os.cpu_count() // 2))
+    assert _workers._idle is None  # (a CPU run, whose pieces make no fgraph::linear, starts none)
+
+
+def test_a_compile_started_ahead_is_the_one_the_tuners_compile_waits_for(gpu_less, monkeypatch):
+    glu, before = gpu_less
+    _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)  # (as a piece compiles: returns at once)
+    _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)  # (another piece's same launch: started once)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)  # (the tuner's, at the first call)
+    got = {k: _workers.counts[k] - before[k] for k in before}
+    assert got == {**dict.fromkeys(before, 0), "ahead": 1, "remote": 1, "waited": 1}
 
 
 def test_a_dead_worker_leaves_every_compile_to_the_parent_and_no_thread_waiting(gpu_less, monkeypatch):
