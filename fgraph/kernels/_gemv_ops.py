@@ -8,7 +8,7 @@ import logging
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import _workers
 from ._gemv import ahead, ahead_group, linear, linear_glu, linears, norm_linear
@@ -82,20 +82,41 @@ _AHEAD = {
 def compile_ahead(gm: fx.GraphModule) -> int:
     """Start compiling, in the compile workers (fgraph.config.compile_workers), the kernels the tuner will compile at
     the first call of gm's fgraph::linear family, from the trace's values of their arguments; the ops so met. Called
-    before Inductor compiles gm: the workers compile while it does. Ops over a symbolic row count are left to the
-    tuner (which rows it will meet is known only then), as is anything this raises on (counted: it costs only time)."""
-    made = 0
+    before Inductor compiles gm: the workers compile while it does. A batch axis is a symbol whose hint is the bucket
+    the trace was made for, the rows the tuner will meet; an op with an unhinted size, or one this raises on (counted:
+    it costs only time), is left to the tuner."""
+    made, mode = 0, FakeTensorMode()
     for node in gm.graph.nodes:
         rule = _AHEAD.get(node.target)
-        args = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
-        x = args[0] if rule is not None and args else None
-        if not isinstance(x, FakeTensor) or not all(isinstance(d, int) for d in x.shape):
+        if rule is None:
+            continue
+        traced = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
+        try:
+            args = fx.node.map_aggregate(traced, lambda v: _concrete(v, mode))
+        except _Unhinted:
+            continue
+        if not isinstance(args[0], torch.Tensor):
             continue
         try:
-            with x.fake_mode:
+            with mode:
                 rule(*args)
             made += 1
         except Exception:
             _workers.counts["ahead_errors"] += 1
             log.debug("fgraph: compiling %s ahead failed; its tuner compiles it", node.format_node(), exc_info=True)
     return made
+
+
+class _Unhinted(Exception):
+    pass
+
+
+def _concrete(v, mode: FakeTensorMode):
+    """A fake tensor like the trace's value v, sized and strided as the trace was made (a symbol: its hint)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    size, stride = ([d if isinstance(d, int) else d.node.hint for d in ds] for ds in (v.shape, v.stride()))
+    if None in size or None in stride:
+        raise _Unhinted
+    with mode:
+        return torch.empty_strided(size, stride, dtype=v.dtype, device=v.device)

@@ -119,13 +119,15 @@ def test_a_key_already_tuned_starts_nothing_ahead(jobs, monkeypatch):
     assert jobs["ahead"] == []
 
 
-def test_a_piece_starts_each_op_over_concrete_rows_and_leaves_symbolic_rows_and_errors_to_its_tuner(monkeypatch):
+def test_a_piece_starts_each_op_at_the_rows_it_was_traced_for_and_leaves_errors_to_its_tuner(monkeypatch):
+    """A batch axis is traced as a symbol (its hint: the bucket, the rows the tuner will meet at the first call)."""
     met = []
-    monkeypatch.setattr(_gemv_ops, "ahead", lambda x, w, b: met.append(tuple(x.shape)))
+    monkeypatch.setattr(_gemv_ops, "ahead", lambda x, w, b: met.append((tuple(x.shape), x.stride(), type(x).__name__)))
     piece = lambda x, w: kernels.op(x, w, None)  # noqa: E731
     x, w = torch.randn(3, 16, dtype=BF16), torch.randn(8, 16, dtype=BF16)
-    assert _gemv_ops.compile_ahead(make_fx(piece, tracing_mode="fake")(x, w)) == 1 and met == [(3, 16)]
-    assert _gemv_ops.compile_ahead(make_fx(piece, tracing_mode="symbolic")(x, w)) == 0 and met == [(3, 16)]
+    for tracing_mode in ("fake", "symbolic"):
+        assert _gemv_ops.compile_ahead(make_fx(piece, tracing_mode=tracing_mode)(x, w)) == 1
+    assert met == [((3, 16), (16, 1), "FakeTensor")] * 2
 
     def fails(x, w, b):
         raise RuntimeError("a bug in the mirror")

@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fgraph
 from fgraph import kernels
 from fgraph.compile import _small_m, compiler
-from fgraph.kernels import _gemv
+from fgraph.kernels import _gemv, _gemv_ops
 from tests.kernels.linear_cases import (
     GATED,
     PAIRED,
@@ -106,8 +106,8 @@ def test_compiled_pieces_call_fgraph_linear_when_the_switch_is_on_and_equal_eage
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(fgraph.config, "small_m_gemv", on)
     params = {"w1": rand(48, 16, seed=1), "b1": rand(48, seed=2), "w2": rand(16, 48, seed=3)}
-    ahead = []  # (the tuner's candidates start compiling in its workers when a piece's rewrite makes fgraph::linear)
-    monkeypatch.setattr("fgraph.compile._inductor.compile_ahead", lambda gm: ahead.append(linears(gm)))
+    ahead = []  # (what the tuner will compile starts in its workers as a piece's rewrite makes fgraph::linear)
+    monkeypatch.setattr(_gemv_ops, "ahead", lambda x, w, b: ahead.append(tuple(x.shape)))
     with rewriting_on_cpu(monkeypatch):
         before = compiler.counts["linear"]
         # (a lambda: its own jit state)
@@ -116,7 +116,7 @@ def test_compiled_pieces_call_fgraph_linear_when_the_switch_is_on_and_equal_eage
             x = rand(m, 16, seed=10 + m)
             torch.testing.assert_close(f(params, x), mlp(params, x))
     assert compiler.counts["linear"] - before == (2 * 2 if on else 0)  # two matmuls in each bucket's piece
-    assert ahead == ([2, 2] if on else [])  # (each bucket's piece, its two fgraph::linear)
+    assert ahead == ([(1, 16), (1, 48), (4, 16), (4, 48)] if on else [])  # (each bucket's rows, its two matmuls)
 
 
 @pytest.mark.interpreter
