@@ -44,9 +44,8 @@ from .._config import config
 # not be started ahead (a bug, never a wrong answer: the tuner compiles them)
 counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "ahead_errors"), 0)
 _lock = threading.Lock()
-_idle: queue.Queue | None = None  # the started workers, each taken by one compile at a time
-_all: list[subprocess.Popen] = []
-_pool: ThreadPoolExecutor | None = None  # a thread per worker, each sending one job and waiting for its reply
+_todo: queue.Queue | None = None  # (job, its Future) for the workers' threads; None until the first job, or stopped
+_all: list[tuple[subprocess.Popen, threading.Thread]] = []  # each worker and the thread that feeds it
 _jobs: dict[bytes, Future] = {}  # every job sent, by its pickled self: a launch is compiled once here
 _broken = False
 
@@ -62,35 +61,68 @@ def _start() -> subprocess.Popen:
     return proc
 
 
-def prestart() -> queue.Queue | None:
-    """The workers (config.compile_workers of them), started on first use; None when off or once one broke."""
-    global _idle, _pool
+def prestart() -> bool:
+    """Whether there are workers (config.compile_workers of them), started here on first use: none when off or once
+    one broke."""
+    global _todo
     if not config.compile_workers or _broken:
-        return None
+        return False
     with _lock:
-        if _idle is None:
-            _idle, _pool = queue.Queue(), ThreadPoolExecutor(config.compile_workers, "fgraph-compile-worker")
+        if _todo is None:
+            _todo = queue.Queue()
             for _ in range(config.compile_workers):
-                _all.append(_start())
-                _idle.put(_all[-1])
-        return _idle
+                proc = _start()
+                # (a daemon: a process that exits with jobs queued does not wait for them)
+                feed = threading.Thread(target=_feed, args=(proc, _todo), name="fgraph-compile-worker", daemon=True)
+                feed.start()
+                _all.append((proc, feed))
+        return True
+
+
+def _feed(worker: subprocess.Popen, todo: queue.Queue) -> None:
+    """A worker's thread: each job taken from todo sent to the worker and its reply counted, until a None."""
+    global _broken
+    while (item := todo.get()) is not None:
+        job, done = item
+        if not done.set_running_or_notify_cancel():  # (dropped at shutdown)
+            continue
+        try:
+            pickle.dump(job, worker.stdin)
+            worker.stdin.flush()
+            ok, _ = pickle.load(worker.replies)
+            outcome = "remote" if ok else "failed"  # (the parent's own compile says why, if it fails too)
+        except (OSError, EOFError, pickle.UnpicklingError):  # dead: this job and the next ones fail at once
+            outcome = "broken"
+            _broken = _broken or todo is _todo  # (no new job is sent: the parent compiles them; not once stopped)
+        with _lock:
+            counts[outcome] += 1
+        done.set_result(outcome)
 
 
 def shutdown() -> None:
     """Stop the workers (the next compile that asks for them starts new ones, even after one died); the jobs not
-    started are dropped (a compile waiting for one compiles it itself)."""
-    global _idle, _pool, _broken
+    started are dropped (a compile waiting for one compiles it itself), those started are finished."""
+    global _todo, _broken
     with _lock:
-        procs, pool, _idle, _pool, _broken = list(_all), _pool, None, None, False
+        stopping, todo, _todo, _broken = list(_all), _todo, None, False
         _all.clear()
         _jobs.clear()
-    if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
-    for p in procs:
+    if todo is None:
+        return
+    with contextlib.suppress(queue.Empty):
+        while True:
+            todo.get_nowait()[1].cancel()
+    for _ in stopping:
+        todo.put(None)
+    for proc, feed in stopping:
+        feed.join(timeout=30)  # (its job's compile: a second or so)
         with contextlib.suppress(OSError):  # (a dead worker's pipe)
-            p.stdin.close()  # (serve() returns at the end of its input)
-        p.wait()
-        p.replies.close()
+            proc.stdin.close()  # (serve() returns at the end of its input)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        proc.kill()  # (none left running: a compile that hangs)
+        proc.wait()
+        proc.replies.close()
 
 
 atexit.register(shutdown)
@@ -102,7 +134,7 @@ def _started(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple[Future | None,
     import triton
     from triton.runtime import driver
 
-    if prestart() is None:
+    if not prestart():
         return None, False
     job = (
         fn.fn.__module__,
@@ -115,32 +147,13 @@ def _started(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple[Future | None,
     )
     key = pickle.dumps(job)
     with _lock:
-        if _pool is None:  # (shut down since prestart)
+        if _todo is None:  # (shut down since prestart)
             return None, False
         started = _jobs.get(key)
         if started is None:
-            _jobs[key] = _pool.submit(_compile, job)
+            _jobs[key] = Future()
+            _todo.put((job, _jobs[key]))
         return _jobs[key], started is not None
-
-
-def _compile(job: tuple) -> None:
-    """Send a job to an idle worker and count its outcome (in a pool thread)."""
-    global _broken
-    idle = _idle
-    if idle is None or _broken:
-        return
-    worker = idle.get()
-    try:
-        pickle.dump(job, worker.stdin)
-        worker.stdin.flush()
-        ok, _ = pickle.load(worker.replies)
-        outcome = "remote" if ok else "failed"  # (the parent's own compile says why, if it fails too)
-    except (OSError, EOFError, pickle.UnpicklingError):  # the worker died: the parent compiles it, and all others
-        outcome, _broken = "broken", True
-    finally:
-        idle.put(worker)  # (a dead one too: a compile waiting for it finds it dead at once, not never)
-    with _lock:
-        counts[outcome] += 1
 
 
 def ahead(fn, grid: tuple, *args, **kwargs) -> None:

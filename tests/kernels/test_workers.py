@@ -61,12 +61,12 @@ def test_a_failing_worker_costs_only_the_parents_own_compile(gpu_less):
     glu, before = gpu_less
     _workers.precompile(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": 1000})  # tl.arange needs a power of two
     assert _workers.counts["failed"] == before["failed"] + 1 and _workers.counts["remote"] == before["remote"]
-    assert _workers.prestart() is not None  # a kernel's error leaves the workers to the next one
+    assert _workers.prestart()  # a kernel's error leaves the workers to the next one
 
 
 def test_on_by_default_half_the_cpus_up_to_eight_and_none_started_before_a_compile_asks():
     assert fgraph.config.compile_workers == max(1, min(8, os.cpu_count() // 2))
-    assert _workers._idle is None  # (a CPU run, whose pieces make no fgraph::linear, starts none)
+    assert _workers._todo is None  # (a CPU run, whose pieces make no fgraph::linear, starts none)
 
 
 def test_a_compile_started_ahead_is_the_one_the_tuners_compile_waits_for(gpu_less, monkeypatch):
@@ -81,23 +81,38 @@ def test_a_compile_started_ahead_is_the_one_the_tuners_compile_waits_for(gpu_les
 def test_a_dead_worker_leaves_every_compile_to_the_parent_and_no_thread_waiting(gpu_less, monkeypatch):
     glu, before = gpu_less
     monkeypatch.setattr(fgraph.config, "compile_workers", 1)
-    idle = _workers.prestart()
-    worker = idle.get()  # (taken, so that all three compiles below wait for it)
+    assert _workers.prestart()
+    worker, _ = _workers._all[0]
     worker.kill()
     worker.wait()
-    compiles = [  # three compiles for the one dead worker: each returns, none waits for it forever
-        threading.Thread(target=_workers.precompile, args=(glu, (4, 5), GLU_ARGS, GLU_KWARGS), daemon=True)
-        for _ in range(3)
+    compiles = [  # three compiles (two launches) for the one dead worker: each returns, none waits for it forever
+        threading.Thread(target=_workers.precompile, args=(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": b}))
+        for b in (1024, 1024, 512)
     ]
     for t in compiles:
         t.start()
-    time.sleep(1)
-    idle.put(worker)
     for t in compiles:
         t.join(timeout=20)
     assert not any(t.is_alive() for t in compiles)
-    assert _workers.counts["broken"] - before["broken"] >= 1 and _workers.prestart() is None
+    assert _workers.counts["broken"] - before["broken"] >= 1 and not _workers.prestart()
     assert _workers.counts["remote"] == before["remote"]
+
+
+def test_stopping_drops_the_jobs_not_started_and_what_waits_for_them_returns(gpu_less, monkeypatch):
+    """A process that exits (or stops the workers) with a piece's jobs queued ahead waits for none of them."""
+    glu, before = gpu_less
+    monkeypatch.setattr(fgraph.config, "compile_workers", 1)
+    blocks = [16 << i for i in range(10)]  # (ten launches, ~0.3-1 s each to compile)
+    for b in blocks:
+        _workers.ahead(glu, (4, 5), *GLU_ARGS, **{**GLU_KWARGS, "BLOCK": b})
+    waiting = threading.Thread(target=_workers.precompile, args=(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": 16384}))
+    waiting.start()  # (the last launch's: the tuner's compile waiting for it)
+    t0 = time.perf_counter()
+    _workers.shutdown()
+    waiting.join(timeout=20)
+    assert not waiting.is_alive() and time.perf_counter() - t0 < 5
+    assert _workers.counts["remote"] - before["remote"] < len(blocks) and _workers.counts["broken"] == before["broken"]
+    assert _workers.prestart()  # (and the next compile that asks starts new ones)
 
 
 def test_what_a_worker_prints_from_its_start_never_reaches_its_replies(gpu_less, monkeypatch, tmp_path):
