@@ -3,7 +3,7 @@
 
 The tuner compiles tens of kernels at a key's first call, side by side in threads (`_gemv._fastest`). Threads overlap
 only what leaves the GIL (LLVM, ptxas); Triton's front end walks each kernel's Python AST under it, and a cold start's
-compiling stays GIL-bound (docs/performance.md). Here each compile first runs in a worker process: the same `warmup`
+compiling stays GIL-bound (benchmarks/NOTES.md). Here each compile first runs in a worker process: the same `warmup`
 call, its tensors given as their dtypes (Triton's MockTensor: an aligned pointer), under a driver that names the
 parent's GPU target and touches no GPU, and then (Triton <= 3.6) its C launcher's build. Both land in Triton's disk
 cache, and the parent's own warmup and load, run next, find them there: the same source, argument specialisation,
