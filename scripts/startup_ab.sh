@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The HF first generate, cold: each row its own process with fresh Inductor and Triton caches (so an empty tuner cache
 # too), alternating ROUNDS (default 2) times: fgraph's default, fgraph under each fgraph.config setting given, and
-# torch.compile's static-cache recipe. Profiles (scripts/startup_profile.py) and a log under $OUT (default .).
-#   bash scripts/startup_ab.sh compile_workers=8
+# torch.compile's static-cache recipe. Profiles (scripts/startup_profile.py: $OUT/startup_profile.jsonl, a line a row)
+# and a log under $OUT (default .).
+#   ROUNDS=3 bash scripts/startup_ab.sh compile_workers=0
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.}

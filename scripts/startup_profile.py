@@ -1,7 +1,7 @@
 """Where a first generate's seconds go: benchmarks.hf_bench run in this process (its arguments after `--`), with
 wall-time counters on the calls that make up a cold start, split by thread (the main thread's are what the first
-generate waits for; the tuner compiles in a pool of its own). One JSON line at exit, to stdout and to
-$OUT/startup_profile-<tag>.json.
+generate waits for; the tuner compiles in a pool of its own). One JSON line at exit, to stdout and appended to
+$OUT/startup_profile.jsonl.
 
   python3 scripts/startup_profile.py --tag fgraph -- --batches 1 --new 16 --first-only --skip hf_compile_static ...
 
@@ -105,8 +105,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         out = os.environ.get("OUT")
         if out:
-            with open(os.path.join(out, f"startup_profile-{a.tag}.json"), "w") as fh:
-                json.dump(row, fh)
+            with open(os.path.join(out, "startup_profile.jsonl"), "a") as fh:  # (one file: the device returns few)
+                fh.write(json.dumps(row) + "\n")
 
     atexit.register(report)
     from benchmarks import hf_bench

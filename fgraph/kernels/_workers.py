@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import logging
 import os
 import pickle
 import queue
@@ -35,6 +36,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 import torch
 
 from .._config import config
+
+log = logging.getLogger("fgraph")
 
 # remote: kernels compiled in a worker before the parent's own warmup; failed: those a worker could not compile
 # (the parent compiled them itself); broken: compiles that found their worker dead (then none is asked again here);
@@ -64,19 +67,24 @@ def _start() -> subprocess.Popen:
 def prestart() -> bool:
     """Whether there are workers (config.compile_workers of them), started here on first use: none when off or once
     one broke."""
-    global _todo
+    global _todo, _broken
     if not config.compile_workers or _broken:
         return False
     with _lock:
         if _todo is None:
             _todo = queue.Queue()
             for _ in range(config.compile_workers):
-                proc = _start()
+                try:
+                    proc = _start()
+                except OSError:  # (no interpreter to start, no pipes left: the tuner's threads alone)
+                    log.debug("fgraph: a compile worker could not start", exc_info=True)
+                    _broken = True
+                    break
                 # (a daemon: a process that exits with jobs queued does not wait for them)
                 feed = threading.Thread(target=_feed, args=(proc, _todo), name="fgraph-compile-worker", daemon=True)
                 feed.start()
                 _all.append((proc, feed))
-        return True
+        return not _broken
 
 
 def _feed(worker: subprocess.Popen, todo: queue.Queue) -> None:

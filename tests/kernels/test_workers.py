@@ -123,3 +123,15 @@ def test_what_a_worker_prints_from_its_start_never_reaches_its_replies(gpu_less,
     monkeypatch.syspath_prepend(str(site))  # (a worker imports what the parent can)
     _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
     assert _workers.counts["remote"] == before["remote"] + 1
+
+
+def test_a_worker_that_cannot_start_leaves_the_compiles_to_the_parent(gpu_less, monkeypatch):
+    glu, before = gpu_less
+
+    def cannot(*args, **kwargs):
+        raise OSError("no interpreter")
+
+    monkeypatch.setattr(_workers.subprocess, "Popen", cannot)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)  # (returns: the parent compiles it)
+    _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)
+    assert not _workers.prestart() and _workers.counts == before
