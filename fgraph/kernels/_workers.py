@@ -47,7 +47,9 @@ log = logging.getLogger("fgraph")
 # not be started ahead (a bug, never a wrong answer: the tuner compiles them)
 counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "ahead_errors"), 0)
 _lock = threading.Lock()
-_todo: queue.Queue | None = None  # (job, its Future) for the workers' threads; None until the first job, or stopped
+_todo: queue.Queue | None = (
+    None  # (pickled job, its Future) for the workers' threads; None until the first job, or stopped
+)
 _all: list[tuple[subprocess.Popen, threading.Thread]] = []  # each worker and the thread that feeds it
 _jobs: dict[bytes, Future] = {}  # every job sent, by its pickled self: a launch is compiled once here
 _broken = False
@@ -95,7 +97,7 @@ def _feed(worker: subprocess.Popen, todo: queue.Queue) -> None:
         if not done.set_running_or_notify_cancel():  # (dropped at shutdown)
             continue
         try:
-            pickle.dump(job, worker.stdin)
+            worker.stdin.write(job)
             worker.stdin.flush()
             ok, _ = pickle.load(worker.replies)
             outcome = "remote" if ok else "failed"  # (the parent's own compile says why, if it fails too)
@@ -153,14 +155,14 @@ def _started(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple[Future | None,
         driver.active.get_current_target(),
         triton.knobs.cache.dir,
     )
-    key = pickle.dumps(job)
+    key = pickle.dumps(job)  # (also what the worker is sent)
     with _lock:
         if _todo is None:  # (shut down since prestart)
             return None, False
         started = _jobs.get(key)
         if started is None:
             _jobs[key] = Future()
-            _todo.put((job, _jobs[key]))
+            _todo.put((key, _jobs[key]))
         return _jobs[key], started is not None
 
 
@@ -181,8 +183,10 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     job, started = _started(fn, grid, args, kwargs)
     if job is None:
         return
-    with contextlib.suppress(CancelledError):  # (dropped at shutdown: the parent compiles it)
+    try:
         job.result()
+    except CancelledError:  # (dropped at shutdown: the parent compiles it)
+        return
     with _lock:
         counts["waited" if started else "late"] += 1
 
