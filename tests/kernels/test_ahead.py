@@ -14,6 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import fgraph
 from fgraph import kernels
 from fgraph.kernels import _gemv, _gemv_ops, _workers
 
@@ -119,7 +120,9 @@ def test_a_key_already_tuned_starts_nothing_ahead(jobs, monkeypatch):
     assert jobs["ahead"] == []
 
 
-def test_a_piece_starts_each_op_at_the_rows_it_was_traced_for_and_leaves_errors_to_its_tuner(monkeypatch):
+def test_a_piece_starts_each_op_at_the_rows_it_was_traced_for_leaves_errors_to_its_tuner_and_nothing_when_off(
+    monkeypatch,
+):
     """A batch axis is traced as a symbol (its hint: the bucket, the rows the tuner will meet at the first call)."""
     met = []
     monkeypatch.setattr(_gemv_ops, "ahead", lambda x, w, b: met.append((tuple(x.shape), x.stride(), type(x).__name__)))
@@ -135,4 +138,7 @@ def test_a_piece_starts_each_op_at_the_rows_it_was_traced_for_and_leaves_errors_
     monkeypatch.setattr(_gemv_ops, "ahead", fails)
     before = _workers.counts["ahead_errors"]
     assert _gemv_ops.compile_ahead(make_fx(piece, tracing_mode="fake")(x, w)) == 0  # (the compile goes on)
+    assert _workers.counts["ahead_errors"] == before + 1
+    monkeypatch.setattr(fgraph.config, "compile_workers", 0)  # (no workers: no plan made for none to compile)
+    assert _gemv_ops.compile_ahead(make_fx(piece, tracing_mode="fake")(x, w)) == 0
     assert _workers.counts["ahead_errors"] == before + 1
