@@ -49,7 +49,7 @@ import torch
 
 from .._config import pdl_args
 from . import _tuned, _workers
-from ._rowwise import _launch_glu, _pow2, add_rms_norm, kernel, normable, silu_mul  # noqa: F401 (_launch_glu: by name here)
+from ._rowwise import _pow2, add_rms_norm, kernel, normable, silu_mul
 
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce

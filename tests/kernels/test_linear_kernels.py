@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 import fgraph
 from fgraph import kernels
 from fgraph.compile import compiler
-from fgraph.kernels import _gemv, _workers
+from fgraph.kernels import _gemv, _rowwise, _workers
 from tests.kernels.linear_cases import (
     GLU_SHAPES,
     GPU_SHAPES,
@@ -93,7 +93,7 @@ def test_every_glu_config_and_the_activation_kernel_compute_the_unfused_result_i
             _gemv._launch(cfg, x, wg, None, pair, glu=True, u=wu)
             assert torch.equal(pair, out), cfg
         yh, out = x @ w.t(), torch.full((m, n), float("nan"), dtype=torch.float16)
-        _gemv._launch_glu(yh[:, :n], yh[:, n:], out, block=16)  # (a last block past the row)
+        _rowwise._launch_glu(yh[:, :n], yh[:, n:], out, block=16)  # (a last block past the row)
         assert torch.equal(out, gated(x, w))
     assert all(c[-1] == 1 for c in _gemv.candidates(2, 40, 2100, glu=True))  # K is not split
 
