@@ -1,9 +1,12 @@
-"""Where a first generate's seconds go: benchmarks.hf_bench run in this process (its arguments after `--`), with
-wall-time counters on the calls that make up a cold start, split by thread (the main thread's are what the first
-generate waits for; the tuner compiles in a pool of its own). One JSON line at exit, to stdout and appended to
-$OUT/startup_profile.jsonl.
+"""Where a first generate's seconds go: benchmarks.hf_bench (or --module's main, as the CLI examples.generate) run in
+this process (its arguments after `--`), with wall-time counters on the calls that make up a cold start, split by
+thread (the main thread's are what the first generate waits for; the tuner compiles in a pool of its own). One JSON
+line at exit, to stdout and appended to $OUT/startup_profile.jsonl: `main_s` when the module's main returned,
+`wall_s` at the line (the exit handlers registered after this script's, fgraph's compile workers' among them, between
+the two), and the CLI's `phases_s`.
 
   python3 scripts/startup_profile.py --tag fgraph -- --batches 1 --new 16 --first-only --skip hf_compile_static ...
+  python3 scripts/startup_profile.py --tag cli --config compile_workers=0 --module examples.generate -- --compile ...
 
 Give each run fresh TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR for a cold start. A call inside another counted
 call counts in both (the tuner's rows hold its timings and compiles).
@@ -15,11 +18,13 @@ call counts in both (the tuner's rows hold its timings and compiles).
 from __future__ import annotations
 
 import argparse
+import ast
 import atexit
 import functools
 import importlib
 import json
 import os
+import sys
 import threading
 import time
 
@@ -81,10 +86,18 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tag", required=True)
     p.add_argument("--load-at-first-launch", action="store_true")
+    p.add_argument("--module", default="benchmarks.hf_bench", help="whose main(argv) runs: hf_bench, or the CLI's")
+    p.add_argument("--config", action="append", default=[], metavar="NAME=VALUE", help="an fgraph.config switch")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     a = p.parse_args()
     t0 = time.perf_counter()
     missing = instrument()
+    import fgraph
+
+    for item in a.config:
+        name, value = item.split("=", 1)
+        setattr(fgraph.config, name, ast.literal_eval(value))
+    done = {}
     if a.load_at_first_launch:
         load_at_first_launch()
 
@@ -93,7 +106,9 @@ def main() -> None:
 
         row = {
             "tag": a.tag,
+            "config": a.config,
             "load_at_first_launch": a.load_at_first_launch,
+            **done,
             "wall_s": round(time.perf_counter() - t0, 2),
         }
         row |= {k: {"calls": v["calls"], "s": round(v["s"], 2)} for k, v in sorted(stats.items())}
@@ -109,9 +124,11 @@ def main() -> None:
                 fh.write(json.dumps(row) + "\n")
 
     atexit.register(report)
-    from benchmarks import hf_bench
-
-    hf_bench.main([x for x in a.rest if x != "--"])
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (the repo's packages)
+    result = importlib.import_module(a.module).main([x for x in a.rest if x != "--"])
+    done["main_s"] = round(time.perf_counter() - t0, 2)
+    if isinstance(result, dict) and "phases_s" in result:  # (the CLI's: where its start went)
+        done["phases_s"] = {k: v and round(v, 2) for k, v in result["phases_s"].items()}
 
 
 if __name__ == "__main__":

@@ -12,11 +12,14 @@ the parent's own compile (`counts`).
 
 Most of that work starts before the tuner asks: as a piece is compiled, `ahead` is given every launch its tuner will
 compile (`_gemv_ops.compile_ahead`, from the trace's fake tensors), and the workers compile them while Inductor
-compiles the piece. The tuner's compile of a launch waits for the job already started (`precompile`).
+compiles the piece. The tuner's compile of a launch waits for the job already started (`precompile`), unless no worker
+is ready yet: each imports torch and Triton first (seconds, more where Inductor's own workers start beside them), and
+where a piece's Inductor compile is shorter than that (the CLI's decode step), the tuner's threads take the jobs back
+and compile them at once, as without workers.
 
 A worker is `python -c 'serve(fd)'` over pipes (as Inductor's compile workers are), not multiprocessing's spawn,
-which would import the user's main script again in every worker. Each imports torch and Triton (seconds): they start
-with the first job."""
+which would import the user's main script again in every worker. They start with the first job, and are killed, not
+waited for, when they stop."""
 
 from __future__ import annotations
 
@@ -43,15 +46,17 @@ log = logging.getLogger("fgraph")
 # (the parent compiled them itself); broken: compiles that found their worker dead (then none is asked again here);
 # ahead: compiles started as a piece was compiled, before its tuner asked (`ahead`); waited: the tuner's compiles that
 # found theirs started (ahead, or by another of its threads) and waited for it; late: those that found none and started
-# their own (a cold start's piece compiled ahead should leave none); ahead_errors: ops whose kernels could
-# not be started ahead (a bug, never a wrong answer: the tuner compiles them)
-counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "ahead_errors"), 0)
+# their own (a cold start's piece compiled ahead should leave none); taken: those that found theirs queued while no
+# worker had finished starting, and took it back (the parent compiled it); ahead_errors: ops whose kernels could not
+# be started ahead (a bug, never a wrong answer: the tuner compiles them)
+counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "taken", "ahead_errors"), 0)
 _lock = threading.Lock()
 _todo: queue.Queue | None = (
     None  # (pickled job, its Future) for the workers' threads; None until the first job, or stopped
 )
 _all: list[tuple[subprocess.Popen, threading.Thread]] = []  # each worker and the thread that feeds it
 _jobs: dict[bytes, Future] = {}  # every job sent, by its pickled self: a launch is compiled once here
+_ready = 0  # workers that have imported torch and Triton and taken jobs since the last start
 _broken = False
 
 
@@ -90,11 +95,16 @@ def prestart() -> bool:
 
 
 def _feed(worker: subprocess.Popen, todo: queue.Queue) -> None:
-    """A worker's thread: each job taken from todo sent to the worker and its reply counted, until a None."""
-    global _broken
+    """A worker's thread: once the worker says it is ready, each job taken from todo sent to it and its reply counted,
+    until a None. Until then its jobs wait in todo, where the tuner can take them back (`precompile`)."""
+    global _broken, _ready
+    with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError):  # (dead: its first job finds it so)
+        pickle.load(worker.replies)
+        with _lock:
+            _ready += todo is _todo
     while (item := todo.get()) is not None:
         job, done = item
-        if not done.set_running_or_notify_cancel():  # (dropped at shutdown)
+        if not done.set_running_or_notify_cancel():  # (taken back by the tuner, or dropped at shutdown)
             continue
         try:
             worker.stdin.write(job)
@@ -102,19 +112,22 @@ def _feed(worker: subprocess.Popen, todo: queue.Queue) -> None:
             ok, _ = pickle.load(worker.replies)
             outcome = "remote" if ok else "failed"  # (the parent's own compile says why, if it fails too)
         except (OSError, EOFError, pickle.UnpicklingError):  # dead: this job and the next ones fail at once
-            outcome = "broken"
-            _broken = _broken or todo is _todo  # (no new job is sent: the parent compiles them; not once stopped)
-        with _lock:
-            counts[outcome] += 1
+            outcome = "broken" if todo is _todo else "stopped"  # (killed by shutdown: not counted)
+            _broken = _broken or outcome == "broken"  # (no new job is sent: the parent compiles them)
+        if outcome != "stopped":
+            with _lock:
+                counts[outcome] += 1
         done.set_result(outcome)
 
 
 def shutdown() -> None:
-    """Stop the workers (the next compile that asks for them starts new ones, even after one died); the jobs not
-    started are dropped (a compile waiting for one compiles it itself), those started are finished."""
-    global _todo, _broken
+    """Stop the workers (the next compile that asks for them starts new ones, even after one died), at once: the jobs
+    not started are dropped and the workers killed, a compile waiting for either compiles it itself. A worker keeps
+    nothing worth a clean exit (Triton writes each cache entry whole, by rename), and a process's exit waits for none
+    of them: not for one still importing torch, nor for eight interpreters' teardowns."""
+    global _todo, _broken, _ready
     with _lock:
-        stopping, todo, _todo, _broken = list(_all), _todo, None, False
+        stopping, todo, _todo, _broken, _ready = list(_all), _todo, None, False, 0
         _all.clear()
         _jobs.clear()
     if todo is None:
@@ -124,15 +137,14 @@ def shutdown() -> None:
             todo.get_nowait()[1].cancel()
     for _ in stopping:
         todo.put(None)
+    for proc, _ in stopping:
+        proc.kill()  # (its feed thread's read ends: the job it waits for counts as broken, not once stopped)
     for proc, feed in stopping:
-        feed.join(timeout=30)  # (its job's compile: a second or so)
-        with contextlib.suppress(OSError):  # (a dead worker's pipe)
-            proc.stdin.close()  # (serve() returns at the end of its input)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        proc.kill()  # (none left running: a compile that hangs)
         proc.wait()
-        proc.replies.close()
+        feed.join(timeout=5)
+        for pipe in (proc.stdin, proc.replies):
+            with contextlib.suppress(OSError):
+                pipe.close()
 
 
 atexit.register(shutdown)
@@ -183,8 +195,13 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     job, started = _started(fn, grid, args, kwargs)
     if job is None:
         return
+    if not _ready and job.cancel():  # (the workers still import torch: seconds the tuner's own threads need not wait)
+        with _lock:
+            counts["taken"] += 1
+        return
     try:
-        job.result()
+        if job.result() == "stopped":  # (its worker killed at shutdown: the parent compiles it)
+            return
     except CancelledError:  # (dropped at shutdown: the parent compiles it)
         return
     with _lock:
@@ -253,6 +270,8 @@ def serve(reply_fd: int) -> None:
     from triton.runtime import driver
 
     out = os.fdopen(reply_fd, "wb")
+    pickle.dump((True, "ready"), out)  # (imports done: jobs may come)
+    out.flush()
     while True:
         try:
             module, name, args, grid, kwargs, target, cache_dir = pickle.load(sys.stdin.buffer)

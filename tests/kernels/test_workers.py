@@ -42,8 +42,18 @@ def gpu_less(tmp_path, monkeypatch):
     _workers.shutdown()
 
 
+def ready(n: int | None = None) -> None:
+    """The workers started, and each past its imports (until then the tuner takes its jobs back)."""
+    assert _workers.prestart()
+    deadline = time.monotonic() + 120
+    while _workers._ready < (n or fgraph.config.compile_workers):
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.05)
+
+
 def test_a_kernel_a_worker_compiled_is_a_cache_hit_for_the_parents_own_compile(gpu_less, monkeypatch, tmp_path):
     glu, before = gpu_less
+    ready()
     _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
     assert _workers.counts["remote"] == before["remote"] + 1 and any(tmp_path.iterdir())
 
@@ -59,6 +69,7 @@ def test_a_kernel_a_worker_compiled_is_a_cache_hit_for_the_parents_own_compile(g
 
 def test_a_failing_worker_costs_only_the_parents_own_compile(gpu_less):
     glu, before = gpu_less
+    ready()
     _workers.precompile(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": 1000})  # tl.arange needs a power of two
     assert _workers.counts["failed"] == before["failed"] + 1 and _workers.counts["remote"] == before["remote"]
     assert _workers.prestart()  # a kernel's error leaves the workers to the next one
@@ -71,6 +82,7 @@ def test_on_by_default_half_the_cpus_up_to_eight_and_none_started_before_a_compi
 
 def test_a_compile_started_ahead_is_the_one_the_tuners_compile_waits_for(gpu_less, monkeypatch):
     glu, before = gpu_less
+    ready()
     _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)  # (as a piece compiles: returns at once)
     _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)  # (another piece's same launch: started once)
     _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)  # (the tuner's, at the first call)
@@ -81,7 +93,7 @@ def test_a_compile_started_ahead_is_the_one_the_tuners_compile_waits_for(gpu_les
 def test_a_dead_worker_leaves_every_compile_to_the_parent_and_no_thread_waiting(gpu_less, monkeypatch):
     glu, before = gpu_less
     monkeypatch.setattr(fgraph.config, "compile_workers", 1)
-    assert _workers.prestart()
+    ready()
     worker, _ = _workers._all[0]
     worker.kill()
     worker.wait()
@@ -102,6 +114,7 @@ def test_stopping_drops_the_jobs_not_started_and_what_waits_for_them_returns(gpu
     """A process that exits (or stops the workers) with a piece's jobs queued ahead waits for none of them."""
     glu, before = gpu_less
     monkeypatch.setattr(fgraph.config, "compile_workers", 1)
+    ready()
     blocks = [16 << i for i in range(10)]  # (ten launches, ~0.3-1 s each to compile)
     for b in blocks:
         _workers.ahead(glu, (4, 5), *GLU_ARGS, **{**GLU_KWARGS, "BLOCK": b})
@@ -121,8 +134,28 @@ def test_what_a_worker_prints_from_its_start_never_reaches_its_replies(gpu_less,
     site.mkdir()
     (site / "sitecustomize.py").write_text("print('printed before any fgraph code runs')\n")
     monkeypatch.syspath_prepend(str(site))  # (a worker imports what the parent can)
+    ready()
     _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
     assert _workers.counts["remote"] == before["remote"] + 1
+
+
+def test_a_compile_no_ready_worker_has_taken_is_taken_back_and_stopping_waits_for_no_worker(
+    gpu_less, monkeypatch, tmp_path
+):
+    """Workers still importing torch (here: a minute) hold up neither the tuner nor the process's exit."""
+    glu, before = gpu_less
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.syspath_prepend(str(site))
+    t0 = time.perf_counter()
+    _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)  # (the tuner's: the parent compiles it)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)  # (another of its threads: compiles it too, not waits)
+    _workers.shutdown()
+    assert time.perf_counter() - t0 < 5
+    got = {k: _workers.counts[k] - before[k] for k in before}
+    assert got == {**dict.fromkeys(before, 0), "ahead": 1, "taken": 2}
 
 
 def test_a_worker_that_cannot_start_leaves_the_compiles_to_the_parent(gpu_less, monkeypatch):
