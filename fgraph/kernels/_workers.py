@@ -3,7 +3,7 @@
 
 The tuner compiles tens of kernels at a key's first call, side by side in threads (`_gemv._fastest`). Threads overlap
 only what leaves the GIL (LLVM, ptxas); Triton's front end walks each kernel's Python AST under it, and a cold start's
-compiling stays GIL-bound (benchmarks/NOTES.md). Here each compile first runs in a worker process: the same `warmup`
+compiling stays GIL-bound (benchmarks/NOTES.md). Here a compile can first run in a worker process: the same `warmup`
 call, its tensors given as their dtypes (Triton's MockTensor: an aligned pointer), under a driver that names the
 parent's GPU target and touches no GPU, and then (Triton <= 3.6) its C launcher's build. Both land in Triton's disk
 cache, and the parent's own warmup and load, run next, find them there: the same source, argument specialisation,
@@ -12,10 +12,10 @@ the parent's own compile (`counts`).
 
 Most of that work starts before the tuner asks: as a piece is compiled, `ahead` is given every launch its tuner will
 compile (`_gemv_ops.compile_ahead`, from the trace's fake tensors), and the workers compile them while Inductor
-compiles the piece. The tuner's compile of a launch waits for the job already started (`precompile`), unless no worker
-is ready yet: each imports torch and Triton first (seconds, more where Inductor's own workers start beside them), and
-where a piece's Inductor compile is shorter than that (the CLI's decode step), the tuner's threads take the jobs back
-and compile them at once, as without workers.
+compiles the piece. The tuner's compile of a launch waits for its job if a worker has it (`precompile`), and takes it
+back if none has yet: a worker takes jobs only once it has imported torch and Triton (seconds, more beside Inductor's
+own workers), and where a piece's Inductor compile is shorter than that (the CLI's decode step), the tuner's threads
+compile them at once, as without workers, rather than wait.
 
 A worker is `python -c 'serve(fd)'` over pipes (as Inductor's compile workers are), not multiprocessing's spawn,
 which would import the user's main script again in every worker. They start with the first job, and are killed, not
@@ -42,13 +42,13 @@ from .._config import config
 
 log = logging.getLogger("fgraph")
 
-# remote: kernels compiled in a worker before the parent's own warmup; failed: those a worker could not compile
-# (the parent compiled them itself); broken: compiles that found their worker dead (then none is asked again here);
-# ahead: compiles started as a piece was compiled, before its tuner asked (`ahead`); waited: the tuner's compiles that
-# found theirs started (ahead, or by another of its threads) and waited for it; late: those that found none and started
-# their own (a cold start's piece compiled ahead should leave none); taken: those that found theirs queued while no
-# worker had finished starting, and took it back (the parent compiled it); ahead_errors: ops whose kernels could not
-# be started ahead (a bug, never a wrong answer: the tuner compiles them)
+# ahead: compiles queued as a piece was compiled, before its tuner asked (`ahead`); remote: those a worker compiled;
+# failed: those a worker could not compile (the parent compiled them itself); broken: those that found their worker
+# dead (then none is asked again here). The tuner's compiles (`precompile`), while workers run: waited, those that
+# found theirs in a worker and waited for it; taken, those that found theirs still queued (every worker busy, or still
+# starting) and took it back; late, those that found none queued (a cold start's piece compiled ahead should leave
+# none). ahead_errors: ops whose kernels could not be queued ahead (a bug, never a wrong answer: the tuner compiles
+# them)
 counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "taken", "ahead_errors"), 0)
 _lock = threading.Lock()
 _todo: queue.Queue | None = (
@@ -56,7 +56,6 @@ _todo: queue.Queue | None = (
 )
 _all: list[tuple[subprocess.Popen, threading.Thread]] = []  # each worker and the thread that feeds it
 _jobs: dict[bytes, Future] = {}  # every job sent, by its pickled self: a launch is compiled once here
-_ready = 0  # workers that have imported torch and Triton and taken jobs since the last start
 _broken = False
 
 
@@ -97,11 +96,9 @@ def prestart() -> bool:
 def _feed(worker: subprocess.Popen, todo: queue.Queue) -> None:
     """A worker's thread: once the worker says it is ready, each job taken from todo sent to it and its reply counted,
     until a None. Until then its jobs wait in todo, where the tuner can take them back (`precompile`)."""
-    global _broken, _ready
+    global _broken
     with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError):  # (dead: its first job finds it so)
-        pickle.load(worker.replies)
-        with _lock:
-            _ready += todo is _todo
+        pickle.load(worker.replies)  # ("ready": its imports done)
     while (item := todo.get()) is not None:
         job, done = item
         if not done.set_running_or_notify_cancel():  # (taken back by the tuner, or dropped at shutdown)
@@ -125,9 +122,9 @@ def shutdown() -> None:
     not started are dropped and the workers killed, a compile waiting for either compiles it itself. A worker keeps
     nothing worth a clean exit (Triton writes each cache entry whole, by rename), and a process's exit waits for none
     of them: not for one still importing torch, nor for eight interpreters' teardowns."""
-    global _todo, _broken, _ready
+    global _todo, _broken
     with _lock:
-        stopping, todo, _todo, _broken, _ready = list(_all), _todo, None, False, 0
+        stopping, todo, _todo, _broken = list(_all), _todo, None, False
         _all.clear()
         _jobs.clear()
     if todo is None:
@@ -138,7 +135,7 @@ def shutdown() -> None:
     for _ in stopping:
         todo.put(None)
     for proc, _ in stopping:
-        proc.kill()  # (its feed thread's read ends: the job it waits for counts as broken, not once stopped)
+        proc.kill()  # (its feed thread's read ends: the job it sent ends "stopped", not counted)
     for proc, feed in stopping:
         proc.wait()
         feed.join(timeout=5)
@@ -150,14 +147,12 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def _started(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple[Future | None, bool]:
-    """(the worker's compile of this launch, whether it had been started before this call); (None, False) when off.
-    Asks the current device's target: inside that device's context."""
+def _key(fn, grid: tuple, args: tuple, kwargs: dict) -> bytes:
+    """A launch's job, pickled: what the worker is sent, and its key in `_jobs`. Asks the current device's target:
+    inside that device's context."""
     import triton
     from triton.runtime import driver
 
-    if not prestart():
-        return None, False
     job = (
         fn.fn.__module__,
         fn.fn.__name__,
@@ -167,35 +162,37 @@ def _started(fn, grid: tuple, args: tuple, kwargs: dict) -> tuple[Future | None,
         driver.active.get_current_target(),
         triton.knobs.cache.dir,
     )
-    key = pickle.dumps(job)  # (also what the worker is sent)
-    with _lock:
-        if _todo is None:  # (shut down since prestart)
-            return None, False
-        started = _jobs.get(key)
-        if started is None:
-            _jobs[key] = Future()
-            _todo.put((key, _jobs[key]))
-        return _jobs[key], started is not None
+    return pickle.dumps(job)
 
 
 def ahead(fn, grid: tuple, *args, **kwargs) -> None:
-    """Start compiling the Triton kernel fn for these launch arguments (a trace's fake tensors will do: only their
-    dtypes travel) in a worker, into Triton's disk cache, and return: the tuner's compile of the same launch then
-    waits for it (`precompile`). Nothing when off."""
-    job, started = _started(fn, grid, args, kwargs)
-    if job is not None and not started:
-        with _lock:
-            counts["ahead"] += 1
+    """Queue the Triton kernel fn's compile for these launch arguments (a trace's fake tensors will do: only their
+    dtypes travel) for the workers, into Triton's disk cache, and return: the tuner's compile of the same launch then
+    waits for it, or takes it back if no worker has started it (`precompile`). Nothing when off."""
+    if not prestart():
+        return
+    key = _key(fn, grid, args, kwargs)
+    with _lock:
+        if _todo is None or key in _jobs:  # (shut down since prestart; or queued already, by another piece)
+            return
+        _jobs[key] = Future()
+        _todo.put((key, _jobs[key]))
+        counts["ahead"] += 1
 
 
 def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
-    """Compile the Triton kernel fn for these launch arguments in a worker, into Triton's disk cache, and wait for it
-    (or for the compile started before: `ahead`); nothing when off. Called from the tuner's threads, inside the
-    device's context."""
-    job, started = _started(fn, grid, args, kwargs)
-    if job is None:
+    """Before the parent compiles the Triton kernel fn for these launch arguments: wait for a worker's compile of it
+    (`ahead`), which the parent's then finds in Triton's disk cache. A compile still queued (every worker busy, or
+    still importing torch: seconds where Inductor's compile of the piece was short) is taken back, and one never
+    queued left: the parent compiles both at once, beside the workers. Called from the tuner's threads."""
+    if _todo is None or _broken or not config.compile_workers:  # (none started, or none left: nothing queued)
         return
-    if not _ready and job.cancel():  # (the workers still import torch: seconds the tuner's own threads need not wait)
+    with _lock:
+        job = _jobs.get(_key(fn, grid, args, kwargs))
+        if job is None:
+            counts["late"] += 1
+            return
+    if job.cancel():
         with _lock:
             counts["taken"] += 1
         return
@@ -205,12 +202,12 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     except CancelledError:  # (dropped at shutdown: the parent compiles it)
         return
     with _lock:
-        counts["waited" if started else "late"] += 1
+        counts["waited"] += 1
 
 
 def make(cfgs: list, launch) -> list:
-    """launch(cfg, warm=True) for every config, side by side in threads: each kernel compiled (first in a worker,
-    with compile_workers) and loaded. The configs whose kernel does not fit this GPU: Triton raises OutOfResources as
+    """launch(cfg, warm=True) for every config, side by side in threads: each kernel compiled (by a worker, if one has
+    its job: `ahead`) and loaded. The configs whose kernel does not fit this GPU: Triton raises OutOfResources as
     it loads one that needs more shared memory or threads than the GPU has."""
     from triton.runtime.errors import OutOfResources
 

@@ -234,7 +234,7 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     scale = want.logits[1].abs().max().item()
     torch.testing.assert_close(got.logits[1], want.logits[1], atol=3e-2 * scale, rtol=0)  # the first decode step
     if device == "cuda":  # every kernel the tuner compiled had been queued for a worker as its piece compiled (and
-        # was waited for, or taken back while the workers were still starting)
+        # was waited for, or taken back while still queued)
         workers = {k: _workers.counts[k] - workers[k] for k in workers}
         assert workers["waited"] + workers["taken"] > 0, workers
         assert workers["late"] == workers["ahead_errors"] == workers["failed"] == 0, workers

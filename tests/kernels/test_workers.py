@@ -8,6 +8,7 @@ GPU-less driver the workers use (on the GPU, the CUDA driver: it names the same 
 import os
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -42,19 +43,21 @@ def gpu_less(tmp_path, monkeypatch):
     _workers.shutdown()
 
 
-def ready(n: int | None = None) -> None:
-    """The workers started, and each past its imports (until then the tuner takes its jobs back)."""
-    assert _workers.prestart()
+def in_a_worker(glu, **kwargs) -> Future:
+    """glu's launch queued for the workers (as a piece compiles) and waited for until one has it: past its imports."""
+    _workers.ahead(glu, (4, 5), *GLU_ARGS, **{**GLU_KWARGS, **kwargs})
+    job = _workers._jobs[_workers._key(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, **kwargs})]
     deadline = time.monotonic() + 120
-    while _workers._ready < (n or fgraph.config.compile_workers):
-        assert time.monotonic() < deadline, "the workers did not start"
-        time.sleep(0.05)
+    while not (job.running() or job.done()):
+        assert time.monotonic() < deadline, "no worker took the job"
+        time.sleep(0.02)
+    return job
 
 
 def test_a_kernel_a_worker_compiled_is_a_cache_hit_for_the_parents_own_compile(gpu_less, monkeypatch, tmp_path):
     glu, before = gpu_less
-    ready()
-    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
+    in_a_worker(glu)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)  # (the tuner's: waits for it)
     assert _workers.counts["remote"] == before["remote"] + 1 and any(tmp_path.iterdir())
 
     from triton.backends.nvidia.compiler import CUDABackend
@@ -69,8 +72,8 @@ def test_a_kernel_a_worker_compiled_is_a_cache_hit_for_the_parents_own_compile(g
 
 def test_a_failing_worker_costs_only_the_parents_own_compile(gpu_less):
     glu, before = gpu_less
-    ready()
-    _workers.precompile(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": 1000})  # tl.arange needs a power of two
+    in_a_worker(glu, BLOCK=1000).result(timeout=60)  # tl.arange needs a power of two
+    _workers.precompile(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": 1000})
     assert _workers.counts["failed"] == before["failed"] + 1 and _workers.counts["remote"] == before["remote"]
     assert _workers.prestart()  # a kernel's error leaves the workers to the next one
 
@@ -80,26 +83,28 @@ def test_on_by_default_half_the_cpus_up_to_eight_and_none_started_before_a_compi
     assert _workers._todo is None  # (a CPU run, whose pieces make no fgraph::linear, starts none)
 
 
-def test_a_compile_started_ahead_is_the_one_the_tuners_compile_waits_for(gpu_less, monkeypatch):
+def test_a_compile_a_worker_has_is_the_one_the_tuners_compile_waits_for(gpu_less, monkeypatch):
     glu, before = gpu_less
-    ready()
-    _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)  # (as a piece compiles: returns at once)
-    _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)  # (another piece's same launch: started once)
+    in_a_worker(glu)  # (as a piece compiles: returns at once)
+    _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)  # (another piece's same launch: queued once)
     _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)  # (the tuner's, at the first call)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": 512})  # (a launch never queued)
     got = {k: _workers.counts[k] - before[k] for k in before}
-    assert got == {**dict.fromkeys(before, 0), "ahead": 1, "remote": 1, "waited": 1}
+    assert got == {**dict.fromkeys(before, 0), "ahead": 1, "remote": 1, "waited": 1, "late": 1}
 
 
 def test_a_dead_worker_leaves_every_compile_to_the_parent_and_no_thread_waiting(gpu_less, monkeypatch):
     glu, before = gpu_less
     monkeypatch.setattr(fgraph.config, "compile_workers", 1)
-    ready()
+    in_a_worker(glu).result(timeout=60)
     worker, _ = _workers._all[0]
     worker.kill()
     worker.wait()
-    compiles = [  # three compiles (two launches) for the one dead worker: each returns, none waits for it forever
+    for b in (512, 256):  # (two more launches for the one dead worker)
+        _workers.ahead(glu, (4, 5), *GLU_ARGS, **{**GLU_KWARGS, "BLOCK": b})
+    compiles = [  # the tuner's, one each: each returns, none waits for the dead worker forever
         threading.Thread(target=_workers.precompile, args=(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": b}))
-        for b in (1024, 1024, 512)
+        for b in (1024, 512, 256)
     ]
     for t in compiles:
         t.start()
@@ -107,23 +112,25 @@ def test_a_dead_worker_leaves_every_compile_to_the_parent_and_no_thread_waiting(
         t.join(timeout=20)
     assert not any(t.is_alive() for t in compiles)
     assert _workers.counts["broken"] - before["broken"] >= 1 and not _workers.prestart()
-    assert _workers.counts["remote"] == before["remote"]
+    assert _workers.counts["remote"] == before["remote"] + 1
 
 
 def test_stopping_drops_the_jobs_not_started_and_what_waits_for_them_returns(gpu_less, monkeypatch):
-    """A process that exits (or stops the workers) with a piece's jobs queued ahead waits for none of them."""
+    """A process that exits (or stops the workers) with a piece's jobs queued ahead waits for none of them, nor for
+    the one a worker is compiling."""
     glu, before = gpu_less
     monkeypatch.setattr(fgraph.config, "compile_workers", 1)
-    ready()
-    blocks = [16 << i for i in range(10)]  # (ten launches, ~0.3-1 s each to compile)
-    for b in blocks:
+    blocks = [16384 >> i for i in range(10)]  # (ten launches, ~0.3-1 s each to compile)
+    jobs = [in_a_worker(glu, BLOCK=blocks[0])]
+    for b in blocks[1:]:
         _workers.ahead(glu, (4, 5), *GLU_ARGS, **{**GLU_KWARGS, "BLOCK": b})
+        jobs.append(_workers._jobs[_workers._key(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": b})])
     waiting = threading.Thread(target=_workers.precompile, args=(glu, (4, 5), GLU_ARGS, {**GLU_KWARGS, "BLOCK": 16384}))
-    waiting.start()  # (the last launch's: the tuner's compile waiting for it)
+    waiting.start()  # (the tuner's compile of the launch the worker has: waiting for it)
     t0 = time.perf_counter()
     _workers.shutdown()
     waiting.join(timeout=20)
-    assert not waiting.is_alive() and time.perf_counter() - t0 < 5
+    assert not waiting.is_alive() and time.perf_counter() - t0 < 5 and all(j.done() for j in jobs)
     assert _workers.counts["remote"] - before["remote"] < len(blocks) and _workers.counts["broken"] == before["broken"]
     assert _workers.prestart()  # (and the next compile that asks starts new ones)
 
@@ -134,14 +141,11 @@ def test_what_a_worker_prints_from_its_start_never_reaches_its_replies(gpu_less,
     site.mkdir()
     (site / "sitecustomize.py").write_text("print('printed before any fgraph code runs')\n")
     monkeypatch.syspath_prepend(str(site))  # (a worker imports what the parent can)
-    ready()
-    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
+    in_a_worker(glu).result(timeout=60)
     assert _workers.counts["remote"] == before["remote"] + 1
 
 
-def test_a_compile_no_ready_worker_has_taken_is_taken_back_and_stopping_waits_for_no_worker(
-    gpu_less, monkeypatch, tmp_path
-):
+def test_a_compile_no_worker_has_yet_is_taken_back_and_stopping_waits_for_no_worker(gpu_less, monkeypatch, tmp_path):
     """Workers still importing torch (here: a minute) hold up neither the tuner nor the process's exit."""
     glu, before = gpu_less
     site = tmp_path / "site"
@@ -167,4 +171,5 @@ def test_a_worker_that_cannot_start_leaves_the_compiles_to_the_parent(gpu_less, 
     monkeypatch.setattr(_workers.subprocess, "Popen", cannot)
     _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)  # (returns: the parent compiles it)
     _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
     assert not _workers.prestart() and _workers.counts == before
