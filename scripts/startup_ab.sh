@@ -17,7 +17,7 @@ for i in $(seq "${ROUNDS:-2}"); do
   for row in default "$@" compile; do
     export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
     profile=(scripts/startup_profile.py --tag "${row//=/-}-$i")
-    [ "$row" = default ] || profile+=(--config "$row")
+    case $row in default | compile) ;; *) profile+=(--config "$row") ;; esac
     if [ "${SUBJECT:-hf}" = cli ]; then
       cli=(--module examples.generate -- --num-prompts 8 --max-new-tokens 64 --no-progress "${PRESET[@]}" --compile)
       cmd=("${profile[@]}" "${cli[@]}")
