@@ -67,8 +67,9 @@ class config(metaclass=_Checked):
     # read by later processes instead of timing the keys again (fgraph/kernels/_tuned.py). False: each process times
     tune_cache = True
     # worker processes that compile the tuner's candidate kernels, started as a piece is compiled, so that they
-    # compile while Inductor does (and Triton's front end, which holds the GIL, off the parent's threads;
-    # fgraph/kernels/_workers.py). 0: the tuner's threads alone, at its first call. Half the CPUs, up to 8
+    # compile while Inductor does (and Triton's front end, which holds the GIL, off the parent's threads); what no
+    # worker has begun when the tuner asks, its threads compile (fgraph/kernels/_workers.py). 0: the tuner's threads
+    # alone, at its first call. Half the CPUs, up to 8
     compile_workers = max(1, min(8, (os.cpu_count() or 2) // 2))
     # fgraph's own Triton kernels of a decode step (fgraph::linear's family, the triton attention's decode and merge)
     # launch with programmatic dependent launch: each may start while the kernel before it runs and waits for it
