@@ -184,11 +184,13 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     """Before the parent compiles the Triton kernel fn for these launch arguments: wait for a worker's compile of it
     (`ahead`), which the parent's then finds in Triton's disk cache. A compile still queued (every worker busy, or
     still importing torch: seconds where Inductor's compile of the piece was short) is taken back, and one never
-    queued left: the parent compiles both at once, beside the workers. Called from the tuner's threads."""
+    queued left: the parent compiles both at once, beside the workers. Called from the tuner's threads, inside the
+    device's context."""
     if _todo is None or _broken or not config.compile_workers:  # (none started, or none left: nothing queued)
         return
+    key = _key(fn, grid, args, kwargs)
     with _lock:
-        job = _jobs.get(_key(fn, grid, args, kwargs))
+        job = _jobs.get(key)
         if job is None:
             counts["late"] += 1
             return
