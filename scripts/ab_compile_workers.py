@@ -4,8 +4,10 @@ cache. Seconds and the workers' counts, one line each.
 
   python3 scripts/ab_compile_workers.py [--workers 0 2] [--m 1 --n 896 --k 4864]
 
-The workers are started and given --settle seconds before the compiles (in a step they start while Inductor compiles
-the piece). Launch handles are not made (no GPU): the GPU's share of `compile_and_load` is not in these seconds."""
+The workers are started and given --settle seconds for their imports (in a step they start while Inductor compiles
+the piece); then the candidates are queued for them as a piece's rewrite queues them (`_workers.ahead`) and the
+tuner's compile runs at once, taking back what no worker has begun. Launch handles are not made (no GPU): the GPU's
+share of `compile_and_load` is not in these seconds."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def one(workers: int, m: int, n: int, k: int, settle: float) -> dict:
     _workers.prestart()
     time.sleep(settle if workers else 0)
     t0 = time.perf_counter()
+    for c in todo:  # (queued for the workers, as compile_ahead does; nothing with 0)
+        _gemv._launch(c, x, w, None, y, warm="ahead")
     unfit = _workers.make(todo, lambda c, warm: _gemv._launch(c, x, w, None, y, warm=warm))  # (as the tuner does)
     return {"workers": workers, "M": m, "N": n, "K": k, "kernels": len(todo), "unfit": len(unfit), "cpus": os.cpu_count(),
             "compile_s": round(time.perf_counter() - t0, 2), "counts": dict(_workers.counts)}  # fmt: skip
