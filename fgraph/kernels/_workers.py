@@ -55,7 +55,7 @@ _todo: queue.Queue | None = (
     None  # (pickled job, its Future) for the workers' threads; None until the first job, or stopped
 )
 _all: list[tuple[subprocess.Popen, threading.Thread]] = []  # each worker and the thread that feeds it
-_jobs: dict[bytes, Future] = {}  # every job sent, by its pickled self: a launch is compiled once here
+_jobs: dict[bytes, Future] = {}  # every job queued, by its pickled self: a launch is queued once here
 _broken = False
 
 
