@@ -220,7 +220,8 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     model.load_state_dict(base.state_dict())
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0)).to(device)
     before, workers = dict(compiler.counts), dict(_workers.counts)
-    monkeypatch.setattr(_gemv, "_choice", {})  # (every key tuned here: none by an earlier test)
+    monkeypatch.setattr(_gemv, "_choice", {})  # every key tuned here: none by an earlier test, nor read from the
+    monkeypatch.setattr(fgraph.config, "tune_cache", False)  # disk, where an earlier process on this machine tuned it
     kw = dict(output_logits=True, return_dict_in_generate=True)
     with rewriting_on_cpu(monkeypatch) if device == "cpu" else contextlib.nullcontext():
         hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
