@@ -165,12 +165,25 @@ def _key(fn, grid: tuple, args: tuple, kwargs: dict) -> bytes:
     return pickle.dumps(job)
 
 
+def _pin_cache_dir() -> None:
+    """Set TRITON_CACHE_DIR, where unset, as Inductor sets it for the process when it loads its first kernel (its
+    cache dir's triton/<device>): a piece's jobs are queued before Inductor compiles it, and a job names the dir it
+    fills, so without this the workers would fill Triton's default dir and the tuner, compiling after Inductor, read
+    the other. Inside the device's context."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    from triton.runtime import driver
+
+    if os.getenv("TRITON_CACHE_DIR") is None:  # (torch/_inductor/runtime/triton_heuristics.py, CachingAutotuner)
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(driver.active.get_current_device())
+
+
 def ahead(fn, grid: tuple, *args, **kwargs) -> None:
     """Queue the Triton kernel fn's compile for these launch arguments (a trace's fake tensors will do: only their
     dtypes travel) for the workers, into Triton's disk cache, and return: the tuner's compile of the same launch then
     waits for it, or takes it back if no worker has started it (`precompile`). Nothing when off."""
     if not prestart():
         return
+    _pin_cache_dir()
     key = _key(fn, grid, args, kwargs)
     with _lock:
         if _todo is None or key in _jobs:  # (shut down since prestart; or queued already, by another piece)

@@ -70,6 +70,25 @@ def test_a_kernel_a_worker_compiled_is_a_cache_hit_for_the_parents_own_compile(g
     assert got.metadata.name == "glu" and got.asm.get("cubin")
 
 
+def test_a_job_queued_before_inductor_sets_tritons_cache_dir_fills_the_dir_the_tuner_reads(
+    gpu_less, tmp_path, monkeypatch
+):
+    # a user's process: no TRITON_CACHE_DIR until Inductor sets one as it loads its first kernel, after a piece's jobs
+    # were queued and before its tuner compiles
+    glu, before = gpu_less
+    monkeypatch.setattr(triton.knobs.cache, "dir", triton.knobs.Env())  # (Triton's: the variable, else its default)
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    in_a_worker(glu).result(timeout=60)
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    if os.getenv("TRITON_CACHE_DIR") is None:  # (Inductor's CachingAutotuner, as it loads a kernel)
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(0)
+    _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
+    assert _workers.counts["waited"] == before["waited"] + 1 and _workers.counts["late"] == before["late"]
+    assert triton.knobs.cache.dir == triton_cache_dir(0) and any(os.scandir(triton.knobs.cache.dir))
+
+
 def test_a_failing_worker_costs_only_the_parents_own_compile(gpu_less):
     glu, before = gpu_less
     in_a_worker(glu, BLOCK=1000).result(timeout=60)  # tl.arange needs a power of two
