@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -23,6 +24,16 @@ def knobs(module, values: dict):
     finally:
         for k, v in old.items():
             setattr(module, k, v)
+
+
+def cold_env() -> dict:
+    """A cold process's environment, as a user starts one: empty Inductor and Triton caches of its own, and no
+    TRITON_CACHE_DIR (Inductor sets it, to its own cache's triton/<device>, as it loads its first kernel; what fgraph
+    compiles before that must find the same dir), so Triton's default dir is moved under a fresh TRITON_HOME."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
+    env["TRITON_HOME"] = tempfile.mkdtemp(prefix="triton-home-")
+    return env
 
 
 def sync(device="cuda") -> None:

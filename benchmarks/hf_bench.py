@@ -133,7 +133,7 @@ def main(argv=None):
         "--first-only",
         action="store_true",
         help="start-up: each contender's first generate, then stop (no rounds); run one contender a process, with "
-        "fresh TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, for a cold start",
+        "fresh TORCHINDUCTOR_CACHE_DIR and TRITON_HOME and no TRITON_CACHE_DIR, for a user's cold start",
     )
     p.add_argument(
         "--profile",

@@ -23,10 +23,9 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 
-from .common import emit
+from .common import cold_env, emit
 
 GENERATE = ["-m", "examples.generate", "--num-prompts", "8", "--max-new-tokens", "64", "--no-progress"]
 
@@ -77,15 +76,10 @@ def main() -> None:
     gen = [*GENERATE, "--preset", a.preset, "--backend", a.backend]
     # a cold row has empty Inductor and Triton caches of its own (a shared Triton cache would hand the later rows the
     # kernels an earlier row compiled: torch.compile's pieces share fgraph's Triton source); warm reuses cold's
-    fresh = lambda: {
-        **os.environ,
-        "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix="inductor-"),
-        "TRITON_CACHE_DIR": tempfile.mkdtemp(prefix="triton-"),
-    }
-    shared, peer = fresh(), fresh()
+    shared, peer = cold_env(), cold_env()
     child = ["-m", "benchmarks.startup_bench", "--child", "torch_compile", "--preset", a.preset, "--backend", a.backend]
     runs = [
-        ("fgraph", [*gen, "--no-compile"], fresh()),
+        ("fgraph", [*gen, "--no-compile"], cold_env()),
         ("fgraph+C cold", [*gen, "--compile"], shared),
         ("fgraph+C warm", [*gen, "--compile"], shared),
         ("torch.compile cold", child, peer),

@@ -15,7 +15,9 @@ only() { for c in $ALL; do [ "$c" != "$1" ] && printf '%s ' "$c"; done; }
 PRESET=(--preset qwen2.5-0.5b --backend auto)
 for i in $(seq "${ROUNDS:-2}"); do
   for row in default "$@" compile; do
-    export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
+    # (as benchmarks/common.py's cold_env: a user's process sets no TRITON_CACHE_DIR; Inductor sets one)
+    export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_HOME=$(mktemp -d)
+    unset TRITON_CACHE_DIR
     profile=(scripts/startup_profile.py --tag "${row//=/-}-$i")
     case $row in default | compile) ;; *) profile+=(--config "$row") ;; esac
     if [ "${SUBJECT:-hf}" = cli ]; then
