@@ -27,11 +27,17 @@ def _name(key: tuple) -> str:
     return repr(tuple(str(k) if isinstance(k, torch.dtype) else k for k in key[:-1]))
 
 
-@functools.cache
 def _path(index: int) -> str:
-    """The file of device `index`'s identity."""
+    """The file of device `index`'s identity, under Inductor's cache dir as it is now (TORCHINDUCTOR_CACHE_DIR, read
+    at each call as Inductor reads it: a process that moves its caches moves its choices with them)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    return os.path.join(cache_dir(), "fgraph", f"tuned-{_identity(index)}.json")
+
+
+@functools.cache
+def _identity(index: int) -> str:
+    """Device `index`'s identity: its GPU, CUDA, torch and Triton, and the kernels' source, hashed."""
     here = pathlib.Path(__file__).parent
     try:
         import triton
@@ -42,8 +48,7 @@ def _path(index: int) -> str:
     props = torch.cuda.get_device_properties(index)
     ident = [props.name, f"{props.major}.{props.minor}", torch.version.cuda, torch.__version__, triton_version]
     ident += [(here / name).read_text() for name in ("_gemv.py", "_gemv_kernels.py")]
-    digest = hashlib.sha256("\n".join(map(str, ident)).encode()).hexdigest()[:24]
-    return os.path.join(cache_dir(), "fgraph", f"tuned-{digest}.json")
+    return hashlib.sha256("\n".join(map(str, ident)).encode()).hexdigest()[:24]
 
 
 def _read(path: str) -> dict:

@@ -59,3 +59,16 @@ def test_another_gpu_or_the_switch_off_times_again(tmp_path):
     run(tmp_path)
     assert run(tmp_path, gpu="H100")["timed"] == 2
     assert run(tmp_path, cache="off")["timed"] == 2
+
+
+def test_the_choices_follow_inductors_cache_dir_when_a_process_moves_it(tmp_path, monkeypatch):
+    from fgraph.kernels import _tuned
+
+    monkeypatch.setattr(_tuned, "_identity", lambda index: "gpu")
+    key = (2, 520, 512, "bf16", False, False, 0, 0)
+    for name in ("a", "b"):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / name))
+        assert _tuned.load(key, 0) == (False, None)  # (b: nothing stored where a's choice went)
+        _tuned.store(key, 0, (16, 128, 4, 3, True, 2))
+        assert _tuned.load(key, 0) == (True, (16, 128, 4, 3, True, 2))
+    assert [p.name for p in (tmp_path / "b" / "fgraph").iterdir()] == ["tuned-gpu.json"]
