@@ -8,8 +8,8 @@ the two), and the CLI's `phases_s`.
   python3 scripts/startup_profile.py --tag fgraph -- --batches 1 --new 16 --first-only --skip hf_compile_static ...
   python3 scripts/startup_profile.py --tag cli --config compile_workers=0 --module examples.generate -- --compile ...
 
-Give each run fresh TORCHINDUCTOR_CACHE_DIR and TRITON_HOME, and no TRITON_CACHE_DIR, for a user's cold start. A call inside another counted
-call counts in both (the tuner's rows hold its timings and compiles).
+Give each run fresh TORCHINDUCTOR_CACHE_DIR and TRITON_HOME, and no TRITON_CACHE_DIR, for a user's cold start. A call
+inside another counted call counts in both (the tuner's rows hold its timings and compiles).
 
   --load-at-first-launch: the tuner's candidates compiled in its threads but loaded (module and launcher) where each
                           first launches, in the timing loop: the tuner's other way, for an A/B in one command

@@ -62,8 +62,10 @@ def test_another_gpu_or_the_switch_off_times_again(tmp_path):
 
 
 def test_the_choices_follow_inductors_cache_dir_when_a_process_moves_it(tmp_path, monkeypatch):
+    import fgraph
     from fgraph.kernels import _tuned
 
+    monkeypatch.setattr(fgraph.config, "tune_cache", True)
     monkeypatch.setattr(_tuned, "_identity", lambda index: "gpu")
     key = (2, 520, 512, "bf16", False, False, 0, 0)
     for name in ("a", "b"):
