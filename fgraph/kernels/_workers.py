@@ -51,9 +51,8 @@ log = logging.getLogger("fgraph")
 # them)
 counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "taken", "ahead_errors"), 0)
 _lock = threading.Lock()
-_todo: queue.Queue | None = (
-    None  # (pickled job, its Future) for the workers' threads; None until the first job, or stopped
-)
+# (pickled job, its Future) for the workers' threads; None until the first job, or stopped
+_todo: queue.Queue | None = None
 _all: list[tuple[subprocess.Popen, threading.Thread]] = []  # each worker and the thread that feeds it
 _jobs: dict[bytes, Future] = {}  # every job queued, by its pickled self: a launch is queued once here
 _broken = False
