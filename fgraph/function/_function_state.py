@@ -61,6 +61,8 @@ class FunctionState:
         # the same calls by `_call_key`: found again without binding (which reads every lifted tensor: costly for an
         # HF model's prefill, where generate makes a new cache each call)
         self.initialising_calls: set = set()
+        # signatures whose first call ran eagerly because donated objects said they held no tensors (`first_makes`)
+        self.probed: set = set()
         self.lock = threading.RLock()  # one call at a time: buffers, graphs and outputs are shared per function
 
     def log_once(self, key, fmt: str, *args) -> None:
@@ -157,6 +159,9 @@ class FunctionState:
                     + self.cache.closest(call.sig),
                     "pass values that change per call as tensors, or capture() the signatures you need up front",
                 )
+            donated = {k: call.bound[k] for k in self.options.donate if k in call.bound}
+            if not self.options.strict and call.sig not in self.probed and (lazy := T.uninitialised(donated)):
+                return self.first_makes(view, args, kwargs, call, donated, lazy)
             try:
                 with self.padded_meets_unbatched(view, call):
                     entry = self.cache.make(
@@ -189,6 +194,24 @@ class FunctionState:
         view.learn(call, entry)
         entry.verified = None
         return T.refuse_backward(self.name, view.lifted, out, view.donated(call))
+
+    def first_makes(self, view, args, kwargs, call, donated: dict, lazy: list[str]):
+        """A new signature's call whose donated objects say they hold no tensors yet (`lazy`, key paths: a cache
+        generate made, before its prefill): run eagerly, untraced, since a trace of a call that makes donated state is
+        thrown away (`InitialisesState`: seconds of a first generate). Where it made their tensors, later calls like it
+        run eagerly too, as a trace would have found; where it did not, the next call of its signature is traced.
+        Under strict=True the trace finds it and raises."""
+        self.probed.add(call.sig)
+        key = None if self.options.batch else self._call_key(view, args, kwargs)  # (before the call makes them)
+        out = self.fallback(view, "init", call, None, None)
+        view.lifted.rescanned = False  # (the call may make a module's tensors too, which the next call lifts)
+        if len(T.uninitialised(donated)) < len(lazy):
+            self.initialising.add(call.sig)
+            if key is not None:
+                self.initialising_calls.add(key)
+            e = T.initialises(f"the call makes the tensors of donated `{lazy[0]}`", lazy)
+            self.log_once(("init", call.sig.statics), "%s; running eagerly (logged once). Fix: %s", e.what, e.fix)
+        return out
 
     @contextlib.contextmanager
     def padded_meets_unbatched(self, view, call: Call, tracing: bool = True):

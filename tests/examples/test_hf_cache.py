@@ -135,6 +135,8 @@ def test_the_recipe_logs_a_fix_its_user_can_take_for_the_cache_generate_makes(ca
         assert torch.equal(G.generate(model, IDS, 3), want)
     (msg,) = init_logs(caplog)
     assert "generate's prefill makes the cache's tensors" in msg
+    # its layers say is_initialized=False: the prefill ran eagerly untraced (a trace would name the keys it made)
+    assert f"the tensors of donated `{CACHE}.layers[0]` and 1 more" in msg
     assert msg.split("Fix: ")[1].startswith("to trace the prefill as well") and f"generate(..., {CACHE}=cache)" in msg
     caplog.clear()
     model = G.tiny("qwen2")
@@ -240,6 +242,69 @@ def test_a_lazily_made_cache_that_moves_what_it_held_runs_its_first_call_eagerly
         assert torch.equal(f(x, got_cache)[0], lazy_step(x, want_cache)[0])
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(want_cache.layers, got_cache.layers))
     assert f.stats()["fallbacks"]["init"] == 1 and len(f.entries) == 1  # the making call, then one signature
+
+
+class FlaggedLayer(LazyLayer):  # as transformers' cache layers: it says whether it holds its tensors yet
+    def __init__(self):
+        super().__init__()
+        self.is_initialized = False
+
+
+def flagged_step(x, past_key_values=None):
+    print("traced" if isinstance(x, torch._subclasses.FakeTensor) else "eager")  # (a list it appends to: guarded)
+    for layer in past_key_values.layers:
+        if not layer.is_initialized:
+            layer.keys, layer.length = torch.zeros(4, 3), layer.length.clone()
+            layer.is_initialized = True
+    return step(x, past_key_values)
+
+
+def flagged(n=2, cls=FlaggedLayer):
+    c = Cache(0, 0)
+    c.layers = [cls() for _ in range(n)]
+    return c
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_call_whose_donated_layers_say_they_hold_no_tensors_yet_runs_eagerly_untraced(mode, caplog, capsys):
+    """A layer that says is_initialized=False (transformers' lazily made cache, before generate's prefill) is made by
+    the call: it runs eagerly at once, not first traced (a trace of it would be thrown away: seconds of a first
+    generate); a new such cache of the same signature runs eagerly too; the calls after each are traced once."""
+    f = fgraph.jit(flagged_step, donate=["past_key_values"], mode=mode)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for _ in range(2):  # two generates: each makes its cache, then steps on it
+            want_cache, got_cache = flagged(), flagged()
+            for i in range(3):
+                x = torch.full((3,), float(i))
+                assert torch.equal(f(x, got_cache)[0], flagged_step(x, want_cache)[0])
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(want_cache.layers, got_cache.layers))
+    # each call's runs of the function (jitted, then eager's): the first generate's first call, eagerly, at once; its
+    # second traced; its third replayed; the second generate's first eagerly, the others replayed
+    first, second = ["eager", "eager", "traced", "eager", "eager"], ["eager", "eager", "eager", "eager"]
+    assert capsys.readouterr().out.split() == first + second
+    assert f.stats()["fallbacks"]["init"] == 2 and f.stats()["total"]["traces"] == 1 and len(f.entries) == 1
+    (msg,) = init_logs(caplog)
+    assert "the tensors of donated `past_key_values.layers[0]` and 1 more" in msg
+    assert "cache.early_initialization" in msg
+
+
+def test_a_layer_that_says_it_holds_no_tensors_but_is_not_made_is_traced_from_the_second_call(caplog):
+    def reads_length(x, past_key_values=None):  # never makes the layers' keys: the flag stays False
+        return x + past_key_values.layers[0].length
+
+    f = fgraph.jit(reads_length, donate=["past_key_values"])
+    cache = flagged(1)
+    with caplog.at_level(logging.WARNING, logger="fgraph"):
+        for i in range(3):
+            x = torch.full((3,), float(i))
+            assert torch.equal(f(x, cache), reads_length(x, cache))
+    assert f.stats()["fallbacks"]["init"] == 1 and f.stats()["total"]["traces"] == 1 and not init_logs(caplog)
+
+
+def test_a_layer_that_says_it_holds_no_tensors_under_strict_is_the_traces_error():
+    f = fgraph.jit(flagged_step, donate=["past_key_values"], strict=True)
+    with pytest.raises(fgraph.SignatureError, match="makes donated `past_key_values.layers.0..keys`"):
+        f(torch.ones(3), flagged())
 
 
 def test_a_dynamic_cache_is_a_clear_error():
