@@ -138,12 +138,12 @@ def with_linear(module: fx.GraphModule) -> fx.GraphModule:
             compiler.counts["glu"] += made["fgraph::linear_glu"]
             compiler.counts["norm"] += made["fgraph::norm_linear"]
             compiler.counts["group"] += made["fgraph::linears"]
-            if n:  # (the tuner compiles candidates for these at its first call: started now, while Inductor compiles)
-                compile_ahead(other)
         if c.sdpa_decode:
             s = _sdpa.rewrite(other)
             compiler.counts["sdpa"] += s
             n += s
+        if n:  # (the kernels their first call compiles (tuned, for the matmuls): started now, while Inductor compiles)
+            compile_ahead(other)
         got = module.meta[key] = other if n else module
     return got
 

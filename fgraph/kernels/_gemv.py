@@ -42,7 +42,6 @@ normalising each x tile as it loads it; program 0 stores s. Without the kernel: 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 
 import torch
@@ -50,6 +49,7 @@ import torch
 from .._config import pdl_args
 from . import _tuned, _workers
 from ._rowwise import _pow2, add_rms_norm, kernel, normable, silu_mul
+from ._workers import runner as _runner
 
 MAX_ROWS = 16
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, DOT), each also tried with K split in SPLITS (candidates). The reduce
@@ -101,7 +101,7 @@ def eligible(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
 def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None, u=None, warm=False) -> None:
     """One launch of `cfg` into y; glu: the gate rows in w and the up rows in u, or (u None) both halves in w; norm:
     (r or None, nw, eps, s) for fgraph::norm_linear (x, r and s contiguous). warm: compile it only (no launch);
-    "ahead": start its compile in a worker, for fake tensors (`_runner`)."""
+    "ahead": start its compile in a worker, for fake tensors (`_workers.runner`)."""
     block_n, block_k, warps, stages, dot, splits = cfg
     if glu:
         w, u = halves(w, u)
@@ -121,14 +121,6 @@ def _launch(cfg: tuple, x, w, b, y, glu: bool = False, norm: tuple | None = None
                                            NORM=norm is not None,
                                            HAS_RES=r is not None, num_warps=warps, num_stages=stages,
                                            **pdl_args(x))  # fmt: skip
-
-
-def _runner(fn, grid: tuple, warm):
-    """A Triton kernel's launch over grid, or (warm) its compilation for those arguments alone, and its loading, or
-    (warm "ahead") that compilation started in a worker process (`_workers.ahead`)."""
-    if warm == "ahead":
-        return functools.partial(_workers.ahead, fn, grid)
-    return functools.partial(_workers.compile_and_load, fn, grid) if warm else fn[grid]
 
 
 def halves(w: torch.Tensor, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

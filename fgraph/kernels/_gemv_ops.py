@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .._config import config
-from . import _workers
+from . import _sdpa, _workers
 from ._gemv import ahead, ahead_group, linear, linear_glu, linears, norm_linear
 
 log = logging.getLogger("fgraph")
@@ -82,15 +82,16 @@ _AHEAD = {
 
 def compile_ahead(gm: fx.GraphModule) -> int:
     """Start compiling, in the compile workers (fgraph.config.compile_workers), the kernels the tuner will compile at
-    the first call of gm's fgraph::linear family, from the trace's values of their arguments; the ops so met. Called
-    before Inductor compiles gm: the workers compile while it does. A batch axis is a symbol whose hint is the bucket
+    the first call of gm's fgraph::linear family, and those fgraph::sdpa_decode's first call launches, from the
+    trace's values of their arguments; the ops so met. Called before Inductor compiles gm: the workers compile while
+    it does. A batch axis is a symbol whose hint is the bucket
     the trace was made for, the rows the tuner will meet; an op with an unhinted size, or one this raises on (counted:
     it costs only time), is left to the tuner. Nothing without workers (their count 0)."""
     if not config.compile_workers:
         return 0
     made, mode = 0, FakeTensorMode()
     for node in gm.graph.nodes:
-        rule = _AHEAD.get(node.target)
+        rule = _AHEAD.get(node.target) or _sdpa.AHEAD.get(node.target)
         if rule is None:
             continue
         traced = fx.node.map_arg(node.args, lambda a: a.meta.get("val"))

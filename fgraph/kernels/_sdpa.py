@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .._config import pdl_args
+from . import _workers
 from ._rowwise import _pow2
 
 BLOCK_N = 64  # keys per step, a [64, D] tile of K and of V
@@ -95,9 +96,12 @@ def sdpa_decode(q, k, v, bias, scale: float) -> torch.Tensor:
     return launch(q, k, v, bias, scale)
 
 
-def launch(q, k, v, bias, scale: float) -> torch.Tensor:
-    """The kernels on q's device (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1); `serves(q, k, v)` holds."""
+def launch(q, k, v, bias, scale: float, warm=False) -> torch.Tensor:
+    """The kernels on q's device (CPU tensors: Triton's interpreter, TRITON_INTERPRET=1); `serves(q, k, v)` holds.
+    warm "ahead": their compiles queued for the compile workers instead, for a trace's fake tensors (`AHEAD`); the
+    first launch of each then waits for its compile (`_workers.direct`)."""
     kern = kernels()
+    run = functools.partial(_workers.runner, warm=warm) if warm else _workers.direct
     B, Hq, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -119,14 +123,14 @@ def launch(q, k, v, bias, scale: float) -> torch.Tensor:
     sb = bias.stride() if bias is not None else (0, 0, 0, 0)
     pdl = pdl_args(q)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # (CPU: Triton's interpreter)
-        kern.decode[(B, Hkv, splits)](
+        run(kern.decode, (B, Hkv, splits))(
             q, k, v, b_, out, parts, lse, S, chunk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), sb[0], sb[1], sb[3], out.stride(0), out.stride(1), scale * LOG2E,
             G=G, BLOCK_G=max(16, _pow2(G)), D=D, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SPLITS=splits,
             HAS_BIAS=bias is not None, F32=q.dtype == torch.float32, UPCAST=not q.is_cuda, num_warps=4, **pdl,
         )  # fmt: skip
         if splits > 1:
-            kern.merge[(B, Hq)](
+            run(kern.merge, (B, Hq))(
                 parts, lse, out, out.stride(0), out.stride(1), Hq, D=D, BLOCK_D=block_d, SPLITS=splits,
                 SPLITS_P2=_pow2(splits), num_warps=1, **pdl,
             )  # fmt: skip
@@ -146,3 +150,7 @@ def _(q, k, v, bias, scale):
 
 
 op = torch.ops.fgraph.sdpa_decode.default
+
+# the op's arguments -> its kernels' compiles, started in the compile workers as a piece is compiled (compile_ahead):
+# their first launch compiles on the calling thread, in the first call's capture
+AHEAD = {op: lambda q, k, v, bias, scale: launch(q, k, v, bias, scale, warm="ahead")}

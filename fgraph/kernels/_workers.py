@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -55,6 +56,7 @@ _lock = threading.Lock()
 _todo: queue.Queue | None = None
 _all: list[tuple[subprocess.Popen, threading.Thread]] = []  # each worker and the thread that feeds it
 _jobs: dict[bytes, Future] = {}  # every job queued, by its pickled self: a launch is queued once here
+_launched: set[bytes] = set()  # the direct launches made (`direct`): only a first one waits for its job
 _broken = False
 
 
@@ -126,6 +128,7 @@ def shutdown() -> None:
         stopping, todo, _todo, _broken = list(_all), _todo, None, False
         _all.clear()
         _jobs.clear()
+        _launched.clear()
     if todo is None:
         return
     with contextlib.suppress(queue.Empty):
@@ -206,6 +209,11 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         if job is None:
             counts["late"] += 1
             return
+    _wait(job)
+
+
+def _wait(job: Future) -> None:
+    """Wait for a queued job a worker has; take it back if none has it yet (the caller compiles it)."""
     if job.cancel():
         with _lock:
             counts["taken"] += 1
@@ -217,6 +225,33 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         return
     with _lock:
         counts["waited"] += 1
+
+
+def direct(fn, grid: tuple):
+    """fn[grid], for a kernel launched as it is, not tuned (sdpa_decode's): the first launch of its arguments first
+    waits for the compile queued ahead for it, if any (`ahead`), as the tuner's compiles do, so that the launch's own
+    compile, on the calling thread, is a disk hit. Inside the device's context."""
+    if _todo is None or _broken or not config.compile_workers:
+        return fn[grid]
+
+    def launch(*args, **kwargs):
+        key = _key(fn, grid, args, kwargs)
+        with _lock:
+            job = None if key in _launched else _jobs.get(key)
+            _launched.add(key)
+        if job is not None:
+            _wait(job)
+        return fn[grid](*args, **kwargs)
+
+    return launch
+
+
+def runner(fn, grid: tuple, warm=False):
+    """A Triton kernel's launch over grid, or (warm) its compilation for those arguments alone and its loading (the
+    tuner's), or (warm "ahead") that compilation started in a worker process (`ahead`)."""
+    if warm == "ahead":
+        return functools.partial(ahead, fn, grid)
+    return functools.partial(compile_and_load, fn, grid) if warm else fn[grid]
 
 
 def make(cfgs: list, launch) -> list:

@@ -1,7 +1,7 @@
 """Compiling ahead (fgraph/kernels/_gemv.py `ahead`, _gemv_ops.py `compile_ahead`): as a piece is compiled, the
-kernels its fgraph::linear family's tuner will compile at the first call start compiling in the compile workers, from
-the trace's fake tensors. It pays only if every job started ahead is one the tuner then asks for: the same kernel,
-argument dtypes and constants.
+kernels its fgraph::linear family's tuner will compile at the first call, and those fgraph::sdpa_decode launches
+then, start compiling in the compile workers, from the trace's fake tensors. It pays only if every job started ahead
+is one the first call then asks for: the same kernel, argument dtypes and constants.
 
 No GPU here: the trace's values are fake CUDA tensors and the jobs are recorded, not sent. That each job started ahead
 on the GPU is the one a cold first call's tuner waits for (no compile left late) is the GPU suite's
@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fgraph
 from fgraph import kernels
-from fgraph.kernels import _gemv, _gemv_ops, _workers
+from fgraph.kernels import _gemv, _gemv_ops, _sdpa, _workers
 
 pytest.importorskip("triton")
 BF16 = torch.bfloat16
@@ -142,3 +142,37 @@ def test_a_piece_starts_each_op_at_the_rows_it_was_traced_for_leaves_errors_to_i
     monkeypatch.setattr(fgraph.config, "compile_workers", 0)  # (no workers: no plan made for none to compile)
     assert _gemv_ops.compile_ahead(make_fx(piece, tracing_mode="fake")(x, w)) == 0
     assert _workers.counts["ahead_errors"] == before + 1
+
+
+# sdpa_decode's (q, k, v, bias) as a 0.5B Qwen2's decode step reads them: 14 query heads over 2 KV heads of 64, a
+# 1040-key static cache (each case splits the keys: the merge kernel too)
+SDPA = {
+    "B=1, no bias": lambda f: (f(1, 14, 1, 64), f(1, 2, 1040, 64), f(1, 2, 1040, 64), None),
+    "B=1, float mask": lambda f: (f(1, 14, 1, 64), f(1, 2, 1040, 64), f(1, 2, 1040, 64), f(1, 1, 1, 1040)),
+    "B=64, bool mask": lambda f: (
+        f(64, 14, 1, 64),
+        f(64, 2, 1040, 64),
+        f(64, 2, 1040, 64),
+        f(64, 1, 1, 1040, dtype=torch.bool),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SDPA)
+def test_the_jobs_sdpa_decode_starts_ahead_are_the_launches_its_first_call_makes(case, jobs, monkeypatch):
+    monkeypatch.setattr(_sdpa, "_sms", lambda device: 132)  # (an H100's: no GPU here)
+    launches = jobs["tuner"]  # (the first call's launches, recorded as the tuner's compiles are)
+    monkeypatch.setattr(
+        _workers, "direct", lambda fn, grid: lambda *a, **k: _workers.compile_and_load(fn, grid, *a, **k)
+    )
+    mode = FakeTensorMode()
+
+    def f(*shape, dtype=BF16):
+        with mode:
+            return torch.empty(*shape, dtype=dtype, device="cuda")
+
+    q, k, v, bias = SDPA[case](f)
+    with mode:
+        _sdpa.AHEAD[kernels.sdpa_op](q, k, v, bias, 0.125)
+        _sdpa.launch(q, k, v, bias, 0.125)
+    assert jobs["ahead"] == launches and [name for name, *_ in launches] == ["decode", "merge"]

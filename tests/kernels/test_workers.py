@@ -192,3 +192,23 @@ def test_a_worker_that_cannot_start_leaves_the_compiles_to_the_parent(gpu_less, 
     _workers.ahead(glu, (4, 5), *GLU_ARGS, **GLU_KWARGS)
     _workers.precompile(glu, (4, 5), GLU_ARGS, GLU_KWARGS)
     assert not _workers.prestart() and _workers.counts == before
+
+
+def test_a_direct_launchs_first_call_waits_for_its_compile_queued_ahead_and_no_later_one_does(gpu_less):
+    """sdpa_decode's kernels are launched as they are, not tuned: the first launch of arguments queued ahead waits
+    for the worker's compile (its own is then a disk hit), once; a launch never queued waits for nothing."""
+    glu, before = gpu_less
+    launches = []
+
+    class Recorded:  # glu, its launches recorded (no GPU here)
+        fn = glu.fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid)
+
+    in_a_worker(glu)
+    for _ in range(2):
+        _workers.direct(Recorded(), (4, 5))(*GLU_ARGS, **GLU_KWARGS)
+    _workers.direct(Recorded(), (4, 5))(*GLU_ARGS, **{**GLU_KWARGS, "BLOCK": 512})
+    got = {k: _workers.counts[k] - before[k] for k in before}
+    assert got == {**dict.fromkeys(before, 0), "ahead": 1, "remote": 1, "waited": 1} and len(launches) == 3
