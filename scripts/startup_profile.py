@@ -57,6 +57,8 @@ def _timed(name: str, fn):
             row = stats.setdefault(f"{name}/{where}", {"calls": 0, "s": 0.0})
             row["calls"] += 1
             row["s"] += time.perf_counter() - t0
+            if name == "triton_compile" and where == "main":  # (which kernels a first call still waits for)
+                row.setdefault("kernels", []).append(getattr(args[0], "__name__", "?"))
 
     return wrapper
 
@@ -111,7 +113,7 @@ def main() -> None:
             **done,
             "wall_s": round(time.perf_counter() - t0, 2),
         }
-        row |= {k: {"calls": v["calls"], "s": round(v["s"], 2)} for k, v in sorted(stats.items())}
+        row |= {k: {**v, "s": round(v["s"], 2)} for k, v in sorted(stats.items())}
         from fgraph.kernels import compile_worker_counts
 
         row |= {"linear_s": {k: round(v, 2) for k, v in linear_seconds.items()}, "linear": dict(linear_counts)}
