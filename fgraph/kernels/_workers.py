@@ -48,9 +48,10 @@ log = logging.getLogger("fgraph")
 # dead (then none is asked again here). The tuner's compiles (`precompile`), while workers run: waited, those that
 # found theirs in a worker and waited for it; taken, those that found theirs still queued (every worker busy, or still
 # starting) and took it back; late, those that found none queued (a cold start's piece compiled ahead should leave
-# none). ahead_errors: ops whose kernels could not be queued ahead (a bug, never a wrong answer: the tuner compiles
-# them)
-counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "taken", "ahead_errors"), 0)
+# none). direct: the first launches of a kernel launched untuned (sdpa_decode's) that found their job queued ahead
+# (each also counted waited or taken). ahead_errors: ops whose kernels could not be queued ahead (a bug, never a wrong
+# answer: the first call compiles them)
+counts = dict.fromkeys(("remote", "failed", "broken", "ahead", "waited", "late", "taken", "direct", "ahead_errors"), 0)
 _lock = threading.Lock()
 # (pickled job, its Future) for the workers' threads; None until the first job, or stopped
 _todo: queue.Queue | None = None
@@ -239,6 +240,7 @@ def direct(fn, grid: tuple):
         with _lock:
             job = None if key in _launched else _jobs.get(key)
             _launched.add(key)
+            counts["direct"] += job is not None
         if job is not None:
             _wait(job)
         return fn[grid](*args, **kwargs)

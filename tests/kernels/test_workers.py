@@ -211,4 +211,4 @@ def test_a_direct_launchs_first_call_waits_for_its_compile_queued_ahead_and_no_l
         _workers.direct(Recorded(), (4, 5))(*GLU_ARGS, **GLU_KWARGS)
     _workers.direct(Recorded(), (4, 5))(*GLU_ARGS, **{**GLU_KWARGS, "BLOCK": 512})
     got = {k: _workers.counts[k] - before[k] for k in before}
-    assert got == {**dict.fromkeys(before, 0), "ahead": 1, "remote": 1, "waited": 1} and len(launches) == 3
+    assert got == {**dict.fromkeys(before, 0), "ahead": 1, "remote": 1, "waited": 1, "direct": 1} and len(launches) == 3
