@@ -101,7 +101,10 @@ def launch(q, k, v, bias, scale: float, warm=False) -> torch.Tensor:
     warm "ahead": their compiles queued for the compile workers instead, for a trace's fake tensors (`AHEAD`); the
     first launch of each then waits for its compile (`_workers.direct`)."""
     kern = kernels()
-    run = functools.partial(_workers.runner, warm=warm) if warm else _workers.direct
+    if warm:
+        run = functools.partial(_workers.runner, warm=warm)
+    else:  # (CPU tensors: Triton's interpreter launches them, with no workers' compile to wait for)
+        run = _workers.direct if q.is_cuda else _workers.runner
     B, Hq, _, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -153,4 +156,4 @@ op = torch.ops.fgraph.sdpa_decode.default
 
 # the op's arguments -> its kernels' compiles, started in the compile workers as a piece is compiled (compile_ahead):
 # their first launch compiles on the calling thread, in the first call's capture
-AHEAD = {op: lambda q, k, v, bias, scale: launch(q, k, v, bias, scale, warm="ahead")}
+AHEAD = {op: lambda q, k, v, bias, scale: launch(q, k, v, bias, scale, warm="ahead") if q.is_cuda else None}
