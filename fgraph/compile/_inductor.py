@@ -22,8 +22,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._config import config as fgraph_config
 from .._errors import SignatureError
-from ..kernels import compile_ahead
-from ..trace import fake_slices
+from ..kernels import compile_ahead, sdpa_op
+from ..trace import fake_slices, split
 from . import _sdpa, _small_m
 from ._assumed import Compilation, bound_int, input_layout, layout_facts, piece_key, restored
 
@@ -83,20 +83,27 @@ class Compiled(torch.nn.Module):
     call it is checked against the call's sizes: where a guard or range Inductor relied on does not hold, this
     signature gets a compilation at its own static shapes."""
 
-    def __init__(self, name: str, module: fx.GraphModule, options: dict, static: bool = False):
+    def __init__(self, name: str, module: fx.GraphModule, options: dict, static: bool = False, rewrite: bool = True):
         super().__init__()
-        module = with_linear(module)
+        module = with_linear(module) if rewrite else module  # (a part of a piece: rewritten with the piece)
         self.module, self.options, self.static = module, options, static
-        # compiled (or found) now, so capture's bar shows the progress; a static piece compiles at its first call
-        self.shared = None if static else _compiling(name, lambda: compiler.symbolic(module, options))
         self.name = name
         self.fn, self.how = None, None
+        self.parts = _parts(name, module, options, static) if fgraph_config.compile_parts else None
+        if self.parts is not None:  # (each part a Compiled of its own)
+            cuts = sum(n.target is sdpa_op for n in module.graph.nodes)
+            self.shared, self.how = None, f"in parts, cut at its {cuts} fgraph::sdpa_decode calls"
+            return
+        # compiled (or found) now, so capture's bar shows the progress; a static piece compiles at its first call
+        self.shared = None if static else _compiling(name, lambda: compiler.symbolic(module, options))
         # a piece that returns one bare tensor (split_module's single output): compiled code returns a 1-list, which
         # the program would hand on as the output itself (a list, never sliced back to N)
         out = next(n for n in reversed(module.graph.nodes) if n.op == "output")
         self.single = not isinstance(out.args[0], (tuple, list))
 
     def forward(self, *args):
+        if self.parts is not None:
+            return self.parts(*args)
         if self.fn is None:
             if not self.static and self.shared.holds_for(args):
                 self.fn, self.how = self.shared.fn, "symbolic"
@@ -105,6 +112,22 @@ class Compiled(torch.nn.Module):
                 self.fn, self.how = fn, "static"
         out = self.fn(*args)
         return out[0] if self.single and isinstance(out, (tuple, list)) else out
+
+
+def _parts(name: str, module: fx.GraphModule, options: dict, static: bool):
+    """The piece cut before and after each of its fgraph::sdpa_decode calls where it has two or more (each a
+    decoder layer's attention), every part between compiled as a piece of its own (`Compiled`), the calls run as
+    they are between them. A deep model's middle parts (a layer's MLP and the next one's projections) are one graph
+    over other weights: Inductor compiles it once (`Compiler.symbolic`'s key), where the piece whole costs it every
+    layer's ops. None where the piece has fewer than two calls."""
+    if sum(n.target is sdpa_op for n in module.graph.nodes) < 2:
+        return None
+    program = split(module, lambda n: n.target is sdpa_op, {})
+    for p in program.pieces:
+        if not p.is_break:
+            part = Compiled(f"{name}.{p.name}", p.module, options, static, rewrite=False)
+            setattr(program.module, p.name, part)
+    return program.module
 
 
 def _compiling(name: str, compile: Callable):

@@ -27,6 +27,7 @@ from ._slice_compat import fake_slices as fake_slices
 from ._split import Piece as Piece
 from ._split import Program as Program
 from ._split import op_summary as op_summary
+from ._split import split as split
 from ._state_change import InitialisesState as InitialisesState
 from ._state_change import initialises as initialises
 from ._state_change import uninitialised as uninitialised

@@ -74,7 +74,11 @@ def split(gm: fx.GraphModule, is_break, input_names: dict[str, str]) -> Program:
             if n.op == "call_function" and n.target is not operator.getitem and not _is_shape_math(n)
         ]
         is_brk = int(node.target.rsplit("_", 1)[1]) in break_parts
-        support = min((P.support_of(n) for n in calls if P.primitive_of(n)), key=lambda s: s[0]) if is_brk else None
+        support = (  # (None for a cut at an op that is no primitive: compiled pieces' parts, fgraph.compile)
+            min((P.support_of(n) for n in calls if P.primitive_of(n)), key=lambda s: s[0], default=None)
+            if is_brk
+            else None
+        )
         ins = tuple(
             input_names.get(n.name, f"%{n.name}")
             for n in sub.graph.nodes

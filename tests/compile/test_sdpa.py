@@ -218,3 +218,33 @@ def test_a_hugging_face_decode_step_compiled_with_the_switch_calls_the_op_in_eve
             torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
     assert compiler.counts["sdpa"] - before == 2  # the decode signature's one piece: both layers' calls
     assert f.stats()["total"]["replays"] >= 6
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_decode_piece_compiled_in_parts_compiles_each_distinct_part_once_and_gives_eagers_tokens(
+    device, tmp_path, monkeypatch
+):
+    """fgraph.config.compile_parts: an HF decode piece (no break: every layer in one piece) cut at its sdpa_decode
+    calls, one per layer. Of 3 layers' 4 parts, the two middle ones (a layer's MLP and the next one's projections)
+    are one graph over other weights: Inductor compiles 3, not the piece whole."""
+    from examples import hf_generate as G
+
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fgraph.config, "compile_parts", True)
+    base, model = G.tiny("qwen2", device, layers=3), G.tiny("qwen2", device, layers=3)
+    for m in (base, model):
+        m.set_attn_implementation("sdpa")
+    ids = torch.randint(1, 128, (3, 6), generator=torch.Generator().manual_seed(0)).to(device)  # (padded to 4)
+    kw = dict(return_dict_in_generate=True, output_logits=True)
+    want = G.generate(base, ids, 4, **kw)
+    with rewriting_on_cpu(monkeypatch) if device == "cpu" else contextlib.nullcontext():
+        before = dict(compiler.counts)
+        f = G.jit_forward(model, compile=True, buckets=[4])
+        for _ in range(2):  # the second generate replays the decode piece
+            got = G.generate(model, ids, 4, **kw)
+            assert torch.equal(got.sequences, want.sequences)
+            torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
+    made = {k: compiler.counts[k] - before[k] for k in ("compiled", "loaded", "sdpa")}
+    assert made == {"compiled": 3, "loaded": 0, "sdpa": 3}
+    assert "compiled: in parts, cut at its 3 fgraph::sdpa_decode calls" in str(fgraph.explain(f))
