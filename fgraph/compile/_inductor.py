@@ -165,7 +165,7 @@ def with_linear(module: fx.GraphModule) -> fx.GraphModule:
             s = _sdpa.rewrite(other)
             compiler.counts["sdpa"] += s
             n += s
-        if n:  # (the kernels their first call compiles (tuned, for the matmuls): started now, while Inductor compiles)
+        if n:  # (the kernels the ops' first call compiles, the tuner's candidates too: started now, as Inductor runs)
             compile_ahead(other)
         got = module.meta[key] = other if n else module
     return got

@@ -84,9 +84,9 @@ def compile_ahead(gm: fx.GraphModule) -> int:
     """Start compiling, in the compile workers (fgraph.config.compile_workers), the kernels the tuner will compile at
     the first call of gm's fgraph::linear family, and those fgraph::sdpa_decode's first call launches, from the
     trace's values of their arguments; the ops so met. Called before Inductor compiles gm: the workers compile while
-    it does. A batch axis is a symbol whose hint is the bucket
-    the trace was made for, the rows the tuner will meet; an op with an unhinted size, or one this raises on (counted:
-    it costs only time), is left to the tuner. Nothing without workers (their count 0)."""
+    it does. A batch axis is a symbol whose hint is the bucket the trace was made for, the rows the first call will
+    meet; an op with an unhinted size, or one this raises on (counted: it costs only time), is left to the first
+    call. Nothing without workers (their count 0)."""
     if not config.compile_workers:
         return 0
     made, mode = 0, FakeTensorMode()
