@@ -89,9 +89,9 @@ class Compiled(torch.nn.Module):
         self.module, self.options, self.static = module, options, static
         self.name = name
         self.fn, self.how = None, None
-        self.parts = _parts(name, module, options, static) if fgraph_config.compile_parts else None
+        cuts = sum(n.target is sdpa_op for n in module.graph.nodes) if fgraph_config.compile_parts else 0
+        self.parts = _parts(name, module, options, static) if cuts >= 2 else None
         if self.parts is not None:  # (each part a Compiled of its own)
-            cuts = sum(n.target is sdpa_op for n in module.graph.nodes)
             self.shared, self.how = None, f"in parts, cut at its {cuts} fgraph::sdpa_decode calls"
             return
         # compiled (or found) now, so capture's bar shows the progress; a static piece compiles at its first call
@@ -115,13 +115,10 @@ class Compiled(torch.nn.Module):
 
 
 def _parts(name: str, module: fx.GraphModule, options: dict, static: bool):
-    """The piece cut before and after each of its fgraph::sdpa_decode calls where it has two or more (each a
-    decoder layer's attention), every part between compiled as a piece of its own (`Compiled`), the calls run as
-    they are between them. A deep model's middle parts (a layer's MLP and the next one's projections) are one graph
-    over other weights: Inductor compiles it once (`Compiler.symbolic`'s key), where the piece whole costs it every
-    layer's ops. None where the piece has fewer than two calls."""
-    if sum(n.target is sdpa_op for n in module.graph.nodes) < 2:
-        return None
+    """The piece cut before and after each of its fgraph::sdpa_decode calls (each a decoder layer's attention), every
+    part between compiled as a piece of its own (`Compiled`), the calls run as they are between them. A deep model's
+    middle parts (a layer's MLP and the next one's projections) are one graph over other weights: Inductor compiles
+    it once (`Compiler.symbolic`'s key), where the piece whole costs it every layer's ops."""
     program = split(module, lambda n: n.target is sdpa_op, {})
     for p in program.pieces:
         if not p.is_break:

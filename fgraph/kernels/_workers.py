@@ -202,7 +202,7 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     still importing torch: seconds where Inductor's compile of the piece was short) is taken back, and one never
     queued left: the parent compiles both at once, beside the workers. Called from the tuner's threads, inside the
     device's context."""
-    if _todo is None or _broken or not config.compile_workers:  # (none started, or none left: nothing queued)
+    if not _queueing():
         return
     key = _key(fn, grid, args, kwargs)
     with _lock:
@@ -211,6 +211,11 @@ def precompile(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
             counts["late"] += 1
             return
     _wait(job)
+
+
+def _queueing() -> bool:
+    """Whether jobs may be queued for a compile to wait for: workers started and none dead, and still on."""
+    return _todo is not None and not _broken and bool(config.compile_workers)
 
 
 def _wait(job: Future) -> None:
@@ -232,7 +237,7 @@ def direct(fn, grid: tuple):
     """fn[grid], for a kernel launched as it is, not tuned (sdpa_decode's): the first launch of its arguments first
     waits for the compile queued ahead for it, if any (`ahead`), as the tuner's compiles do, so that the launch's own
     compile, on the calling thread, is a disk hit. Inside the device's context."""
-    if _todo is None or _broken or not config.compile_workers:
+    if not _queueing():
         return fn[grid]
 
     def launch(*args, **kwargs):

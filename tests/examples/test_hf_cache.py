@@ -228,22 +228,6 @@ def test_only_calls_without_batched_arguments_make_state_again_without_binding(m
         assert f.stats()["fallbacks"]["init"] == 3 and len(bound) == binds, batch
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_lazily_made_cache_that_moves_what_it_held_runs_its_first_call_eagerly(mode):
-    def cache():
-        c = Cache(0, 0)
-        c.layers = [LazyLayer(), LazyLayer()]
-        return c
-
-    want_cache, got_cache = cache(), cache()
-    f = fgraph.jit(lazy_step, donate=["past_key_values"], mode=mode)
-    for i in range(3):
-        x = torch.full((3,), float(i))
-        assert torch.equal(f(x, got_cache)[0], lazy_step(x, want_cache)[0])
-    assert all(torch.equal(a.keys, b.keys) for a, b in zip(want_cache.layers, got_cache.layers))
-    assert f.stats()["fallbacks"]["init"] == 1 and len(f.entries) == 1  # the making call, then one signature
-
-
 class FlaggedLayer(LazyLayer):  # as transformers' cache layers: it says whether it holds its tensors yet
     def __init__(self):
         super().__init__()
@@ -259,10 +243,22 @@ def flagged_step(x, past_key_values=None):
     return step(x, past_key_values)
 
 
-def flagged(n=2, cls=FlaggedLayer):
+def lazy_cache(n=2, cls=FlaggedLayer):
+    """A cache of n layers that make their tensors on first use."""
     c = Cache(0, 0)
     c.layers = [cls() for _ in range(n)]
     return c
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_lazily_made_cache_that_moves_what_it_held_runs_its_first_call_eagerly(mode):
+    want_cache, got_cache = lazy_cache(cls=LazyLayer), lazy_cache(cls=LazyLayer)
+    f = fgraph.jit(lazy_step, donate=["past_key_values"], mode=mode)
+    for i in range(3):
+        x = torch.full((3,), float(i))
+        assert torch.equal(f(x, got_cache)[0], lazy_step(x, want_cache)[0])
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(want_cache.layers, got_cache.layers))
+    assert f.stats()["fallbacks"]["init"] == 1 and len(f.entries) == 1  # the making call, then one signature
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -273,7 +269,7 @@ def test_a_call_whose_donated_layers_say_they_hold_no_tensors_yet_runs_eagerly_u
     f = fgraph.jit(flagged_step, donate=["past_key_values"], mode=mode)
     with caplog.at_level(logging.WARNING, logger="fgraph"):
         for _ in range(2):  # two generates: each makes its cache, then steps on it
-            want_cache, got_cache = flagged(), flagged()
+            want_cache, got_cache = lazy_cache(), lazy_cache()
             for i in range(3):
                 x = torch.full((3,), float(i))
                 assert torch.equal(f(x, got_cache)[0], flagged_step(x, want_cache)[0])
@@ -293,7 +289,7 @@ def test_a_layer_that_says_it_holds_no_tensors_but_is_not_made_is_traced_from_th
         return x + past_key_values.layers[0].length
 
     f = fgraph.jit(reads_length, donate=["past_key_values"])
-    cache = flagged(1)
+    cache = lazy_cache(1)
     with caplog.at_level(logging.WARNING, logger="fgraph"):
         for i in range(3):
             x = torch.full((3,), float(i))
@@ -304,7 +300,7 @@ def test_a_layer_that_says_it_holds_no_tensors_but_is_not_made_is_traced_from_th
 def test_a_layer_that_says_it_holds_no_tensors_under_strict_is_the_traces_error():
     f = fgraph.jit(flagged_step, donate=["past_key_values"], strict=True)
     with pytest.raises(fgraph.SignatureError, match="makes donated `past_key_values.layers.0..keys`"):
-        f(torch.ones(3), flagged())
+        f(torch.ones(3), lazy_cache())
 
 
 def test_a_dynamic_cache_is_a_clear_error():
