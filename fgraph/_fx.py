@@ -145,3 +145,43 @@ class WriteOrder:
         """Whether no node writes in place strictly between the first and the last of `nodes`."""
         lo, hi = min(self.at[n] for n in nodes), max(self.at[n] for n in nodes)
         return bisect.bisect_right(self.writes, lo) == bisect.bisect_left(self.writes, hi)
+
+
+def _frozen(x):
+    """x as a hashable key: Nodes as themselves, containers as tuples, and every other value with its type (so that
+    0.0 and -0.0, or 1 and 1.0, stay apart)."""
+    if isinstance(x, fx.Node):
+        return x
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *map(_frozen, x))
+    if isinstance(x, dict):
+        return ("dict", *((k, _frozen(v)) for k, v in sorted(x.items())))
+    return (type(x).__name__, repr(x))
+
+
+def share_repeats(gm: fx.GraphModule) -> int:
+    """Compute once what gm computes again: a call of the same op on the same arguments as an earlier node reads that
+    node instead (a Hugging Face decode converts its one boolean mask to an additive bias at every layer's SDPA).
+    Only where nothing can tell: no random op, no value that a node writes in place (itself, a view of it, or what
+    it reads: so no op that writes either) on either side, and none that gm returns (two outputs stay two tensors).
+    In place; the number of nodes merged."""
+    written = {base_of(x) for n in gm.graph.nodes for x in write_targets(n)}
+    first, merged = {}, 0
+    for n in list(gm.graph.nodes):
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded in t.tags or base_of(n) in written:
+            continue
+        if any(base_of(a) in written for a in n.all_input_nodes) or any(u.op == "output" for u in n.users):
+            continue
+        key = (t, _frozen(n.args), _frozen(n.kwargs))
+        if key in first:
+            n.replace_all_uses_with(first[key])
+            gm.graph.erase_node(n)
+            merged += 1
+        else:
+            first[key] = n
+    if merged:
+        gm.recompile()
+    return merged

@@ -22,6 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._config import config as fgraph_config
 from .._errors import SignatureError
+from .._fx import share_repeats
 from ..kernels import compile_ahead, sdpa_op
 from ..trace import fake_slices, split
 from . import _sdpa, _small_m
@@ -118,7 +119,11 @@ def _parts(name: str, module: fx.GraphModule, options: dict, static: bool):
     """The piece cut before and after each of its fgraph::sdpa_decode calls (each a decoder layer's attention), every
     part between compiled as a piece of its own (`Compiled`), the calls run as they are between them. A deep model's
     middle parts (a layer's MLP and the next one's projections) are one graph over other weights: Inductor compiles
-    it once (`Compiler.symbolic`'s key), where the piece whole costs it every layer's ops."""
+    it once (`Compiler.symbolic`'s key), where the piece whole costs it every layer's ops. What the piece computes
+    again at every layer (the mask's bias) is computed once, in the first part, and read by the rest, as Inductor
+    would do inside one compilation."""
+    module = fx.GraphModule(module, copy.deepcopy(module.graph))
+    compiler.counts["repeats"] += share_repeats(module)
     program = split(module, lambda n: n.target is sdpa_op, {})
     for p in program.pieces:
         if not p.is_break:
@@ -183,10 +188,10 @@ class Compiler:
         # linear: the fgraph ops the signatures' pieces' matmuls were rewritten into (fgraph::linear, linears,
         # linear_glu, norm_linear); group, glu, norm: those of fgraph::linears, linear_glu, norm_linear
         # (fgraph/compile/_small_m.py)
-        # failed: signatures whose pieces Inductor raised on (they ran uncompiled graphs, or the error was raised)
-        self.counts = dict.fromkeys(
-            ("compiled", "loaded", "shared", "static", "failed", "linear", "glu", "norm", "group", "sdpa"), 0
-        )
+        # failed: signatures whose pieces Inductor raised on (they ran uncompiled graphs, or the error was raised);
+        # repeats: nodes a piece compiled in parts computed again and now reads from the first (`_parts`)
+        names = ("compiled", "loaded", "shared", "static", "failed", "linear", "glu", "norm", "group", "sdpa")
+        self.counts = dict.fromkeys((*names, "repeats"), 0)
         self.counts["seconds"] = 0.0
 
     def symbolic(self, module: fx.GraphModule, options: dict) -> Compilation:

@@ -232,6 +232,7 @@ def test_a_decode_piece_compiled_in_parts_compiles_each_distinct_part_once_and_g
     pytest.importorskip("transformers")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(fgraph.config, "compile_parts", True)
+    monkeypatch.setattr(compiler, "shared", {})  # (not the parts this process's other tests compiled)
     base, model = G.tiny("qwen2", device, layers=3), G.tiny("qwen2", device, layers=3)
     for m in (base, model):
         m.set_attn_implementation("sdpa")
@@ -247,4 +248,5 @@ def test_a_decode_piece_compiled_in_parts_compiles_each_distinct_part_once_and_g
             torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
     made = {k: compiler.counts[k] - before[k] for k in ("compiled", "loaded", "sdpa")}
     assert made == {"compiled": 3, "loaded": 0, "sdpa": 3}
+    assert compiler.counts["repeats"] > before["repeats"]  # (the mask's bias made once, not in each part)
     assert "compiled: in parts, cut at its 3 fgraph::sdpa_decode calls" in str(fgraph.explain(f))

@@ -1,0 +1,94 @@
+"""fgraph/_fx.py's graph passes: `share_repeats` computes a repeated pure value once, and nothing else."""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fgraph._fx import share_repeats
+
+aten = torch.ops.aten
+
+
+def traced(fn, *args):
+    return make_fx(fn)(*args)
+
+
+def calls(gm, op) -> int:
+    return sum(n.target is op for n in gm.graph.nodes)
+
+
+def merged_and_equal(fn, *args) -> tuple[int, torch.fx.GraphModule]:
+    """share_repeats on fn's graph: (nodes merged, the graph), its answer checked against fn's on fresh copies."""
+    gm = traced(fn, *[a.clone() for a in args])
+    n = share_repeats(gm)
+    want, got = fn(*[a.clone() for a in args]), gm(*[a.clone() for a in args])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    return n, gm
+
+
+def test_a_mask_converted_to_a_bias_at_every_layer_is_converted_once():
+    def layers(mask, x):  # (what F.scaled_dot_product_attention makes of a boolean mask, once per layer)
+        for _ in range(3):
+            x = x + torch.where(mask, 0.0, float("-inf")).clamp(min=-1e4)
+        return x
+
+    n, gm = merged_and_equal(layers, torch.rand(2, 5) > 0.5, torch.randn(2, 5))
+    assert calls(gm, aten.where.self) == 1 and calls(gm, aten.clamp.default) == 1
+    assert calls(gm, aten.add.Tensor) == 3  # (each layer's add reads a different x)
+    assert n >= 4
+
+
+def test_a_value_read_again_after_an_in_place_write_is_read_again():
+    def step(buf, x):
+        before = buf * 2
+        buf.add_(x)
+        return before + buf * 2
+
+    n, gm = merged_and_equal(step, torch.zeros(3), torch.ones(3))
+    assert n == 0 and calls(gm, aten.mul.Tensor) == 2
+
+
+def test_a_view_read_again_after_its_buffer_is_written_is_read_again():
+    def step(buf, x):
+        row = buf[0]  # (the trace reads the same view node before and after the write)
+        before = row * 2
+        buf.add_(x)
+        return before + row * 2
+
+    n, gm = merged_and_equal(step, torch.zeros(2, 3), torch.ones(3))
+    assert n == 0 and calls(gm, aten.mul.Tensor) == 2
+
+
+def test_two_fresh_buffers_each_written_stay_two():
+    def step(x):
+        a, b = torch.zeros(3), torch.zeros(3)
+        a.add_(x)
+        b.sub_(x)
+        return a, b
+
+    n, gm = merged_and_equal(step, torch.ones(3))
+    assert n == 0 and calls(gm, aten.zeros.default) == 2
+
+
+def test_random_values_are_drawn_each_time():
+    def step(x):
+        return x + torch.rand(3), x + torch.rand(3)
+
+    gm = traced(step, torch.ones(3))
+    assert share_repeats(gm) == 0 and calls(gm, aten.rand.default) == 2
+
+
+def test_two_outputs_stay_two_tensors():
+    def step(x):
+        return x * 2, x * 2
+
+    n, gm = merged_and_equal(step, torch.ones(3))
+    a, b = gm(torch.ones(3))
+    assert n == 0 and a.data_ptr() != b.data_ptr()
+
+
+def test_arguments_equal_in_value_but_not_in_type_or_sign_stay_apart():
+    def step(x, y):
+        return (x + 1) * (x + 1.0), (y * 0.0).sum() + (y * -0.0).sum()  # int + 1 is int; int + 1.0 is float
+
+    n, gm = merged_and_equal(step, torch.arange(3), -torch.ones(3))
+    assert n == 0 and calls(gm, aten.add.Tensor) == 3
