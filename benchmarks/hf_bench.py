@@ -141,6 +141,12 @@ def main(argv=None):
         help="GPU: kernels and kernel time per generated token, per contender (torch.profiler, after the timing)",
     )
     p.add_argument(
+        "--profile-top",
+        type=int,
+        default=kernels.ROW_TOP,
+        help="with --profile: the costliest kernels a row lists (more: to compare two rows kernel by kernel)",
+    )
+    p.add_argument(
         "--config",
         nargs="*",
         default=[],
@@ -308,7 +314,7 @@ def main(argv=None):
             if name == "hf_eager_static":
                 row["loop_us"] = loop_us(base, lambda n: gen(name, n))
             if args.profile and device == "cuda" and name != "hf_eager":
-                row["per_token"] = kernels_per_token(lambda n, name=name: gen(name, n))
+                row["per_token"] = kernels_per_token(lambda n, name=name: gen(name, n), top=args.profile_top)
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(os.path.join(out_dir, "hf_bench.jsonl"), "a") as f:  # per row: a later crash keeps it
