@@ -1,6 +1,8 @@
 """fgraph/_fx.py's graph passes: `share_repeats` computes a repeated pure value once, and nothing else."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fgraph._fx import share_repeats
@@ -20,8 +22,10 @@ def merged_and_equal(fn, *args) -> tuple[int, torch.fx.GraphModule]:
     """share_repeats on fn's graph: (nodes merged, the graph), its answer checked against fn's on fresh copies."""
     gm = traced(fn, *[a.clone() for a in args])
     n = share_repeats(gm)
-    want, got = fn(*[a.clone() for a in args]), gm(*[a.clone() for a in args])
+    want_args, got_args = [a.clone() for a in args], [a.clone() for a in args]
+    want, got = fn(*want_args), gm(*got_args)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_args, want_args, rtol=0, atol=0)  # (and what it wrote in place)
     return n, gm
 
 
@@ -92,3 +96,30 @@ def test_arguments_equal_in_value_but_not_in_type_or_sign_stay_apart():
 
     n, gm = merged_and_equal(step, torch.arange(3), -torch.ones(3))
     assert n == 0 and calls(gm, aten.add.Tensor) == 3
+
+
+# a random program over three buffers (an input written in place; two made alike in the program) and a mask: each
+# step reads or writes one of them, often the same step as before, so that repeats and writes interleave
+STEPS = {
+    "double": lambda env: env.__setitem__("out", env["out"] + env["buf"] * 2),
+    "row": lambda env: env.__setitem__("out", env["out"] + env["buf"][0]),
+    "bias": lambda env: env.__setitem__("out", env["out"] + torch.where(env["mask"], 0.0, -1.0)),
+    "scaled": lambda env: env.__setitem__("out", env["out"] + env["made"] * 0.5),
+    "write": lambda env: env["buf"].add_(1.0),
+    "write_row": lambda env: env["buf"][1].mul_(-1.0),
+    "write_made": lambda env: env["made"].sub_(env["out"]),
+    "scaled_other": lambda env: env.__setitem__("out", env["out"] + env["other"] * 0.5),
+    "write_other": lambda env: env["other"].add_(env["out"]),
+}
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=12))
+def test_a_random_program_of_repeats_and_writes_gives_the_same_answer_with_its_repeats_shared(steps):
+    def program(buf, mask):
+        env = {"buf": buf, "mask": mask, "out": torch.zeros(2, 3), "made": torch.ones(2, 3), "other": torch.ones(2, 3)}
+        for s in steps:
+            STEPS[s](env)
+        return env["out"], env["made"], env["other"]
+
+    merged_and_equal(program, torch.randn(2, 3), torch.rand(2, 3) > 0.5)
