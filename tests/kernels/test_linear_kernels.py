@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 
 import fgraph
 from fgraph import kernels
-from fgraph.compile import compiler
+from fgraph.compile import _sdpa, compiler
 from fgraph.kernels import _gemv, _rowwise, _workers
 from tests.kernels.linear_cases import (
     GLU_SHAPES,
@@ -206,15 +206,18 @@ def test_a_compiled_cuda_step_calls_fgraph_linear_and_equals_eager(tmp_path, mon
     assert compiler.counts["linear"] - before == 2 * 2
 
 
+@pytest.mark.parametrize("parts", [False, True], ids=["whole", "in parts"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_equals_eager(
-    device, tmp_path, monkeypatch
+    device, parts, tmp_path, monkeypatch
 ):
-    # HF's o_proj input is the transposed attention output: its matmul traces to a bmm, rewritten too
+    # HF's o_proj input is the transposed attention output: its matmul traces to a bmm, rewritten too. In parts
+    # (fgraph.config.compile_parts): the piece is rewritten whole, then cut at its two sdpa_decode calls
     from benchmarks import hf_bench
     from examples import hf_generate
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(fgraph.config, "compile_parts", parts)
     base = hf_bench.make_model(True, device, bf16, layers=2)
     model = hf_bench.make_model(True, device, bf16, layers=2)
     model.load_state_dict(base.state_dict())
@@ -224,14 +227,18 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     monkeypatch.setattr(fgraph.config, "tune_cache", False)  # disk, where an earlier process on this machine tuned it
     monkeypatch.setattr(_workers, "_launched", set())  # (no launch of an earlier test's: each first one looks)
     kw = dict(output_logits=True, return_dict_in_generate=True)
+    if device == "cpu":  # (its SDPA calls too, as CUDA pieces' are: so that the piece is cut here too)
+        sdpa = _sdpa.rewrite
+        monkeypatch.setattr(_sdpa, "rewrite", lambda gm, device_type="cuda": sdpa(gm, "cpu"))
     with rewriting_on_cpu(monkeypatch) if device == "cpu" else contextlib.nullcontext():
-        hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
+        f = hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
         want, got = hf_generate.generate(base, ids, 3, **kw), hf_generate.generate(model, ids, 3, **kw)
     # each piece compiled, per layer: q, k and v in one fgraph::linears, o, gate and up in one fgraph::linear_glu,
     # down; and the head
     made = {k: compiler.counts[k] - before[k] for k in ("linear", "group", "glu")}
     assert made["linear"] > 0 and made["linear"] % (4 * 2 + 1) == 0
     assert made["group"] * 9 == made["glu"] * 9 == made["linear"] * 2
+    assert ("compiled: in parts, cut at its 2 fgraph::sdpa_decode calls" in str(fgraph.explain(f))) == parts
     assert torch.equal(got.sequences[:, : ids.shape[1] + 1], want.sequences[:, : ids.shape[1] + 1])  # the prefill
     scale = want.logits[1].abs().max().item()
     torch.testing.assert_close(got.logits[1], want.logits[1], atol=3e-2 * scale, rtol=0)  # the first decode step
