@@ -156,6 +156,8 @@ def _frozen(x):
         return (type(x).__name__, *map(_frozen, x))
     if isinstance(x, dict):
         return ("dict", *((k, _frozen(v)) for k, v in sorted(x.items())))
+    if isinstance(x, torch.Tensor):  # (a constant: by identity, as its repr elides its values)
+        return ("tensor", id(x))
     return (type(x).__name__, repr(x))
 
 
@@ -163,17 +165,18 @@ def share_repeats(gm: fx.GraphModule) -> int:
     """Compute once what gm computes again: a call of the same op on the same arguments as an earlier node reads that
     node instead (a Hugging Face decode converts its one boolean mask to an additive bias at every layer's SDPA).
     Only where nothing can tell: no random op, no value that a node writes in place (itself, a view of it, or what
-    it reads: so no op that writes either) on either side, and none that gm returns (two outputs stay two tensors).
-    In place; the number of nodes merged."""
+    it reads: so no op that writes either) on either side, and none that gm returns, itself or through a view (two
+    outputs stay two tensors). In place; the number of nodes merged."""
     written = {base_of(x) for n in gm.graph.nodes for x in write_targets(n)}
+    returned = {base_of(x) for n in gm.graph.nodes if n.op == "output" for x in n.all_input_nodes}
     first, merged = {}, 0
     for n in list(gm.graph.nodes):
         t = n.target
         if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
             continue
-        if torch.Tag.nondeterministic_seeded in t.tags or base_of(n) in written:
+        if torch.Tag.nondeterministic_seeded in t.tags or base_of(n) in written or base_of(n) in returned:
             continue
-        if any(base_of(a) in written for a in n.all_input_nodes) or any(u.op == "output" for u in n.users):
+        if any(base_of(a) in written for a in n.all_input_nodes):
             continue
         key = (t, _frozen(n.args), _frozen(n.kwargs))
         if key in first:

@@ -1,5 +1,6 @@
 """fgraph/_fx.py's graph passes: `share_repeats` computes a repeated pure value once, and nothing else."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,9 +82,10 @@ def test_random_values_are_drawn_each_time():
     assert share_repeats(gm) == 0 and calls(gm, aten.rand.default) == 2
 
 
-def test_two_outputs_stay_two_tensors():
+@pytest.mark.parametrize("view", [False, True], ids=["itself", "through a view"])
+def test_two_outputs_stay_two_tensors(view):
     def step(x):
-        return x * 2, x * 2
+        return ((x * 2).view(3, 1), (x * 2).view(3, 1)) if view else (x * 2, x * 2)
 
     n, gm = merged_and_equal(step, torch.ones(3))
     a, b = gm(torch.ones(3))
@@ -123,3 +125,16 @@ def test_a_random_program_of_repeats_and_writes_gives_the_same_answer_with_its_r
         return env["out"], env["made"], env["other"]
 
     merged_and_equal(program, torch.randn(2, 3), torch.rand(2, 3) > 0.5)
+
+
+def test_two_constant_tensors_that_print_alike_stay_apart():
+    a, b = torch.zeros(2000), torch.zeros(2000)
+    b[1000] = 1.0  # (in the middle: both print as tensor([0., 0., 0.,  ..., 0., 0., 0.]))
+    assert repr(a) == repr(b)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    p, q = graph.call_function(aten.add.Tensor, (x, a)), graph.call_function(aten.add.Tensor, (x, b))
+    graph.output(graph.call_function(aten.add.Tensor, (p, q)))
+    gm = torch.fx.GraphModule({}, graph)
+    assert share_repeats(gm) == 0
+    torch.testing.assert_close(gm(torch.ones(2000)), 2 + a + b, rtol=0, atol=0)
