@@ -44,7 +44,7 @@ def one(parts: bool, layers: int) -> dict:
     return {
         "compile_parts": parts, "layers": layers, "device": device, "first_generate_s": round(first, 2),
         "inductor_s": round(c["seconds"], 2), "compiled": c["compiled"], "shared": c["shared"], "sdpa": c["sdpa"],
-        "tokens_equal_eager": bool(torch.equal(got, want)),
+        "repeats": c["repeats"], "tokens_equal_eager": bool(torch.equal(got, want)),
     }  # fmt: skip
 
 
