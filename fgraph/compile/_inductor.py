@@ -121,15 +121,19 @@ def _parts(name: str, module: fx.GraphModule, options: dict, static: bool):
     middle parts (a layer's MLP and the next one's projections) are one graph over other weights: Inductor compiles
     it once (`Compiler.symbolic`'s key), where the piece whole costs it every layer's ops. What the piece computes
     again at every layer (the mask's bias) is computed once, in the first part, and read by the rest, as Inductor
-    would do inside one compilation."""
-    module = fx.GraphModule(module, copy.deepcopy(module.graph))
-    compiler.counts["repeats"] += share_repeats(module)
-    program = split(module, lambda n: n.target is sdpa_op, {})
+    would do inside one compilation. The piece is cut once (kept in its meta, as `with_linear`'s rewrite is); each
+    signature's capture gets a program of its own over the cut, with its own parts."""
+    program = module.meta.get("fgraph_parts")
+    if program is None:
+        cut = fx.GraphModule(module, copy.deepcopy(module.graph))
+        compiler.counts["cut"] += 1
+        compiler.counts["repeats"] += share_repeats(cut)
+        program = module.meta["fgraph_parts"] = split(cut, lambda n: n.target is sdpa_op, {})
+    top = fx.GraphModule(program.module, program.module.graph)  # (the breaks' modules shared; the parts set below)
     for p in program.pieces:
         if not p.is_break:
-            part = Compiled(f"{name}.{p.name}", p.module, options, static, rewrite=False)
-            setattr(program.module, p.name, part)
-    return program.module
+            setattr(top, p.name, Compiled(f"{name}.{p.name}", p.module, options, static, rewrite=False))
+    return top
 
 
 def _compiling(name: str, compile: Callable):
@@ -189,9 +193,10 @@ class Compiler:
         # linear_glu, norm_linear); group, glu, norm: those of fgraph::linears, linear_glu, norm_linear
         # (fgraph/compile/_small_m.py)
         # failed: signatures whose pieces Inductor raised on (they ran uncompiled graphs, or the error was raised);
-        # repeats: nodes a piece compiled in parts computed again and now reads from the first (`_parts`)
+        # cut: pieces compiled in parts, each cut once however many signatures capture it; repeats: the nodes they
+        # computed again and now read from the first (`_parts`)
         names = ("compiled", "loaded", "shared", "static", "failed", "linear", "glu", "norm", "group", "sdpa")
-        self.counts = dict.fromkeys((*names, "repeats"), 0)
+        self.counts = dict.fromkeys((*names, "cut", "repeats"), 0)
         self.counts["seconds"] = 0.0
 
     def symbolic(self, module: fx.GraphModule, options: dict) -> Compilation:

@@ -246,7 +246,8 @@ def test_a_decode_piece_compiled_in_parts_compiles_each_distinct_part_once_and_g
             got = G.generate(model, ids, 4, **kw)
             assert torch.equal(got.sequences, want.sequences)
             torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-5, atol=1e-5)
-    made = {k: compiler.counts[k] - before[k] for k in ("compiled", "loaded", "sdpa")}
-    assert made == {"compiled": 3, "loaded": 0, "sdpa": 3}
+    made = {k: compiler.counts[k] - before[k] for k in ("compiled", "loaded", "sdpa", "cut")}
+    assert made == {"compiled": 3, "loaded": 0, "sdpa": 3, "cut": 1}  # (cut once, for every signature's capture)
+    assert f.stats()["total"]["captures"] >= 2
     assert compiler.counts["repeats"] > before["repeats"]  # (the mask's bias made once, not in each part)
     assert "compiled: in parts, cut at its 3 fgraph::sdpa_decode calls" in str(fgraph.explain(f))
