@@ -11,8 +11,9 @@ import torch.utils._pytree as pytree
 
 import fgraph
 from fgraph import kernels
-from fgraph.compile import _sdpa, compiler
+from fgraph.compile import compiler
 from fgraph.kernels import _gemv, _rowwise, _workers
+from tests.compile.test_sdpa import rewriting_on_cpu as sdpa_rewriting_on_cpu
 from tests.kernels.linear_cases import (
     GLU_SHAPES,
     GPU_SHAPES,
@@ -227,12 +228,11 @@ def test_an_hf_models_compiled_decode_runs_every_projection_through_the_op_and_e
     monkeypatch.setattr(fgraph.config, "tune_cache", False)  # disk, where an earlier process on this machine tuned it
     monkeypatch.setattr(_workers, "_launched", set())  # (no launch of an earlier test's: each first one looks)
     kw = dict(output_logits=True, return_dict_in_generate=True)
-    if device == "cpu":  # (its SDPA calls too, as CUDA pieces' are: so that the piece is cut here too)
-        sdpa = _sdpa.rewrite
-        monkeypatch.setattr(_sdpa, "rewrite", lambda gm, device_type="cuda": sdpa(gm, "cpu"))
-    with rewriting_on_cpu(monkeypatch) if device == "cpu" else contextlib.nullcontext():
-        f = hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
-        want, got = hf_generate.generate(base, ids, 3, **kw), hf_generate.generate(model, ids, 3, **kw)
+    cpu = device == "cpu"  # (its SDPA calls rewritten too, as CUDA pieces' are: so that the piece is cut here too)
+    with rewriting_on_cpu(monkeypatch) if cpu else contextlib.nullcontext():
+        with sdpa_rewriting_on_cpu(monkeypatch) if cpu else contextlib.nullcontext():
+            f = hf_generate.jit_forward(model, "FULL", buckets=[1], compile=True)
+            want, got = hf_generate.generate(base, ids, 3, **kw), hf_generate.generate(model, ids, 3, **kw)
     # each piece compiled, per layer: q, k and v in one fgraph::linears, o, gate and up in one fgraph::linear_glu,
     # down; and the head
     made = {k: compiler.counts[k] - before[k] for k in ("linear", "group", "glu")}
