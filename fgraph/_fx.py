@@ -166,10 +166,13 @@ def share_repeats(gm: fx.GraphModule) -> int:
     node instead (a Hugging Face decode converts its one boolean mask to an additive bias at every layer's SDPA).
     Only where nothing can tell: no random op, no value that a node writes in place (itself, a view of it, or what
     it reads: so no op that writes either) on either side, and none that gm returns, itself or through a view (two
-    outputs stay two tensors). In place; the number of nodes merged."""
+    outputs stay two tensors). A shared value is then made as early as its inputs allow, so that when gm is cut into
+    parts, every part that reads it finds it made before the first (an MoE's index `arange` first made in layer 0's
+    MLP, after the first cut, would make the part with it differ from every later layer's). In place; the number of
+    nodes merged."""
     written = {base_of(x) for n in gm.graph.nodes for x in write_targets(n)}
     returned = {base_of(x) for n in gm.graph.nodes if n.op == "output" for x in n.all_input_nodes}
-    first, merged = {}, 0
+    first, shared, merged = {}, set(), 0
     for n in list(gm.graph.nodes):
         t = n.target
         if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
@@ -182,9 +185,16 @@ def share_repeats(gm: fx.GraphModule) -> int:
         if key in first:
             n.replace_all_uses_with(first[key])
             gm.graph.erase_node(n)
+            shared.add(first[key])
             merged += 1
         else:
             first[key] = n
+    inputs = [m for m in gm.graph.nodes if m.op == "placeholder"][-1:]
+    for n in [n for n in gm.graph.nodes if n in shared]:  # (in order: a shared value's shared inputs moved first)
+        at = {m: i for i, m in enumerate(gm.graph.nodes)}
+        after = max((*n.all_input_nodes, *inputs), key=at.get, default=None)
+        if after is not None and at[after] < at[n] - 1:  # (nothing it reads is written: it passes no write it sees)
+            after.append(n)
     if merged:
         gm.recompile()
     return merged

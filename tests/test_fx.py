@@ -42,6 +42,24 @@ def test_a_mask_converted_to_a_bias_at_every_layer_is_converted_once():
     assert n >= 4
 
 
+def test_a_shared_value_is_made_as_early_as_what_it_reads_allows():
+    # (so that every part of a graph cut later finds it made: an MoE layer's index arange, first made after a cut)
+    def layers(mask, x):
+        for _ in range(2):
+            x = x.sin() * 2
+            idx = torch.arange(5)  # (reads nothing)
+            x = x + torch.where(mask, 0.0, -1.0)[:, idx]  # (reads the mask, then the arange)
+            x = x * x.sum()  # (not shared: each layer's reads its own x)
+            x = x + (x.sum() + torch.where(mask, 0.0, -1.0).sum())
+        return x
+
+    n, gm = merged_and_equal(layers, torch.rand(2, 5) > 0.5, torch.randn(2, 5))
+    order = [node.target for node in gm.graph.nodes if node.op == "call_function"]
+    first_work = order.index(aten.sin.default)
+    assert n >= 3 and order.count(aten.arange.start) + order.count(aten.arange.default) == 1
+    assert {aten.where.self, aten.index.Tensor} <= set(order[:first_work])  # (made before the first layer's work)
+
+
 def test_a_value_read_again_after_an_in_place_write_is_read_again():
     def step(buf, x):
         before = buf * 2
@@ -101,11 +119,13 @@ def test_arguments_equal_in_value_but_not_in_type_or_sign_stay_apart():
 
 
 # a random program over three buffers (an input written in place; two made alike in the program) and a mask: each
-# step reads or writes one of them, often the same step as before, so that repeats and writes interleave
+# step reads or writes one of them (or reads nothing), often the same step as before, so that repeats and writes
+# interleave, and shared values move up past writes
 STEPS = {
     "double": lambda env: env.__setitem__("out", env["out"] + env["buf"] * 2),
     "row": lambda env: env.__setitem__("out", env["out"] + env["buf"][0]),
     "bias": lambda env: env.__setitem__("out", env["out"] + torch.where(env["mask"], 0.0, -1.0)),
+    "index": lambda env: env.__setitem__("out", env["out"] * torch.arange(3.0)),  # (reads nothing: made first)
     "scaled": lambda env: env.__setitem__("out", env["out"] + env["made"] * 0.5),
     "write": lambda env: env["buf"].add_(1.0),
     "write_row": lambda env: env["buf"][1].mul_(-1.0),

@@ -220,20 +220,22 @@ def test_a_hugging_face_decode_step_compiled_with_the_switch_calls_the_op_in_eve
     assert f.stats()["total"]["replays"] >= 6
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_decode_piece_compiled_in_parts_compiles_each_distinct_part_once_and_gives_eagers_tokens(
-    device, tmp_path, monkeypatch
+    device, arch, tmp_path, monkeypatch
 ):
     """fgraph.config.compile_parts: an HF decode piece (no break: every layer in one piece) cut at its sdpa_decode
     calls, one per layer. Of 3 layers' 4 parts, the two middle ones (a layer's MLP and the next one's projections)
-    are one graph over other weights: Inductor compiles 3, not the piece whole."""
+    are one graph over other weights: Inductor compiles 3, not the piece whole. So too for an MoE, whose routing
+    makes an index the second middle part would otherwise read from the first (`share_repeats` makes it first)."""
     from examples import hf_generate as G
 
     pytest.importorskip("transformers")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(fgraph.config, "compile_parts", True)
     monkeypatch.setattr(compiler, "shared", {})  # (not the parts this process's other tests compiled)
-    base, model = G.tiny("qwen2", device, layers=3), G.tiny("qwen2", device, layers=3)
+    base, model = G.tiny(arch, device, layers=3), G.tiny(arch, device, layers=3)
     for m in (base, model):
         m.set_attn_implementation("sdpa")
     ids = torch.randint(1, 128, (3, 6), generator=torch.Generator().manual_seed(0)).to(device)  # (padded to 4)
