@@ -50,8 +50,8 @@ def tiny(arch: str, device: str):
 
 
 def sliding(model) -> bool:
-    cfg = model.config
-    return bool(getattr(cfg, "sliding_window", None)) or "sliding_attention" in (getattr(cfg, "layer_types", None) or ())
+    kinds = getattr(model.config, "layer_types", None) or ()
+    return bool(getattr(model.config, "sliding_window", None)) or "sliding_attention" in kinds
 
 
 def row(arch: str, parts: bool, device: str) -> dict:
@@ -69,7 +69,7 @@ def row(arch: str, parts: bool, device: str) -> dict:
         full = sliding(base)  # (the recipe's cache for sliding-window layers: examples.hf_generate.full_static_cache)
         kw = lambda: dict(  # noqa: E731
             return_dict_in_generate=True, output_logits=True,
-            **({"cache": G.full_static_cache(base, PROMPT + NEW)} if full else {}),
+            **({G.cache_parameter(base): G.full_static_cache(base, PROMPT + NEW)} if full else {}),
         )  # fmt: skip
         want = [G.generate(base, ids[:b], NEW, **kw()) for b in (3, 2)]
     except Exception as e:
