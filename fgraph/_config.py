@@ -66,8 +66,8 @@ class config(metaclass=_Checked):
     # with sdpa_decode: a compiled piece with two or more fgraph::sdpa_decode calls (a Hugging Face model's decode: no
     # break primitive, one piece of every layer) is compiled in parts cut at those calls, one compilation per
     # distinct part: a deep model's layers are one graph over other weights, where Inductor's time grows with a
-    # piece's ops (fgraph/compile/_inductor.py, `_parts`); on: a third of the first generate, and no decode speed,
-    # given up (docs/performance.md). False: such a piece compiled whole
+    # piece's ops (fgraph/compile/_inductor.py, `_parts`); on: a third off an HF model's first generate, at the
+    # decode speed of the piece whole (docs/performance.md). False: such a piece compiled whole
     compile_parts = True
     # the tuners' choices are kept on disk beside Inductor's cache, by GPU, CUDA, torch, Triton and kernel source, and
     # read by later processes instead of timing the keys again (fgraph/kernels/_tuned.py). False: each process times
