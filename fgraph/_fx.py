@@ -147,6 +147,18 @@ class WriteOrder:
         return bisect.bisect_right(self.writes, lo) == bisect.bisect_left(self.writes, hi)
 
 
+def own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a program's top level with its own submodule table that shares the generated code.
+
+    Piece runners (a signature's, or a compiled piece's parts) are set per copy. fx.GraphModule(gm, graph) would
+    generate and compile the top level's Python again for each, which would dominate capture time
+    (docs/performance.md)."""
+    m = object.__new__(type(gm))
+    m.__dict__.update(gm.__dict__)
+    m.__dict__["_modules"] = dict(gm._modules)
+    return m
+
+
 def _frozen(x):
     """x as a hashable key: Nodes as themselves, containers as tuples, and every other value with its type (so that
     0.0 and -0.0, or 1 and 1.0, stay apart)."""

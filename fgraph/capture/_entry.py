@@ -17,6 +17,7 @@ from .. import _primitives as P
 from .. import padding
 from .._config import config
 from .._errors import SignatureError
+from .._fx import own_top_level
 from .._modes import Mode
 from .._pytree import unflattener
 from .._signature import Call
@@ -57,7 +58,7 @@ class Entry:
         self.statics = dict(call.statics)  # the signature's static values (what plan hooks see)
         self.stats.traces = int(new_trace)
         self.program, self.mode, self.reason = traced.program, traced.mode, traced.reason
-        self.module = _own_top_level(traced.program.module)
+        self.module = own_top_level(traced.program.module)
         self.tensor_ix = traced.tensor_ix
         self.paths = traced.paths
         self.batched_ix = traced.batched_ix
@@ -269,7 +270,7 @@ class Entry:
         """Let go of the graphs, buffers and compiled pieces, for a capture again: the program's top level is made
         afresh."""
         self.release()
-        self.module, self.compiled = _own_top_level(self.traced.program.module), {}
+        self.module, self.compiled = own_top_level(self.traced.program.module), {}
         self.verified = None
 
     def release(self) -> None:
@@ -310,17 +311,6 @@ def _sole_graph(top: fx.Graph, runners: list):
         for j, g in enumerate(got)
     )
     return graph if same else None
-
-
-def _own_top_level(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of the program's top level with its own submodule table that shares the generated code.
-
-    Piece runners are set per signature. fx.GraphModule(gm, graph) would regenerate and recompile every piece's
-    Python, which would dominate capture time (docs/performance.md)."""
-    m = object.__new__(type(gm))
-    m.__dict__.update(gm.__dict__)
-    m.__dict__["_modules"] = dict(gm._modules)
-    return m
 
 
 class PieceRunner(torch.nn.Module):

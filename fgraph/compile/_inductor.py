@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .._config import config as fgraph_config
 from .._errors import SignatureError
-from .._fx import share_repeats
+from .._fx import own_top_level, share_repeats
 from ..kernels import compile_ahead, sdpa_op
 from ..trace import fake_slices, split
 from . import _sdpa, _small_m
@@ -129,7 +129,7 @@ def _parts(name: str, module: fx.GraphModule, options: dict, static: bool):
         compiler.counts["cut"] += 1
         compiler.counts["repeats"] += share_repeats(cut)
         program = module.meta["fgraph_parts"] = split(cut, lambda n: n.target is sdpa_op, {})
-    top = fx.GraphModule(program.module, program.module.graph)  # (the breaks' modules shared; the parts set below)
+    top = own_top_level(program.module)  # (the breaks' modules shared; the parts set below)
     for p in program.pieces:
         if not p.is_break:
             setattr(top, p.name, Compiled(f"{name}.{p.name}", p.module, options, static, rewrite=False))
