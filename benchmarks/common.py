@@ -36,6 +36,16 @@ def cold_env() -> dict:
     return env
 
 
+def rewrite_cpu_pieces() -> None:
+    """From now on, compiled CPU pieces' SDPA calls rewritten (fgraph::sdpa_decode) as CUDA pieces' are (the rewrite
+    is for CUDA pieces): on the CPU the op is eager's math, so a CPU run meets the rewritten pieces and their cut
+    (fgraph.config.compile_parts)."""
+    from fgraph.compile import _sdpa
+
+    rewrite = _sdpa.rewrite
+    _sdpa.rewrite = lambda gm, device_type="cuda": rewrite(gm, "cpu")
+
+
 def sync(device="cuda") -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()

@@ -66,12 +66,18 @@ def tiny(
         **special_tokens,
     )
     torch.manual_seed(seed)
-    model = model_cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # away from init's tiny values, so tokens differ per position
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model = spread(model_cls(cfg))
     model.generation_config.update(**special_tokens)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def spread(model):
+    """The random model's weights drawn again away from init's tiny values, so that its tokens differ per position:
+    norms ~1 +- 0.1, the rest ~0.15 (from torch's global generator)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
 
 
 def cache_parameter(model) -> str:

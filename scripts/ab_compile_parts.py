@@ -23,13 +23,13 @@ def one(parts: bool, layers: int) -> dict:
     import torch
 
     import fgraph
+    from benchmarks.common import rewrite_cpu_pieces
     from examples import hf_generate as G
-    from fgraph.compile import _sdpa, compiler
+    from fgraph.compile import compiler
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":  # (the rewrite is for CUDA pieces)
-        rewrite = _sdpa.rewrite
-        _sdpa.rewrite = lambda gm, device_type="cuda": rewrite(gm, "cpu")
+    if device == "cpu":
+        rewrite_cpu_pieces()
     fgraph.config.compile_parts = parts
     base, model = G.tiny("qwen2", device, layers=layers), G.tiny("qwen2", device, layers=layers)
     for m in (base, model):

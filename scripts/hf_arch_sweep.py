@@ -37,16 +37,14 @@ def tiny(arch: str, device: str):
     import torch
     import transformers as tf
 
+    from examples.hf_generate import spread
+
     cfg_cls = getattr(tf, arch + "Config")
     sizes = {k: v for k, v in SIZES.items() if not isinstance(getattr(cfg_cls, k, None), property)}  # (Falcon's)
     cfg = cfg_cls(**sizes)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = getattr(tf, arch + "ForCausalLM")(cfg)
-    with torch.no_grad():  # (away from init's tiny values, as examples.hf_generate.tiny)
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    return model.to(device).eval()
+    return spread(getattr(tf, arch + "ForCausalLM")(cfg)).to(device).eval()
 
 
 def sliding(model) -> bool:
@@ -104,12 +102,11 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (the repo's packages)
     import torch
 
-    from fgraph.compile import _sdpa
+    from benchmarks.common import rewrite_cpu_pieces
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":  # (the rewrite is for CUDA pieces)
-        rewrite = _sdpa.rewrite
-        _sdpa.rewrite = lambda gm, device_type="cuda": rewrite(gm, "cpu")
+    if device == "cpu":
+        rewrite_cpu_pieces()
     for arch in a.archs:
         for setting in a.parts:
             r = row(arch, setting == "on", device)
